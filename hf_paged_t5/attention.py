@@ -1,0 +1,146 @@
+"""T5 attention over the paged cache: encoder (varlen, bias table), decoder self, cross.
+
+Each function takes one of HF's attention modules (`T5Attention` / `UMT5Attention`) and uses
+its own `q`/`k`/`v`/`o` Linear layers; only the attention core runs on our kernels. `ops` is a
+backend namespace (`hf_paged_t5.reference` or `hf_paged_t5.kernels`) with `store_kv`,
+`paged_decode` and `prefill`.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .cache import StepMetadata
+
+
+def backend_ops(name: str) -> ModuleType:
+    """The kernel namespace for a resolved backend name ("torch" or "triton")."""
+    if name == "torch":
+        from . import reference
+
+        return reference
+    from . import kernels
+
+    return kernels
+
+
+def _heads(x: torch.Tensor, attn: nn.Module) -> torch.Tensor:
+    """[..., num_heads * head_dim] -> [prod(...), num_heads, head_dim]"""
+    return x.reshape(-1, attn.n_heads, attn.key_value_proj_dim)
+
+
+def encoder_self_attention(
+    ops: ModuleType,
+    attn: nn.Module,
+    hidden: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    bias_table: torch.Tensor,
+) -> torch.Tensor:
+    """Bidirectional attention within each packed sequence.
+
+    hidden: [total_tokens, d_model] (already layer-normed); returns [total_tokens, d_model]
+    bias_table: [num_heads, 2 * D + 1] float32 (see bias.py)
+    """
+    q, k, v = _heads(attn.q(hidden), attn), _heads(attn.k(hidden), attn), _heads(attn.v(hidden), attn)
+    out = ops.prefill(
+        query=q, key=k, value=v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+        scale=1.0, causal=False, bias_table=bias_table,
+    )  # [total_tokens, num_heads, head_dim]
+    return attn.o(out.reshape(hidden.shape[0], -1))
+
+
+def _per_token_rows(meta_table: torch.Tensor, seq_lens: torch.Tensor, num_new: int, causal: bool):
+    """Block tables and key counts for `num_new` queries per row, flattened row-major.
+
+    A row's j-th new token sees `seq_len - num_new + 1 + j` keys when causal, all keys otherwise.
+    """
+    if num_new == 1:
+        return meta_table, seq_lens
+    table = meta_table.repeat_interleave(num_new, dim=0)
+    if not causal:
+        return table, seq_lens.repeat_interleave(num_new)
+    offsets = torch.arange(num_new, device=seq_lens.device, dtype=seq_lens.dtype) - (num_new - 1)
+    return table, (seq_lens[:, None] + offsets[None, :]).reshape(-1)
+
+
+def decoder_self_attention(
+    ops: ModuleType,
+    attn: nn.Module,
+    hidden: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: StepMetadata,
+    bias_table: torch.Tensor,
+) -> torch.Tensor:
+    """Causal self-attention of the new decoder tokens over each row's paged history.
+
+    hidden: [rows, num_new, d_model] (normed); returns [rows, num_new, d_model]
+    bias_table: [num_heads, D + 1] float32
+    """
+    rows, num_new = hidden.shape[:2]
+    q, k, v = _heads(attn.q(hidden), attn), _heads(attn.k(hidden), attn), _heads(attn.v(hidden), attn)
+    ops.store_kv(key=k, value=v, key_cache=key_cache, value_cache=value_cache, slot_mapping=meta.slot_mapping)
+    table, lens = _per_token_rows(meta.self_block_table, meta.self_seq_lens, num_new, causal=True)
+    out = ops.paged_decode(
+        query=q, key_cache=key_cache, value_cache=value_cache, block_table=table, seq_lens=lens,
+        scale=1.0, bias_table=bias_table,
+    )  # [rows * num_new, num_heads, head_dim]
+    return attn.o(out.reshape(rows, num_new, -1))
+
+
+def cross_attention(
+    ops: ModuleType,
+    attn: nn.Module,
+    hidden: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: StepMetadata,
+) -> torch.Tensor:
+    """Attention of the new decoder tokens over their source's encoder K/V (no bias).
+
+    hidden: [rows, num_new, d_model] (normed); returns [rows, num_new, d_model]
+    """
+    rows, num_new = hidden.shape[:2]
+    q = _heads(attn.q(hidden), attn)
+    table, lens = _per_token_rows(meta.cross_block_table, meta.cross_seq_lens, num_new, causal=False)
+    out = ops.paged_decode(
+        query=q, key_cache=key_cache, value_cache=value_cache, block_table=table, seq_lens=lens, scale=1.0,
+    )
+    return attn.o(out.reshape(rows, num_new, -1))
+
+
+def store_cross_kv(
+    ops: ModuleType,
+    attn: nn.Module,
+    encoder_tokens: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Project the packed real encoder tokens [total_tokens, d_model] to K/V once and store them."""
+    k = _heads(attn.k(encoder_tokens), attn)
+    v = _heads(attn.v(encoder_tokens), attn)
+    ops.store_kv(key=k, value=v, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping)
+
+
+def clamp_fp16(hidden: torch.Tensor) -> torch.Tensor:
+    """HF T5's fp16 guard after each sub-layer, reproduced exactly (no host sync)."""
+    if hidden.dtype != torch.float16:
+        return hidden
+    max_value = torch.finfo(hidden.dtype).max
+    clamp_value = torch.where(torch.isinf(hidden).any(), max_value - 1000, max_value)
+    return torch.clamp(hidden, min=-clamp_value, max=clamp_value)
+
+
+def layer_bias_module(blocks: nn.ModuleList, index: int) -> Optional[nn.Module]:
+    """The attention module whose relative bias layer `index` uses (T5: layer 0's; UMT5: its own)."""
+    own = blocks[index].layer[0].SelfAttention
+    if getattr(own, "has_relative_attention_bias", False):
+        return own
+    first = blocks[0].layer[0].SelfAttention
+    return first if getattr(first, "has_relative_attention_bias", False) else None

@@ -1,0 +1,37 @@
+"""T5 relative-position bias as small per-head tables indexed by clamped distance.
+
+T5 maps `key_pos - query_pos` to one of `num_buckets` buckets, and every distance past
+`max_distance` lands in the last bucket. So a table over distances `0..D` (causal) or
+`-D..D` (bidirectional), clamped beyond, reproduces HF's bias exactly. The tables are
+built by calling HF's own `compute_bias` of the attention module, so bucketing and the
+embedding lookup are HF's code; `D = 2 * max_distance` leaves margin past the point where
+HF's float log-bucketing saturates.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def table_distance(attention: nn.Module) -> int:
+    """Largest distance a table for `attention` stores explicitly."""
+    return 2 * attention.relative_attention_max_distance
+
+
+@torch.no_grad()
+def causal_bias_table(attention: nn.Module) -> torch.Tensor:
+    """Decoder self-attention table, float32 [num_heads, D + 1], index `min(q - k, D)`."""
+    d = table_distance(attention)
+    # One query at position d over keys 0..d: key k sits at distance d - k.
+    values = attention.compute_bias(1, d + 1, past_seen_tokens=d)  # [1, num_heads, 1, d + 1]
+    return values[0, :, 0, :].flip(-1).float().contiguous()
+
+
+@torch.no_grad()
+def bidirectional_bias_table(attention: nn.Module) -> torch.Tensor:
+    """Encoder table, float32 [num_heads, 2D + 1], index `clamp(k - q, -D, D) + D`."""
+    d = table_distance(attention)
+    # One query at position d over keys 0..2d: key k sits at relative position k - d.
+    values = attention.compute_bias(1, 2 * d + 1, past_seen_tokens=d)  # [1, num_heads, 1, 2d + 1]
+    return values[0, :, 0, :].float().contiguous()

@@ -1,0 +1,286 @@
+"""`patch_model` / `unpatch_model`: put the paged path under a T5-family model's `generate()`.
+
+Patching is explicit and reversible: it sets instance attributes only (`forward` of the model
+and of its encoder stack, `generate` of the model, and `_hf_paged_t5`), never class
+attributes, and `unpatch_model` restores exactly what was there.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import logging
+import threading
+import types
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
+
+from . import bias as bias_mod
+from .attention import backend_ops
+from .cache import KVPool, LayerSpec, PagedEncoderDecoderCache
+from .config import PagedCacheConfig
+from .modes import fallback_reason
+from .stacks import decoder_step, encoder_forward, module_device, store_cross
+
+logger = logging.getLogger(__name__)
+
+_ATTR = "_hf_paged_t5"
+SUPPORTED_CLASSES = (
+    "T5ForConditionalGeneration", "MT5ForConditionalGeneration", "UMT5ForConditionalGeneration",
+    "T5EncoderModel", "MT5EncoderModel", "UMT5EncoderModel",
+)
+
+
+def _check_model(model: Any) -> None:
+    names = {cls.__name__ for cls in type(model).__mro__}
+    if not names.intersection(SUPPORTED_CLASSES):
+        raise TypeError(
+            f"hf_paged_t5 supports {', '.join(SUPPORTED_CLASSES)} (T5, Flan-T5, T5 v1.1, mT5, UMT5, ByT5, "
+            f"MADLAD checkpoints load as these); got {type(model).__name__}. Load the model with "
+            "AutoModelForSeq2SeqLM or T5EncoderModel."
+        )
+    if getattr(model.config, "is_gated_act", None) is None and not hasattr(model.config, "feed_forward_proj"):
+        raise TypeError(f"{type(model).__name__} has no T5 configuration")
+
+
+class PagedRuntime:
+    """Everything `patch_model` attaches to one model: config, pool, bias tables, originals."""
+
+    def __init__(self, model: nn.Module, config: PagedCacheConfig) -> None:
+        self.config = config
+        self.is_seq2seq = hasattr(model, "decoder")
+        self.originals: dict[tuple[int, str], tuple[nn.Module, Any, bool]] = {}
+        self.pool: Optional[KVPool] = None
+        self.lock = threading.Lock()
+        self.warned: set[str] = set()
+        self._tables: dict[str, tuple[tuple, list[torch.Tensor]]] = {}
+        sig = inspect.signature(type(model).forward).parameters if self.is_seq2seq else {}
+        self.cache_kwarg = "cache" if "cache" in sig else "past_key_values"
+
+    # ---- per-layer resources ------------------------------------------------------------
+    def ops_for(self, device: torch.device):
+        return backend_ops(self.config.resolve_backend(device))
+
+    def bias_tables(self, stack: nn.Module, causal: bool) -> list[torch.Tensor]:
+        """One table per layer (T5 shares layer 0's; UMT5 has its own), rebuilt when weights move."""
+        from .attention import layer_bias_module
+
+        key = "decoder" if causal else "encoder"
+        modules = [layer_bias_module(stack.block, i) for i in range(len(stack.block))]
+        stamp = tuple((m.relative_attention_bias.weight.data_ptr(), m.relative_attention_bias.weight.device,
+                       m.relative_attention_bias.weight._version) for m in modules)
+        cached = self._tables.get(key)
+        if cached is None or cached[0] != stamp:
+            build = bias_mod.causal_bias_table if causal else bias_mod.bidirectional_bias_table
+            by_module: dict[int, torch.Tensor] = {}
+            tables = [by_module.setdefault(id(m), build(m)) for m in modules]
+            self._tables[key] = (stamp, tables)
+        return self._tables[key][1]
+
+    def layer_specs(self, decoder: nn.Module) -> list[LayerSpec]:
+        specs = []
+        for block in decoder.block:
+            attn = block.layer[0].SelfAttention
+            weight = attn.k.weight
+            dtype = self.config.dtype or weight.dtype
+            specs.append(LayerSpec(weight.device, dtype, attn.n_heads, attn.key_value_proj_dim))
+        return specs
+
+    def get_pool(self, decoder: nn.Module) -> KVPool:
+        specs = self.layer_specs(decoder)
+        if self.pool is None or self.pool.specs != specs:
+            if self.pool is not None:
+                logger.info("re-creating the KV pool: the decoder's devices or dtypes changed")
+            self.pool = KVPool(self.config, specs)
+        return self.pool
+
+    def warn_once(self, reason: str) -> None:
+        if reason not in self.warned:
+            self.warned.add(reason)
+            logger.warning("hf_paged_t5: running this generate() on stock HF: %s", reason)
+
+
+def _set(runtime: PagedRuntime, module: nn.Module, name: str, value: Any) -> None:
+    """Set an instance attribute, remembering what it replaced."""
+    had = name in module.__dict__
+    runtime.originals[(id(module), name)] = (module, module.__dict__.get(name), had)
+    setattr(module, name, value)
+
+
+def patch_model(model: nn.Module, config: Optional[PagedCacheConfig] = None) -> nn.Module:
+    """Make `model.generate()` (and the encoder's forward) run on the paged KV cache and kernels.
+
+    Returns the same model object. Patching an already patched model re-patches it with the
+    new config.
+    """
+    _check_model(model)
+    if config is None:
+        config = PagedCacheConfig()
+    if not isinstance(config, PagedCacheConfig):
+        raise TypeError(f"config must be a PagedCacheConfig, got {type(config).__name__}")
+    if getattr(model, _ATTR, None) is not None:
+        unpatch_model(model)
+    runtime = PagedRuntime(model, config)
+    encoder = model.encoder if hasattr(model, "encoder") else model.get_encoder()
+    _set(runtime, encoder, "forward", types.MethodType(_make_encoder_forward(runtime, encoder.forward), encoder))
+    if runtime.is_seq2seq:
+        _set(runtime, model, "forward", types.MethodType(_make_forward(runtime, model.forward), model))
+        _set(runtime, model, "generate", types.MethodType(_make_generate(runtime, model.generate), model))
+    setattr(model, _ATTR, runtime)
+    return model
+
+
+def unpatch_model(model: nn.Module) -> nn.Module:
+    """Undo `patch_model`: stock HF behaviour, bit for bit; the KV pool is freed."""
+    runtime = getattr(model, _ATTR, None)
+    if runtime is None:
+        raise ValueError("this model is not patched by hf_paged_t5")
+    for (_, name), (module, value, had) in runtime.originals.items():
+        if had:
+            setattr(module, name, value)
+        else:
+            module.__dict__.pop(name, None)
+    runtime.pool = None
+    del model.__dict__[_ATTR]
+    return model
+
+
+def is_patched(model: nn.Module) -> bool:
+    return getattr(model, _ATTR, None) is not None
+
+
+# ---- the patched methods ------------------------------------------------------------------
+def _paged_allowed(module: nn.Module, kwargs: dict) -> bool:
+    if module.training or kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
+        return False
+    if torch.is_grad_enabled() and any(p.requires_grad for p in module.parameters()):
+        return False  # the kernels have no backward: keep autograd on stock HF
+    return all(p.device.type != "meta" for p in module.parameters())
+
+
+def _make_encoder_forward(runtime: PagedRuntime, original):
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, return_dict=None, **kwargs):
+        if not _paged_allowed(self, kwargs) or set(kwargs) - {"output_attentions", "output_hidden_states", "use_cache"}:
+            return original(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+                            return_dict=return_dict, **kwargs)
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        if inputs_embeds.shape[0] == 0 or inputs_embeds.shape[1] == 0:
+            raise ValueError(f"empty input: the encoder got inputs of shape {tuple(inputs_embeds.shape[:2])}")
+        tables = runtime.bias_tables(self, causal=False)
+        hidden = encoder_forward(self, runtime.ops_for, tables, inputs_embeds, attention_mask)
+        out = BaseModelOutput(last_hidden_state=hidden)
+        return out if return_dict is not False else (hidden,)
+
+    return forward
+
+
+def _make_forward(runtime: PagedRuntime, original):
+    key = runtime.cache_kwarg
+
+    def forward(self, *args, **kwargs):
+        cache = kwargs.get(key)
+        if args or not isinstance(cache, PagedEncoderDecoderCache):
+            return original(*args, **kwargs)
+        extra = {k for k, v in kwargs.items() if v is not None} - {
+            "input_ids", "attention_mask", "decoder_input_ids", "decoder_attention_mask", "encoder_outputs",
+            key, "use_cache", "return_dict", "inputs_embeds", "cache_position", "output_attentions",
+            "output_hidden_states",
+        }
+        if extra or kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
+            raise RuntimeError(f"the paged forward does not serve {sorted(extra)}; unpatch_model() to use them")
+        encoder_outputs = kwargs.get("encoder_outputs")
+        if encoder_outputs is None:
+            encoder_outputs = self.encoder(
+                input_ids=kwargs.get("input_ids"), attention_mask=kwargs.get("attention_mask"),
+                inputs_embeds=kwargs.get("inputs_embeds"), return_dict=True,
+            )
+        enc_hidden = encoder_outputs[0]
+        ids = kwargs["decoder_input_ids"]
+        past = cache.get_seq_length()
+        if past and ids.shape[1] > 1:
+            ids = ids[:, past:]  # a caller that passes the whole history: keep the new tokens
+        with torch.no_grad():
+            if not cache.cross_blocks:
+                store_cross(self.decoder, runtime.ops_for, cache, enc_hidden, kwargs.get("attention_mask"))
+            tables = runtime.bias_tables(self.decoder, causal=True)
+            hidden = decoder_step(self.decoder, runtime.ops_for, tables, cache, ids)
+            if _scales_output(self.config):
+                hidden = hidden * (self.model_dim**-0.5)
+            logits = self.lm_head(hidden.to(module_device(self.lm_head)))
+        return Seq2SeqLMOutput(logits=logits, **{key: cache})
+
+    return forward
+
+
+def _scales_output(config) -> bool:
+    value = getattr(config, "scale_decoder_outputs", None)
+    return bool(config.tie_word_embeddings if value is None else value)
+
+
+def _make_generate(runtime: PagedRuntime, original):
+    def generate(self, inputs=None, generation_config=None, **kwargs):
+        gen_config = copy.deepcopy(generation_config if generation_config is not None else self.generation_config)
+        model_kwargs = gen_config.update(**kwargs)
+        if inputs is not None:
+            model_kwargs["input_ids"] = inputs
+        reason = fallback_reason(gen_config, model_kwargs, self.training)
+        if reason is not None:
+            runtime.warn_once(reason)
+            return original(inputs, generation_config, **kwargs)
+        return _paged_generate(runtime, self, original, inputs, generation_config, gen_config, model_kwargs, kwargs)
+
+    return generate
+
+
+def _paged_generate(runtime, model, original, inputs, generation_config, gen_config, model_kwargs, kwargs):
+    ids = model_kwargs.get("input_ids")
+    embeds = model_kwargs.get("inputs_embeds")
+    source = ids if ids is not None else embeds
+    if source is None:
+        raise ValueError("generate() needs input_ids (or inputs_embeds) for the encoder")
+    if source.shape[0] == 0:
+        raise ValueError("generate() got an empty batch (batch size 0); pass at least one input")
+    if source.shape[1] == 0:
+        raise ValueError("generate() got zero-length inputs; each input needs at least one token")
+    _check_devices(model, source, model_kwargs.get("attention_mask"))
+    mask = model_kwargs.get("attention_mask")
+    source_lens = mask.bool().sum(1).tolist() if mask is not None else [source.shape[1]] * source.shape[0]
+    if any(n == 0 for n in source_lens):
+        raise ValueError(
+            f"rows {[i for i, n in enumerate(source_lens) if n == 0]} of attention_mask are all padding; "
+            "give each input at least one real token"
+        )
+    expand = max(gen_config.num_beams or 1, gen_config.num_return_sequences or 1)
+    dec_ids = model_kwargs.get("decoder_input_ids")
+    start_len = (dec_ids.shape[1] + 1) if dec_ids is not None else 1
+    new = gen_config.max_new_tokens if gen_config.max_new_tokens is not None else gen_config.max_length
+    max_self_tokens = start_len + new
+    if model_kwargs.get("decoder_attention_mask") is not None:
+        kwargs = {k: v for k, v in kwargs.items() if k != "decoder_attention_mask"}  # all ones: same as none
+    with runtime.lock:
+        pool = runtime.get_pool(model.decoder)
+        pool.reserve(PagedEncoderDecoderCache.blocks_needed(source_lens, expand, max_self_tokens, pool.block_size))
+        cache = PagedEncoderDecoderCache(pool, len(source_lens), expand, max_self_tokens)
+        try:
+            return original(inputs, generation_config, **kwargs, **{runtime.cache_kwarg: cache})
+        finally:
+            cache.release()
+
+
+def _check_devices(model: nn.Module, source: torch.Tensor, mask: Optional[torch.Tensor]) -> None:
+    embed_device = model.get_input_embeddings().weight.device
+    if source.dtype in (torch.long, torch.int) and source.device != embed_device:
+        raise ValueError(
+            f"input_ids are on {source.device} but the model's embeddings are on {embed_device}; "
+            f"move the inputs with .to({str(embed_device)!r})"
+        )
+    if mask is not None and mask.device != source.device:
+        raise ValueError(
+            f"attention_mask is on {mask.device} but the inputs are on {source.device}; put both on one device"
+        )

@@ -1,0 +1,141 @@
+"""The paged forward of T5's encoder stack and of one decoder step, built from HF's own modules.
+
+Every weight is the model's own (`T5LayerNorm`, the q/k/v/o Linears, `T5LayerFF`); only the
+attention core and the KV bookkeeping are ours. The order of operations is HF's, including
+the fp16 clamps, so results match stock HF.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from . import attention as attn_ops
+from .cache import PagedEncoderDecoderCache
+
+
+def module_device(module: nn.Module) -> torch.device:
+    return next(module.parameters()).device
+
+
+def pack_tokens(mask: torch.Tensor) -> tuple[torch.Tensor, list[int], torch.Tensor, int]:
+    """Where the real tokens of a padded batch are.
+
+    mask: [batch, seq_len], nonzero = real token (padding may be left or right)
+    returns: flat index [total_tokens] into batch*seq_len, per-row lengths (host ints),
+        cu_seqlens [batch + 1] int32 on mask's device, max length
+    """
+    real = mask.bool()
+    lens = real.sum(dim=1).tolist()
+    if any(n == 0 for n in lens):
+        rows = [i for i, n in enumerate(lens) if n == 0]
+        raise ValueError(
+            f"rows {rows} of the batch are all padding (attention_mask is 0 everywhere); "
+            "remove them or give each row at least one real token"
+        )
+    index = real.reshape(-1).nonzero().squeeze(1)
+    cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lens), 0)
+    return index, lens, cu.to(mask.device), max(lens)
+
+
+def encoder_forward(
+    stack: nn.Module,
+    ops_for: Callable[[torch.device], ModuleType],
+    bias_tables: list[torch.Tensor],
+    inputs_embeds: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+) -> torch.Tensor:
+    """T5 encoder over the real tokens only (varlen); padded positions of the output are 0.
+
+    inputs_embeds: [batch, seq_len, d_model]; attention_mask: [batch, seq_len] or None
+    bias_tables[i]: layer i's bidirectional table (see bias.py)
+    returns: last_hidden_state [batch, seq_len, d_model]
+    """
+    batch, seq_len, d_model = inputs_embeds.shape
+    if attention_mask is None:
+        attention_mask = torch.ones(batch, seq_len, dtype=torch.long, device=inputs_embeds.device)
+    index, _, cu_seqlens, max_seqlen = pack_tokens(attention_mask)
+    hidden = inputs_embeds.reshape(batch * seq_len, d_model)[index.to(inputs_embeds.device)]
+    hidden = stack.dropout(hidden)
+    for i, block in enumerate(stack.block):
+        device = module_device(block)
+        hidden = hidden.to(device)
+        sa = block.layer[0]
+        out = attn_ops.encoder_self_attention(
+            ops_for(device), sa.SelfAttention, sa.layer_norm(hidden),
+            cu_seqlens.to(device), max_seqlen, bias_tables[i].to(device),
+        )
+        hidden = attn_ops.clamp_fp16(hidden + sa.dropout(out))
+        hidden = attn_ops.clamp_fp16(block.layer[-1](hidden))
+    hidden = hidden.to(module_device(stack.final_layer_norm))
+    hidden = stack.dropout(stack.final_layer_norm(hidden))
+    out = hidden.new_zeros(batch * seq_len, d_model)
+    out[index.to(out.device)] = hidden
+    return out.reshape(batch, seq_len, d_model)
+
+
+def store_cross(
+    decoder: nn.Module,
+    ops_for: Callable[[torch.device], ModuleType],
+    cache: PagedEncoderDecoderCache,
+    encoder_hidden: torch.Tensor,
+    encoder_mask: Optional[torch.Tensor],
+) -> None:
+    """Project each source's real encoder tokens to K/V once per layer and store them.
+
+    encoder_hidden: [rows, src_len, d_model], rows = num_sources * expand (HF's expanded batch);
+    only every `expand`-th row is read.
+    """
+    sources = encoder_hidden[:: cache.expand]
+    if encoder_mask is None:
+        encoder_mask = torch.ones(sources.shape[:2], dtype=torch.long, device=sources.device)
+    else:
+        encoder_mask = encoder_mask[:: cache.expand]
+    index, lens, _, _ = pack_tokens(encoder_mask)
+    packed = sources.reshape(-1, sources.shape[-1])[index.to(sources.device)]  # [total_tokens, d_model]
+    slots = cache.store_cross_plan(lens)
+    for i, block in enumerate(decoder.block):
+        device = module_device(block)
+        attn_ops.store_cross_kv(
+            ops_for(device), block.layer[1].EncDecAttention, packed.to(device),
+            cache.pool.key_caches[i], cache.pool.value_caches[i], slots.to(device),
+        )
+
+
+def decoder_step(
+    decoder: nn.Module,
+    ops_for: Callable[[torch.device], ModuleType],
+    bias_tables: list[torch.Tensor],
+    cache: PagedEncoderDecoderCache,
+    input_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Run the decoder stack on `num_new` new tokens per row and store their K/V.
+
+    input_ids: [rows, num_new]; bias_tables[i]: layer i's causal table
+    returns: final hidden states [rows, num_new, d_model] (after the final layer norm)
+    """
+    num_new = input_ids.shape[1]
+    slots = cache.begin_step(num_new)
+    metas: dict[torch.device, object] = {}
+    hidden = decoder.dropout(decoder.embed_tokens(input_ids))
+    for i, block in enumerate(decoder.block):
+        device = module_device(block)
+        if device not in metas:
+            metas[device] = cache.metadata(slots, num_new, device)
+        meta, ops = metas[device], ops_for(device)
+        kc, vc = cache.pool.key_caches[i], cache.pool.value_caches[i]
+        hidden = hidden.to(device)
+        sa, ca = block.layer[0], block.layer[1]
+        out = attn_ops.decoder_self_attention(
+            ops, sa.SelfAttention, sa.layer_norm(hidden), kc, vc, meta, bias_tables[i].to(device)
+        )
+        hidden = attn_ops.clamp_fp16(hidden + sa.dropout(out))
+        out = attn_ops.cross_attention(ops, ca.EncDecAttention, ca.layer_norm(hidden), kc, vc, meta)
+        hidden = attn_ops.clamp_fp16(hidden + ca.dropout(out))
+        hidden = attn_ops.clamp_fp16(block.layer[-1](hidden))
+    hidden = hidden.to(module_device(decoder.final_layer_norm))
+    return decoder.dropout(decoder.final_layer_norm(hidden))
