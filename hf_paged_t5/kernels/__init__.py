@@ -1,0 +1,13 @@
+"""Triton kernels of the paged T5 backend; each has a plain-PyTorch twin in `reference.py`.
+
+- `store_kv`: write K/V of new tokens into pool slots.
+- `paged_decode`: one query token per row over paged keys, with the causal T5 bias table,
+  a dense bias or none; splits long key ranges across programs (flash-decoding).
+- `prefill`: varlen flash-attention over packed sequences, bidirectional or causal.
+"""
+
+from .decode import paged_decode
+from .prefill import prefill
+from .store_kv import store_kv
+
+__all__ = ["paged_decode", "prefill", "store_kv"]

@@ -1,0 +1,307 @@
+"""Paged decode attention, one query token per row (Triton twin of `reference.paged_decode`).
+
+One program handles one (row, head, key split). With one split it writes the output; with
+several (flash-decoding, for few rows over long keys) each writes an unnormalised partial
+(running max, running sum, weighted V sum) and `_combine_splits_kernel` merges them with a
+log-sum-exp rescale. The grid depends on tensor shapes only: no host-device sync, so the
+wrapper can be captured in a CUDA graph; programs past a row's `seq_len` contribute nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import (
+    block_d,
+    broadcast_strides,
+    check_bias_table,
+    check_device,
+    check_float,
+    check_int32,
+    check_same_dtype,
+    interpreting,
+)
+
+# BIAS_MODE values.
+_NO_BIAS, _TABLE_BIAS, _DENSE_BIAS = 0, 1, 2
+# A split shorter than this costs more in partial traffic than it wins in parallelism.
+_MIN_KEYS_PER_SPLIT = 256
+_MAX_SPLITS = 128
+# Enough resident programs per SM to hide memory latency on a bandwidth-bound kernel.
+_PROGRAMS_PER_SM = 4
+
+
+@triton.jit
+def _paged_decode_kernel(
+    query_ptr,  # [batch, num_heads, head_dim]
+    key_cache_ptr,  # [num_blocks, block_size, num_heads, head_dim]
+    value_cache_ptr,  # [num_blocks, block_size, num_heads, head_dim]
+    block_table_ptr,  # [batch, max_blocks] int32
+    seq_lens_ptr,  # [batch] int32
+    bias_ptr,  # table [num_heads, max_distance + 1] | dense [batch|1, num_heads|1, dense_len] | unused
+    out_ptr,  # [batch, num_heads, head_dim], written without SPLIT
+    part_acc_ptr,  # [batch, num_heads, num_splits, BLOCK_D] fp32, written with SPLIT
+    part_max_ptr,  # [batch, num_heads, num_splits] fp32, log2 units
+    part_sum_ptr,  # [batch, num_heads, num_splits] fp32
+    scale,
+    head_dim,
+    max_keys,
+    keys_per_split,
+    max_distance,
+    dense_len,
+    stride_query_batch,
+    stride_query_head,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_table_batch,
+    stride_bias_batch,
+    stride_bias_head,
+    stride_bias_key,
+    stride_out_batch,
+    stride_out_head,
+    BIAS_MODE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    num_heads = tl.num_programs(1)
+    num_splits = tl.num_programs(2)
+
+    # Clamping to the table's capacity keeps a bad seq_len from reading past the row.
+    seq_len = tl.minimum(tl.load(seq_lens_ptr + row), max_keys)
+    q_pos = seq_len - 1
+    start = split * keys_per_split
+    end = tl.minimum(seq_len, start + keys_per_split)
+
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < head_dim
+    q = tl.load(query_ptr + row * stride_query_batch + head * stride_query_head + dims, mask=dim_mask, other=0.0)
+    # Work in log2 units (exp2 is the native instruction); fp32 so fp16 scores never overflow.
+    q = q.to(tl.float32) * (scale * 1.4426950408889634)
+
+    m_i = tl.full([], float("-inf"), tl.float32)
+    l_i = tl.full([], 0.0, tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    table_row_ptr = block_table_ptr + row * stride_table_batch
+    for tile_start in range(start, end, BLOCK_N):
+        keys = tile_start + tl.arange(0, BLOCK_N)
+        key_mask = keys < end
+        block_id = tl.load(table_row_ptr + keys // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
+        # int64: block_id * stride_cache_block passes 2^31 in pools of a few GB.
+        slot_off = block_id * stride_cache_block + (keys % BLOCK_SIZE) * stride_cache_slot + head * stride_cache_head
+        kv_off = slot_off[:, None] + dims[None, :]
+        kv_mask = key_mask[:, None] & dim_mask[None, :]
+        k = tl.load(key_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_D]
+        s = tl.sum(q[None, :] * k, axis=1)  # [BLOCK_N]
+        if BIAS_MODE == 1:
+            index = tl.minimum(q_pos - keys, max_distance)
+            bias = tl.load(bias_ptr + head * stride_bias_head + index * stride_bias_key, mask=key_mask, other=0.0)
+            s += bias.to(tl.float32) * 1.4426950408889634
+        if BIAS_MODE == 2:
+            bias_off = row * stride_bias_batch + head * stride_bias_head + keys.to(tl.int64) * stride_bias_key
+            bias = tl.load(bias_ptr + bias_off, mask=key_mask & (keys < dense_len), other=0.0)
+            s += bias.to(tl.float32) * 1.4426950408889634
+        s = tl.where(key_mask, s, float("-inf"))
+        # Every tile holds at least one live key, so m_new is finite and no NaN appears.
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new)
+        v = tl.load(value_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        m_i = m_new
+
+    if not SPLIT:
+        out = acc / l_i
+        out_off = row * stride_out_batch + head * stride_out_head + dims
+        tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=dim_mask)
+    else:
+        # A split past seq_len stores max -inf and sum 0: the merge gives it weight 0.
+        part = (row * num_heads + head) * num_splits + split
+        tl.store(part_acc_ptr + part * BLOCK_D + dims, acc)
+        tl.store(part_max_ptr + part, m_i)
+        tl.store(part_sum_ptr + part, l_i)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    part_acc_ptr,  # [batch, num_heads, num_splits, BLOCK_D] fp32
+    part_max_ptr,  # [batch, num_heads, num_splits] fp32, log2 units
+    part_sum_ptr,  # [batch, num_heads, num_splits] fp32
+    out_ptr,  # [batch, num_heads, head_dim]
+    head_dim,
+    num_splits,
+    stride_out_batch,
+    stride_out_head,
+    SPLITS_P2: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    num_heads = tl.num_programs(1)
+    splits = tl.arange(0, SPLITS_P2)
+    split_mask = splits < num_splits
+    dims = tl.arange(0, BLOCK_D)
+    part = (row * num_heads + head) * num_splits + splits
+    m = tl.load(part_max_ptr + part, mask=split_mask, other=float("-inf"))
+    l = tl.load(part_sum_ptr + part, mask=split_mask, other=0.0)
+    acc = tl.load(part_acc_ptr + part[:, None] * BLOCK_D + dims[None, :], mask=split_mask[:, None], other=0.0)
+    # Split 0 always holds key 0 (seq_len >= 1), so m_max is finite; empty splits get weight 0.
+    m_max = tl.max(m, axis=0)
+    weight = tl.exp2(m - m_max)  # [SPLITS_P2]
+    out = tl.sum(weight[:, None] * acc, axis=0) / tl.sum(weight * l, axis=0)
+    tl.store(
+        out_ptr + row * stride_out_batch + head * stride_out_head + dims,
+        out.to(out_ptr.dtype.element_ty),
+        mask=dims < head_dim,
+    )
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _pick_num_splits(batch: int, num_heads: int, keys: int, device: torch.device) -> int:
+    """Split keys only when rows x heads alone cannot fill the GPU and splits stay long."""
+    target = _PROGRAMS_PER_SM * _num_sms(device)
+    programs = batch * num_heads
+    if programs >= target:
+        return 1
+    return max(1, min(triton.cdiv(target, programs), keys // _MIN_KEYS_PER_SPLIT, _MAX_SPLITS))
+
+
+def _check_decode_args(query, key_cache, value_cache, block_table, seq_lens, bias_table, dense_bias) -> int:
+    """Validate `paged_decode` arguments; returns the bias table's max_distance (0 if none)."""
+    check_float("query", query, 3)
+    check_float("key_cache", key_cache, 4)
+    check_float("value_cache", value_cache, 4)
+    check_int32("block_table", block_table, 2)
+    check_int32("seq_lens", seq_lens, 1)
+    device = query.device
+    for name, tensor in (
+        ("query", query),
+        ("key_cache", key_cache),
+        ("value_cache", value_cache),
+        ("block_table", block_table),
+        ("seq_lens", seq_lens),
+    ):
+        check_device(name, tensor, device)
+    check_same_dtype("key_cache", key_cache, query)
+    check_same_dtype("value_cache", value_cache, query)
+    batch, num_heads, head_dim = query.shape
+    if key_cache.shape != value_cache.shape or key_cache.stride() != value_cache.stride():
+        raise ValueError("key_cache and value_cache must have the same shape and strides")
+    if tuple(key_cache.shape[2:]) != (num_heads, head_dim):
+        raise ValueError(
+            f"query has [num_heads, head_dim] = {[num_heads, head_dim]} but the cache has {list(key_cache.shape[2:])}"
+        )
+    if block_table.shape[0] != batch or seq_lens.shape[0] != batch:
+        raise ValueError(
+            f"block_table {tuple(block_table.shape)} and seq_lens {tuple(seq_lens.shape)} must have "
+            f"batch = {batch} rows like the query"
+        )
+    if bias_table is not None and dense_bias is not None:
+        raise ValueError("pass at most one of bias_table / dense_bias")
+    max_distance = check_bias_table(bias_table, num_heads, device, causal=True)
+    if dense_bias is not None:
+        if not isinstance(dense_bias, torch.Tensor) or not dense_bias.is_floating_point():
+            raise TypeError("dense_bias must be a floating-point tensor")
+        check_device("dense_bias", dense_bias, device)
+        if dense_bias.dim() != 3 or dense_bias.shape[0] not in (1, batch) or dense_bias.shape[1] not in (1, num_heads):
+            raise ValueError(
+                f"dense_bias must be [batch|1, num_heads|1, max_keys] = [{batch}|1, {num_heads}|1, L], "
+                f"got {tuple(dense_bias.shape)}"
+            )
+    return max_distance
+
+
+def paged_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float = 1.0,
+    bias_table: Optional[torch.Tensor] = None,
+    dense_bias: Optional[torch.Tensor] = None,
+    max_seq_len: Optional[int] = None,
+    num_splits: Optional[int] = None,
+) -> torch.Tensor:
+    """Attention of one query token per row over that row's paged keys.
+
+    query: [batch, num_heads, head_dim]
+    key_cache, value_cache: [num_blocks, block_size, num_heads, head_dim], query's dtype
+    block_table: [batch, max_blocks] int32
+    seq_lens: [batch] int32, keys of each row (1 <= seq_len <= max_blocks * block_size);
+        the query sits at position seq_len - 1
+    bias_table: causal distance table [num_heads, max_distance + 1], or None
+    dense_bias: [batch | 1, num_heads | 1, max_keys] additive bias (max_keys >= max(seq_lens);
+        keys past its end get no bias), or None. At most one of bias_table / dense_bias.
+    max_seq_len: optional host-side upper bound on seq_lens (a promise: longer rows are cut);
+        only sizes the key splits. Without it the bound is max_blocks * block_size.
+    num_splits: optional override of the number of key splits (testing, tuning).
+    returns: [batch, num_heads, head_dim], query's dtype
+    """
+    max_distance = _check_decode_args(query, key_cache, value_cache, block_table, seq_lens, bias_table, dense_bias)
+    batch, num_heads, head_dim = query.shape
+    block_size = key_cache.shape[1]
+    max_keys = block_table.shape[1] * block_size
+    out = torch.empty((batch, num_heads, head_dim), dtype=query.dtype, device=query.device)
+    if batch == 0 or num_heads == 0 or max_keys == 0:
+        return out
+
+    padded_d = block_d(head_dim)
+    # Small tiles in the interpreter: it is cheap there and exercises tile edges on tiny shapes.
+    block_n = 16 if interpreting() else 64
+    covered = max_keys if max_seq_len is None else max(1, min(max_keys, int(max_seq_len)))
+    splits = num_splits if num_splits is not None else _pick_num_splits(batch, num_heads, covered, query.device)
+    if splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {splits}")
+    keys_per_split = max_keys
+    if splits > 1:
+        keys_per_split = triton.cdiv(triton.cdiv(covered, splits), block_n) * block_n
+        splits = triton.cdiv(covered, keys_per_split)
+
+    if bias_table is not None:
+        bias_mode, bias, bias_strides, dense_len = _TABLE_BIAS, bias_table, [0, *bias_table.stride()], 0
+    elif dense_bias is not None:
+        bias_mode, bias, bias_strides, dense_len = _DENSE_BIAS, dense_bias, broadcast_strides(dense_bias), dense_bias.shape[2]
+    else:
+        bias_mode, bias, bias_strides, dense_len = _NO_BIAS, query, [0, 0, 0], 0
+
+    part_acc = part_max = part_sum = out  # unused placeholders when there is one split
+    if splits > 1:
+        part_acc = torch.empty((batch, num_heads, splits, padded_d), dtype=torch.float32, device=query.device)
+        part_max = torch.empty((batch, num_heads, splits), dtype=torch.float32, device=query.device)
+        part_sum = torch.empty((batch, num_heads, splits), dtype=torch.float32, device=query.device)
+
+    _paged_decode_kernel[(batch, num_heads, splits)](
+        query, key_cache, value_cache, block_table, seq_lens, bias, out, part_acc, part_max, part_sum,
+        float(scale), head_dim, max_keys, keys_per_split, max_distance, dense_len,
+        query.stride(0), query.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        block_table.stride(0),
+        *bias_strides,
+        out.stride(0), out.stride(1),
+        BIAS_MODE=bias_mode, BLOCK_SIZE=block_size, BLOCK_N=block_n, BLOCK_D=padded_d, SPLIT=splits > 1,
+        num_warps=4,
+    )  # fmt: skip
+    if splits > 1:
+        _combine_splits_kernel[(batch, num_heads)](
+            part_acc, part_max, part_sum, out,
+            head_dim, splits, out.stride(0), out.stride(1),
+            SPLITS_P2=triton.next_power_of_2(splits), BLOCK_D=padded_d,
+            num_warps=4,
+        )  # fmt: skip
+    return out

@@ -1,0 +1,231 @@
+"""Varlen flash-attention prefill with T5 bias (Triton twin of `reference.prefill`).
+
+One program handles BLOCK_M queries of one (sequence, head) and streams that sequence's keys
+in BLOCK_N tiles with an online softmax, so memory stays O(L): no L x L tensor is ever made.
+The bias comes from the per-head distance table (one L1-resident scalar per (query, key)),
+from a dense [batch|1, heads|1, L, L] tensor, or is absent.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import (
+    block_d,
+    broadcast_strides,
+    check_bias_table,
+    check_device,
+    check_float,
+    check_int32,
+    check_same_dtype,
+    interpreting,
+)
+
+# BIAS_MODE values.
+_NO_BIAS, _TABLE_BIAS, _DENSE_BIAS = 0, 1, 2
+
+
+@triton.jit
+def _prefill_kernel(
+    query_ptr,  # [total_tokens, num_heads, head_dim]
+    key_ptr,  # [total_tokens, num_heads, head_dim]
+    value_ptr,  # [total_tokens, num_heads, head_dim]
+    cu_seqlens_ptr,  # [batch + 1] int32
+    bias_ptr,  # table [num_heads, entries] | dense [batch|1, num_heads|1, L, L] | unused
+    out_ptr,  # [total_tokens, num_heads, head_dim]
+    scale,
+    head_dim,
+    max_seqlen,
+    max_distance,
+    stride_query_token,
+    stride_query_head,
+    stride_key_token,
+    stride_key_head,
+    stride_value_token,
+    stride_value_head,
+    stride_bias_batch,
+    stride_bias_head,
+    stride_bias_query,
+    stride_bias_key,
+    stride_out_token,
+    stride_out_head,
+    CAUSAL: tl.constexpr,
+    BIAS_MODE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    q_start = tl.program_id(0) * BLOCK_M
+    seq = tl.program_id(1)
+    head = tl.program_id(2).to(tl.int64)
+    seq_start = tl.load(cu_seqlens_ptr + seq).to(tl.int64)
+    # Clamped to max_seqlen so a caller's wrong bound cannot make the dense bias read out of range.
+    seq_len = tl.minimum(tl.load(cu_seqlens_ptr + seq + 1) - tl.load(cu_seqlens_ptr + seq), max_seqlen)
+    if q_start >= seq_len:
+        return
+
+    q_pos = q_start + tl.arange(0, BLOCK_M)  # [BLOCK_M] positions within the sequence
+    q_mask = q_pos < seq_len
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < head_dim
+    q_off = (seq_start + q_pos)[:, None] * stride_query_token + head * stride_query_head + dims[None, :]
+    q = tl.load(query_ptr + q_off, mask=q_mask[:, None] & dim_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    # Scores in log2 units: exp2 is the native instruction.
+    qk_scale = scale * 1.4426950408889634
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    kv_end = seq_len
+    if CAUSAL:
+        kv_end = tl.minimum(seq_len, q_start + BLOCK_M)
+    for k_start in range(0, kv_end, BLOCK_N):
+        k_pos = k_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        k_mask = k_pos < seq_len
+        kv_mask = k_mask[:, None] & dim_mask[None, :]
+        k_off = (seq_start + k_pos)[:, None] * stride_key_token + head * stride_key_head + dims[None, :]
+        k = tl.load(key_ptr + k_off, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N] fp32
+        if BIAS_MODE == 1:
+            # The clamp keeps every index inside the table, so the gather needs no mask.
+            if CAUSAL:
+                index = tl.minimum(tl.maximum(q_pos[:, None] - k_pos[None, :], 0), max_distance)
+            else:
+                index = tl.minimum(tl.maximum(k_pos[None, :] - q_pos[:, None], -max_distance), max_distance)
+                index += max_distance
+            bias = tl.load(bias_ptr + head * stride_bias_head + index * stride_bias_key)
+            s += bias.to(tl.float32) * 1.4426950408889634
+        if BIAS_MODE == 2:
+            bias_off = seq.to(tl.int64) * stride_bias_batch + head * stride_bias_head
+            bias_off += q_pos[:, None].to(tl.int64) * stride_bias_query + k_pos[None, :] * stride_bias_key
+            bias = tl.load(bias_ptr + bias_off, mask=q_mask[:, None] & k_mask[None, :], other=0.0)
+            s += bias.to(tl.float32) * 1.4426950408889634
+        live = k_mask[None, :]
+        if CAUSAL:
+            live = live & (k_pos[None, :] <= q_pos[:, None])
+        s = tl.where(live, s, float("-inf"))
+        # Key 0 is live for every row and sits in the first tile, so m_new is finite from then on.
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(value_ptr + (seq_start + k_pos)[:, None] * stride_value_token + head * stride_value_head
+                    + dims[None, :], mask=kv_mask, other=0.0)  # fmt: skip
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    out_off = (seq_start + q_pos)[:, None] * stride_out_token + head * stride_out_head + dims[None, :]
+    tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=q_mask[:, None] & dim_mask[None, :])
+
+
+def _tile_config(head_dim: int, dtype: torch.dtype) -> dict:
+    """Tile sizes and launch options, picked to fit Hopper shared memory per dtype / head_dim."""
+    if interpreting():
+        # Small tiles: cheap in the interpreter and they exercise tile edges on tiny shapes.
+        return dict(BLOCK_M=16, BLOCK_N=16)
+    if dtype == torch.float32:
+        return dict(BLOCK_M=64, BLOCK_N=32 if head_dim > 64 else 64, num_warps=4, num_stages=2)
+    if head_dim <= 64:
+        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
+    if head_dim <= 128:
+        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+    return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+
+
+def _check_prefill_args(query, key, value, cu_seqlens, max_seqlen, causal, bias_table, dense_bias) -> int:
+    """Validate `prefill` arguments; returns the bias table's max_distance (0 if none)."""
+    check_float("query", query, 3)
+    check_float("key", key, 3)
+    check_float("value", value, 3)
+    check_int32("cu_seqlens", cu_seqlens, 1)
+    device = query.device
+    for name, tensor in (("query", query), ("key", key), ("value", value), ("cu_seqlens", cu_seqlens)):
+        check_device(name, tensor, device)
+    check_same_dtype("key", key, query)
+    check_same_dtype("value", value, query)
+    if key.shape != query.shape or value.shape != query.shape:
+        raise ValueError(
+            f"query {tuple(query.shape)}, key {tuple(key.shape)} and value {tuple(value.shape)} "
+            "must all be [total_tokens, num_heads, head_dim]"
+        )
+    if cu_seqlens.shape[0] < 1:
+        raise ValueError("cu_seqlens must be [batch + 1] with batch >= 0")
+    if isinstance(max_seqlen, torch.Tensor) or not isinstance(max_seqlen, int) or max_seqlen < 0:
+        raise TypeError(f"max_seqlen must be a non-negative host int, got {max_seqlen!r}")
+    if bias_table is not None and dense_bias is not None:
+        raise ValueError("pass at most one of bias_table / dense_bias")
+    batch, num_heads = cu_seqlens.shape[0] - 1, query.shape[1]
+    max_distance = check_bias_table(bias_table, num_heads, device, causal=bool(causal))
+    if dense_bias is not None:
+        if not isinstance(dense_bias, torch.Tensor) or not dense_bias.is_floating_point():
+            raise TypeError("dense_bias must be a floating-point tensor")
+        check_device("dense_bias", dense_bias, device)
+        if (
+            dense_bias.dim() != 4
+            or dense_bias.shape[0] not in (1, batch)
+            or dense_bias.shape[1] not in (1, num_heads)
+            or min(dense_bias.shape[2:]) < max_seqlen
+        ):
+            raise ValueError(
+                f"dense_bias must be [batch|1, num_heads|1, >=max_seqlen, >=max_seqlen] = "
+                f"[{batch}|1, {num_heads}|1, >={max_seqlen}, >={max_seqlen}], got {tuple(dense_bias.shape)}"
+            )
+    return max_distance
+
+
+def prefill(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    scale: float = 1.0,
+    causal: bool = False,
+    bias_table: Optional[torch.Tensor] = None,
+    dense_bias: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Attention within each packed sequence (varlen, no padding), O(L) memory.
+
+    query, key, value: [total_tokens, num_heads, head_dim], one dtype, sequences back to back
+    cu_seqlens: [batch + 1] int32, sequence b is tokens [cu_seqlens[b], cu_seqlens[b + 1])
+    max_seqlen: host int >= every sequence length (sizes the grid; longer sequences are cut)
+    causal: decoder (query attends to keys at or before it) or encoder (all keys)
+    bias_table: causal table [num_heads, max_distance + 1] when causal, bidirectional
+        table [num_heads, 2 * max_distance + 1] otherwise; or None
+    dense_bias: [batch | 1, num_heads | 1, max_seqlen, max_seqlen] indexed by positions
+        within the sequence, or None. At most one of bias_table / dense_bias.
+    returns: [total_tokens, num_heads, head_dim], query's dtype
+    """
+    max_distance = _check_prefill_args(query, key, value, cu_seqlens, max_seqlen, causal, bias_table, dense_bias)
+    total_tokens, num_heads, head_dim = query.shape
+    out = torch.empty((total_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
+    batch = cu_seqlens.shape[0] - 1
+    if total_tokens == 0 or batch == 0 or max_seqlen == 0 or num_heads == 0:
+        return out
+
+    if bias_table is not None:
+        bias_mode, bias, bias_strides = _TABLE_BIAS, bias_table, [0, bias_table.stride(0), 0, bias_table.stride(1)]
+    elif dense_bias is not None:
+        bias_mode, bias, bias_strides = _DENSE_BIAS, dense_bias, broadcast_strides(dense_bias)
+    else:
+        bias_mode, bias, bias_strides = _NO_BIAS, query, [0, 0, 0, 0]
+    config = _tile_config(head_dim, query.dtype)
+    # fp32 callers expect fp32 matmuls (HF parity); TF32 would cost ~3 decimal digits.
+    precision = "ieee" if query.dtype == torch.float32 else "tf32"
+    grid = (triton.cdiv(max_seqlen, config["BLOCK_M"]), batch, num_heads)
+    _prefill_kernel[grid](
+        query, key, value, cu_seqlens, bias, out,
+        float(scale), head_dim, max_seqlen, max_distance,
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        *bias_strides,
+        out.stride(0), out.stride(1),
+        CAUSAL=bool(causal), BIAS_MODE=bias_mode, BLOCK_D=block_d(head_dim), INPUT_PRECISION=precision,
+        **config,
+    )  # fmt: skip
+    return out
