@@ -1,0 +1,73 @@
+"""Shared test helpers: small T5-family models with real structure and random weights."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Triton's interpreter runs the real kernels on CPU tensors; it must be set before triton loads.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from transformers import (  # noqa: E402
+    MT5Config,
+    MT5ForConditionalGeneration,
+    T5Config,
+    T5ForConditionalGeneration,
+    UMT5Config,
+    UMT5ForConditionalGeneration,
+)
+
+VOCAB = 384
+
+# name -> (model class, config class, config overrides)
+FAMILIES = {
+    "t5": (T5ForConditionalGeneration, T5Config, dict(feed_forward_proj="relu", tie_word_embeddings=True)),
+    "t5v1_1": (T5ForConditionalGeneration, T5Config, dict(feed_forward_proj="gated-gelu", tie_word_embeddings=False)),
+    "mt5": (MT5ForConditionalGeneration, MT5Config, dict(feed_forward_proj="gated-gelu", tie_word_embeddings=False)),
+    "umt5": (UMT5ForConditionalGeneration, UMT5Config, dict(feed_forward_proj="gated-gelu", tie_word_embeddings=False)),
+    # ByT5 / MADLAD style: inner_dim (num_heads * d_kv) != d_model
+    "inner_dim": (T5ForConditionalGeneration, T5Config, dict(feed_forward_proj="gated-gelu", d_kv=24, num_heads=4)),
+    "d_kv128": (T5ForConditionalGeneration, T5Config, dict(feed_forward_proj="relu", d_kv=128, num_heads=2)),
+}
+
+
+def make_model(family: str = "t5", seed: int = 0, dtype=torch.float32, device="cpu", **overrides):
+    """A small model of `family` with random weights scaled so greedy output varies with the input."""
+    model_cls, config_cls, family_overrides = FAMILIES[family]
+    kw = dict(
+        vocab_size=VOCAB, d_model=64, d_ff=96, d_kv=16, num_heads=4, num_layers=2, num_decoder_layers=2,
+        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, dropout_rate=0.0,
+    )
+    kw.update(family_overrides)
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**kw)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and "relative_attention_bias" not in name:
+                p.mul_(6.0)
+            elif "relative_attention_bias" in name:
+                p.normal_(0.0, 2.0)
+    return model.to(device=device, dtype=dtype)
+
+
+def make_batch(lengths, seq_len=None, padding_side="right", seed=1, vocab=VOCAB, device="cpu"):
+    """input_ids [batch, seq_len] of random tokens (>= 2) with padding, and their attention_mask."""
+    seq_len = seq_len or max(lengths)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.zeros(len(lengths), seq_len, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        toks = torch.randint(2, vocab, (n,), generator=g)
+        sl = slice(0, n) if padding_side == "right" else slice(seq_len - n, seq_len)
+        ids[row, sl] = toks
+        mask[row, sl] = 1
+    return ids.to(device), mask.to(device)
+
+
+@pytest.fixture
+def t5_model():
+    return make_model("t5")
