@@ -1,0 +1,383 @@
+"""Triton kernels against the plain-PyTorch reference.
+
+On a CPU-only machine the kernels run in Triton's interpreter (tiny shapes, no bf16: the
+interpreter's bf16 `tl.dot` is wrong). On a GPU every test runs compiled; `@pytest.mark.gpu`
+tests add realistic shapes, a pool past 2^31 elements and CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Must precede the first triton import; conftest.py normally does it already.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from hf_paged_t5 import reference  # noqa: E402
+from hf_paged_t5.kernels import paged_decode, prefill, store_kv  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+
+
+def gpu_test(fn):
+    """Mark a test `gpu` and skip it without CUDA."""
+    return pytest.mark.gpu(pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")(fn))
+
+
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
+# ||out - ref|| / ||ref|| bounds: a few units of each dtype's rounding (fp16 eps 9.8e-4,
+# bf16 eps 7.8e-3), as the output is rounded once and softmax weights once more.
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def make_paged_kv(lens, block_size, num_heads, head_dim, dtype, extra_cols=1, seed=0):
+    """A shuffled pool holding rows of `lens` keys.
+
+    returns key_cache, value_cache [num_blocks, block_size, num_heads, head_dim],
+    block_table [batch, max_blocks] int32 (padding columns point at block 0), seq_lens [batch] int32
+    """
+    g = torch.Generator().manual_seed(seed)
+    per_row = [-(-n // block_size) for n in lens]
+    max_blocks = max(per_row) + extra_cols
+    num_blocks = sum(per_row) + 3
+    key_cache = torch.randn(num_blocks, block_size, num_heads, head_dim, generator=g).to(dtype)
+    value_cache = torch.randn(num_blocks, block_size, num_heads, head_dim, generator=g).to(dtype)
+    ids = torch.randperm(num_blocks, generator=g).tolist()
+    block_table = torch.zeros(len(lens), max_blocks, dtype=torch.int32)
+    for row, n in enumerate(per_row):
+        block_table[row, :n] = torch.tensor([ids.pop() for _ in range(n)], dtype=torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    return [t.to(DEVICE) for t in (key_cache, value_cache, block_table, seq_lens)]
+
+
+def decode_reference(query, key_cache, value_cache, block_table, seq_lens, **kw):
+    """The reference on float32 copies of every float input."""
+    up = {k: (v.float() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    return reference.paged_decode(
+        query.float(), key_cache.float(), value_cache.float(), block_table, seq_lens, **up
+    )
+
+
+def prefill_reference(query, key, value, cu_seqlens, max_seqlen, **kw):
+    up = {k: (v.float() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    return reference.prefill(query.float(), key.float(), value.float(), cu_seqlens, max_seqlen, **up)
+
+
+def make_bias(kind, num_heads, batch, length, causal, dims=1, seed=0):
+    """kwargs for one bias flavour: none / table / dense / dense_bcast (stride-0 expand)."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "none":
+        return {}
+    if kind == "table":
+        max_distance = 7
+        entries = max_distance + 1 if causal else 2 * max_distance + 1
+        return {"bias_table": (3 * torch.randn(num_heads, entries, generator=g)).to(DEVICE)}
+    tail = [length + 3] * dims
+    if kind == "dense":
+        return {"dense_bias": (3 * torch.randn(batch, num_heads, *tail, generator=g)).to(DEVICE)}
+    # [1, num_heads, ...] broadcast over the batch, and an expand()ed (stride 0) head dim.
+    bias = (3 * torch.randn(1, 1, *tail, generator=g)).to(DEVICE).expand(1, num_heads, *tail)
+    return {"dense_bias": bias}
+
+
+# ----------------------------------------------------------------------------- store_kv
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [16, 24])
+def test_store_kv_matches_reference(block_size, dtype, head_dim):
+    num_heads, num_tokens = 3, 11
+    num_blocks = -(-2 * num_tokens // block_size)
+    g = torch.Generator().manual_seed(1)
+    cache_k = torch.randn(num_blocks, block_size, num_heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    cache_v = torch.randn_like(cache_k)
+    key = torch.randn(num_tokens, num_heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    value = torch.randn(num_tokens, num_heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
+    slot_mapping = slots.to(torch.int32).to(DEVICE)
+    want_k, want_v = cache_k.clone(), cache_v.clone()
+    reference.store_kv(key, value, want_k, want_v, slot_mapping)
+    store_kv(key=key, value=value, key_cache=cache_k, value_cache=cache_v, slot_mapping=slot_mapping)
+    assert torch.equal(cache_k, want_k) and torch.equal(cache_v, want_v)
+
+
+def test_store_kv_casts_skips_negative_slots_and_takes_strided_input():
+    cache_k = torch.zeros(4, 4, 2, 16, dtype=torch.float16, device=DEVICE)
+    cache_v = torch.zeros_like(cache_k)
+    # [tokens, heads, head_dim] views of a wider projection: token stride != heads * head_dim.
+    packed = torch.randn(3, 2, 2, 16, device=DEVICE)
+    key, value = packed[:, 0], packed[:, 1]
+    slot_mapping = torch.tensor([5, -1, 15], dtype=torch.int64, device=DEVICE)
+    store_kv(key=key, value=value, key_cache=cache_k, value_cache=cache_v, slot_mapping=slot_mapping)
+    flat_k, flat_v = cache_k.view(16, 2, 16), cache_v.view(16, 2, 16)
+    assert torch.equal(flat_k[5], key[0].half()) and torch.equal(flat_k[15], key[2].half())
+    assert torch.equal(flat_v[5], value[0].half()) and torch.equal(flat_v[15], value[2].half())
+    assert int((flat_k != 0).any(-1).any(-1).sum()) == 2
+
+
+# ----------------------------------------------------------------------------- decode
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16, 32])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", ["none", "table", "dense", "dense_bcast"])
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_paged_decode_matches_reference(block_size, dtype, bias, num_splits):
+    num_heads, head_dim = 2, 32
+    # Lengths at block_size - 1 / + 0 / + 1, one key, and a long row, in one batch.
+    lens = [max(1, block_size - 1), block_size, block_size + 1, 1, 37]
+    key_cache, value_cache, block_table, seq_lens = make_paged_kv(lens, block_size, num_heads, head_dim, dtype)
+    query = torch.randn(len(lens), num_heads, head_dim, device=DEVICE).to(dtype)
+    kw = dict(scale=0.7, **make_bias(bias, num_heads, len(lens), max(lens), causal=True))
+    out = paged_decode(
+        query=query, key_cache=key_cache, value_cache=value_cache, block_table=block_table,
+        seq_lens=seq_lens, num_splits=num_splits, **kw,
+    )  # fmt: skip
+    ref = decode_reference(query, key_cache, value_cache, block_table, seq_lens, **kw)
+    assert out.dtype == dtype and out.shape == query.shape
+    assert rel_err(out, ref) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("head_dim", [16, 24, 64])
+@pytest.mark.parametrize("num_splits", [None, 2])
+def test_paged_decode_head_dims_and_batch_one(head_dim, num_splits):
+    key_cache, value_cache, block_table, seq_lens = make_paged_kv([29], 8, 1, head_dim, torch.float32)
+    query = torch.randn(1, 1, head_dim, device=DEVICE)
+    table = torch.randn(1, 5, device=DEVICE)
+    args = (query, key_cache, value_cache, block_table, seq_lens)
+    out = paged_decode(*args, scale=1.0, bias_table=table, num_splits=num_splits)
+    ref = decode_reference(*args, scale=1.0, bias_table=table)
+    assert rel_err(out, ref) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 5, 64])
+def test_paged_decode_split_counts_agree(num_splits):
+    """Many splits (some past every row's end) merge to the same result as one."""
+    lens = [1, 20, 40]
+    key_cache, value_cache, block_table, seq_lens = make_paged_kv(lens, 4, 2, 16, torch.float32, extra_cols=3)
+    query = torch.randn(3, 2, 16, device=DEVICE)
+    table = torch.randn(2, 9, device=DEVICE)
+    args = (query, key_cache, value_cache, block_table, seq_lens)
+    out = paged_decode(*args, bias_table=table, num_splits=num_splits)
+    assert rel_err(out, decode_reference(*args, bias_table=table)) < TOLERANCE[torch.float32]
+
+
+def test_paged_decode_max_seq_len_hint():
+    lens = [3, 33]
+    key_cache, value_cache, block_table, seq_lens = make_paged_kv(lens, 2, 2, 16, torch.float32, extra_cols=20)
+    query = torch.randn(2, 2, 16, device=DEVICE)
+    args = (query, key_cache, value_cache, block_table, seq_lens)
+    out = paged_decode(*args, max_seq_len=33, num_splits=4)
+    assert rel_err(out, decode_reference(*args)) < TOLERANCE[torch.float32]
+
+
+def test_paged_decode_fp16_large_scores_do_not_overflow():
+    """Scores near 1e5 overflow fp16; the kernel must keep them in fp32."""
+    key_cache, value_cache, block_table, seq_lens = make_paged_kv([20, 7], 4, 2, 32, torch.float16)
+    key_cache = (key_cache.float() * 60).clamp(-6e4, 6e4).half()
+    query = torch.full((2, 2, 32), 60.0, device=DEVICE).half()
+    args = (query, key_cache, value_cache, block_table, seq_lens)
+    out = paged_decode(*args)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, decode_reference(*args)) < TOLERANCE[torch.float16]
+
+
+def _decode_args(**over):
+    key_cache, value_cache, block_table, seq_lens = make_paged_kv([5, 9], 4, 2, 16, torch.float32)
+    args = dict(
+        query=torch.randn(2, 2, 16, device=DEVICE), key_cache=key_cache, value_cache=value_cache,
+        block_table=block_table, seq_lens=seq_lens,
+    )  # fmt: skip
+    args.update(over)
+    return args
+
+
+@pytest.mark.parametrize(
+    "over, error, words",
+    [
+        (dict(query=torch.randn(2, 2, 16).half()), TypeError, "cast the query"),
+        (dict(block_table=torch.zeros(2, 3, dtype=torch.int64)), TypeError, "int32"),
+        (dict(seq_lens=torch.ones(2, dtype=torch.int64)), TypeError, "int32"),
+        (dict(query=torch.randn(2, 3, 16)), ValueError, "num_heads"),
+        (dict(query=torch.randn(2, 2, 32)[..., ::2]), ValueError, "contiguous"),
+        (dict(seq_lens=torch.ones(3, dtype=torch.int32)), ValueError, "batch"),
+        (dict(bias_table=torch.zeros(2, 5), dense_bias=torch.zeros(2, 2, 9)), ValueError, "at most one"),
+        (dict(bias_table=torch.zeros(3, 5)), ValueError, "num_heads"),
+        (dict(dense_bias=torch.zeros(2, 2, 1, 9)), ValueError, "dense_bias"),
+        (dict(query=torch.randn(2, 2, 16).to(torch.int32)), TypeError, "dtype"),
+    ],
+)
+def test_paged_decode_rejects_bad_arguments(over, error, words):
+    over = {k: v.to(DEVICE) for k, v in over.items()}
+    with pytest.raises(error, match=words):
+        paged_decode(**_decode_args(**over))
+
+
+def test_cpu_tensors_need_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    key_cache, value_cache, block_table, seq_lens = (t.cpu() for t in make_paged_kv([3], 4, 1, 16, torch.float32))
+    with pytest.raises(ValueError, match="CUDA"):
+        paged_decode(torch.randn(1, 1, 16), key_cache, value_cache, block_table, seq_lens)
+
+
+# ----------------------------------------------------------------------------- prefill
+
+
+def packed(lens, num_heads, head_dim, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    total = sum(lens)
+    qkv = [torch.randn(total, num_heads, head_dim, generator=g).to(dtype).to(DEVICE) for _ in range(3)]
+    cu_seqlens = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    return (*qkv, cu_seqlens)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", ["none", "table", "dense", "dense_bcast"])
+def test_prefill_matches_reference(causal, dtype, bias):
+    num_heads, head_dim = 2, 32
+    # Around the 16-token tiles of the interpreter, an empty sequence, one token, a long one.
+    lens = [15, 16, 17, 0, 1, 38]
+    query, key, value, cu_seqlens = packed(lens, num_heads, head_dim, dtype)
+    kw = dict(scale=0.5, causal=causal, **make_bias(bias, num_heads, len(lens), max(lens), causal, dims=2))
+    out = prefill(query=query, key=key, value=value, cu_seqlens=cu_seqlens, max_seqlen=max(lens), **kw)
+    ref = prefill_reference(query, key, value, cu_seqlens, max(lens), **kw)
+    assert out.dtype == dtype and out.shape == query.shape
+    assert rel_err(out, ref) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("head_dim", [16, 24, 64])
+@pytest.mark.parametrize("causal", [False, True])
+def test_prefill_head_dims_batch_one(head_dim, causal):
+    query, key, value, cu_seqlens = packed([33], 1, head_dim, torch.float32)
+    entries = 9 if causal else 17
+    table = torch.randn(1, entries, device=DEVICE)
+    args = (query, key, value, cu_seqlens, 33)
+    out = prefill(*args, causal=causal, bias_table=table)
+    assert rel_err(out, prefill_reference(*args, causal=causal, bias_table=table)) < TOLERANCE[torch.float32]
+
+
+def test_prefill_fp16_large_scores_do_not_overflow():
+    query, key, value, cu_seqlens = packed([20, 9], 2, 32, torch.float16)
+    query = torch.full_like(query, 60.0)
+    key = (key.float() * 60).clamp(-6e4, 6e4).half()
+    args = (query, key, value, cu_seqlens, 20)
+    out = prefill(*args)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, prefill_reference(*args)) < TOLERANCE[torch.float16]
+
+
+@pytest.mark.parametrize(
+    "over, error, words",
+    [
+        (dict(key=torch.randn(10, 2, 16).half()), TypeError, "dtype"),
+        (dict(cu_seqlens=torch.tensor([0, 4, 10])), TypeError, "int32"),
+        (dict(max_seqlen=torch.tensor(6)), TypeError, "host int"),
+        (dict(value=torch.randn(9, 2, 16)), ValueError, "total_tokens"),
+        (dict(bias_table=torch.zeros(2, 8)), ValueError, "odd"),
+        (dict(dense_bias=torch.zeros(2, 2, 5, 5)), ValueError, "max_seqlen"),
+        (dict(query=torch.randn(10, 2, 32)[..., ::2]), ValueError, "contiguous"),
+    ],
+)
+def test_prefill_rejects_bad_arguments(over, error, words):
+    args = dict(
+        query=torch.randn(10, 2, 16), key=torch.randn(10, 2, 16), value=torch.randn(10, 2, 16),
+        cu_seqlens=torch.tensor([0, 4, 10], dtype=torch.int32), max_seqlen=6,
+    )  # fmt: skip
+    args.update(over)
+    args = {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) and v.dim() > 0 else v) for k, v in args.items()}
+    with pytest.raises(error, match=words):
+        prefill(**args)
+
+
+# ----------------------------------------------------------------------------- GPU only
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("batch, keys", [(64, 2048), (1, 16384)])
+@gpu_test
+def test_gpu_paged_decode_realistic(dtype, head_dim, batch, keys):
+    num_heads, block_size = 16, 16
+    g = torch.Generator().manual_seed(0)
+    lens = [keys] + torch.randint(keys // 2, keys + 1, (batch - 1,), generator=g).tolist()
+    key_cache, value_cache, block_table, seq_lens = make_paged_kv(lens, block_size, num_heads, head_dim, dtype)
+    query = torch.randn(batch, num_heads, head_dim, device=DEVICE).to(dtype)
+    table = torch.randn(num_heads, 129, device=DEVICE)
+    args = (query, key_cache, value_cache, block_table, seq_lens)
+    ref = decode_reference(*args, scale=head_dim**-0.5, bias_table=table)
+    for num_splits in (None, 1):
+        out = paged_decode(*args, scale=head_dim**-0.5, bias_table=table, num_splits=num_splits)
+        assert rel_err(out, ref) < TOLERANCE[dtype], num_splits
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@gpu_test
+def test_gpu_prefill_realistic(dtype, head_dim, causal):
+    num_heads = 16
+    lens = [2048, 1000, 129, 1]
+    query, key, value, cu_seqlens = packed(lens, num_heads, head_dim, dtype)
+    table = torch.randn(num_heads, 129 if causal else 257, device=DEVICE)
+    args = (query, key, value, cu_seqlens, max(lens))
+    out = prefill(*args, causal=causal, bias_table=table)
+    assert rel_err(out, prefill_reference(*args, causal=causal, bias_table=table)) < TOLERANCE[dtype]
+
+
+@gpu_test
+def test_gpu_pool_past_int32_offsets():
+    """A bf16 pool of > 2^31 elements per cache: offsets of the last blocks need int64."""
+    num_heads, head_dim, block_size = 16, 64, 16
+    num_blocks = 2**31 // (block_size * num_heads * head_dim) + 64  # 4.3 GB per cache
+    key_cache = torch.empty(num_blocks, block_size, num_heads, head_dim, dtype=torch.bfloat16, device=DEVICE)
+    value_cache = torch.empty_like(key_cache)
+    lens = [3 * block_size + 5, 17]
+    ids = torch.arange(num_blocks - 6, num_blocks, dtype=torch.int32, device=DEVICE).flip(0)
+    block_table = ids.view(2, 3)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    num_tokens = sum(lens)
+    key = torch.randn(num_tokens, num_heads, head_dim, device=DEVICE).bfloat16()
+    value = torch.randn(num_tokens, num_heads, head_dim, device=DEVICE).bfloat16()
+    # Slot of token t of row r: its block from the table, its offset in the block.
+    slots = [int(block_table[r, t // block_size]) * block_size + t % block_size for r, n in enumerate(lens) for t in range(n)]
+    slot_mapping = torch.tensor(slots, dtype=torch.int32, device=DEVICE)
+    store_kv(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping)
+    flat_k = key_cache.view(-1, num_heads, head_dim)
+    assert torch.equal(flat_k[slot_mapping.long()], key)
+    query = torch.randn(2, num_heads, head_dim, device=DEVICE).bfloat16()
+    table = torch.randn(num_heads, 129, device=DEVICE)
+    args = (query, key_cache, value_cache, block_table, seq_lens)
+    for num_splits in (None, 2):
+        out = paged_decode(*args, bias_table=table, num_splits=num_splits)
+        assert rel_err(out, decode_reference(*args, bias_table=table)) < TOLERANCE[torch.bfloat16]
+    del key_cache, value_cache, flat_k
+    torch.cuda.empty_cache()
+
+
+@gpu_test
+def test_gpu_paged_decode_replays_in_cuda_graph():
+    """No host sync in the wrapper: capture once, then change seq_lens and replay."""
+    lens = [700, 5, 2048]
+    key_cache, value_cache, block_table, seq_lens = make_paged_kv(lens, 16, 4, 64, torch.bfloat16)
+    query = torch.randn(3, 4, 64, device=DEVICE).bfloat16()
+    table = torch.randn(4, 129, device=DEVICE)
+    args = (query, key_cache, value_cache, block_table, seq_lens)
+    paged_decode(*args, bias_table=table)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged_decode(*args, bias_table=table)
+    seq_lens.copy_(torch.tensor([1, 16, 1500], dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_err(out, decode_reference(*args, bias_table=table)) < TOLERANCE[torch.bfloat16]
