@@ -89,7 +89,7 @@ def fallback_reason(config: GenerationConfig, model_kwargs: dict[str, Any], trai
         return "a decoder_attention_mask with padding is served by stock HF"
     default = GenerationConfig()
     for key, reason in FALLBACK_OPTIONS.items():
-        if _differs(config, default, key) and getattr(config, key) not in (False, 1, None):
+        if _differs(config, default, key):
             return reason
     if config.use_cache is False:
         return "use_cache=False is served by stock HF"
