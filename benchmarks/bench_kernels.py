@@ -1,0 +1,205 @@
+"""Benchmark the Triton kernels against HF's eager T5 attention math and torch SDPA.
+
+    python benchmarks/bench_kernels.py [--out benchmarks/results/kernels-<gpu>-<yyyymmdd>.json]
+
+Measured in one run on one GPU:
+- copy bandwidth: a large device-to-device copy, (bytes read + written) / time;
+- paged decode (batch 64 x 2048 keys, batch 1 x 16k keys; t5-large-like 16 heads x 64, bf16)
+  with the causal bias table, vs (a) HF's eager math on contiguous KV with a materialized bias
+  (matmul + bias + fp32 softmax + matmul) and (b) SDPA with the bias as attn_mask; achieved
+  bandwidth = bytes of K + V read / time, also as % of copy bandwidth;
+- encoder prefill (16 x 512, 4 x 2048, 1 x 8192 tokens) with the bidirectional bias table vs
+  SDPA (and HF eager where it fits) with the materialized [1, heads, L, L] bias.
+Baselines get their bias materialized once outside the timed region (HF rebuilds it every
+forward, so they are timed at their best). Times are medians of `triton.testing.do_bench`.
+`--quick` runs tiny shapes (on CPU through the Triton interpreter) to check the script itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import platform
+import time
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+
+from hf_paged_t5.kernels import paged_decode, prefill  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def bench(fn) -> float:
+    """Median milliseconds of `fn()`."""
+    if torch.cuda.is_available():
+        return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+    fn()
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times)[1]
+
+
+def copy_bandwidth(device: torch.device, nbytes: int) -> float:
+    """GB/s of a device-to-device copy, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src))
+    return 2 * src.numel() * src.element_size() / ms / 1e6
+
+
+def hf_eager_attention(q, k, v, bias):
+    """T5Attention's math: q/k/v [batch, heads, L, D], bias [1|batch, heads, Lq, Lk]; no 1/sqrt(d)."""
+    scores = torch.matmul(q, k.transpose(3, 2))
+    scores += bias
+    weights = F.softmax(scores.float(), dim=-1).type_as(scores)
+    return torch.matmul(weights, v)
+
+
+def sdpa_attention(q, k, v, bias):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0)
+
+
+def decode_case(batch, keys, args, device, copy_gbps):
+    """Paged decode of `batch` rows with `keys` keys each, against contiguous-KV baselines."""
+    dtype, heads, head_dim, block_size = DTYPES[args.dtype], args.heads, args.head_dim, args.block_size
+    blocks_per_row = triton.cdiv(keys, block_size)
+    num_blocks = batch * blocks_per_row
+    # [num_blocks, block_size, num_heads, head_dim], rows scattered over shuffled blocks.
+    key_cache = torch.randn(num_blocks, block_size, heads, head_dim, device=device, dtype=dtype)
+    value_cache = torch.randn_like(key_cache)
+    block_table = torch.randperm(num_blocks, device=device).to(torch.int32).view(batch, blocks_per_row)
+    seq_lens = torch.full((batch,), keys, dtype=torch.int32, device=device)
+    query = torch.randn(batch, heads, head_dim, device=device, dtype=dtype)
+    table = torch.randn(heads, 129, device=device)  # causal table, max_distance 128
+
+    # Contiguous copies for the baselines: [batch, heads, keys, head_dim].
+    ids = block_table.long()
+    k = key_cache[ids].reshape(batch, blocks_per_row * block_size, heads, head_dim)[:, :keys].transpose(1, 2)
+    v = value_cache[ids].reshape(batch, blocks_per_row * block_size, heads, head_dim)[:, :keys].transpose(1, 2)
+    k, v = k.contiguous(), v.contiguous()
+    q = query[:, :, None, :]
+    distance = (keys - 1 - torch.arange(keys, device=device)).clamp(max=128)
+    bias = table[:, distance][None, :, None, :].to(dtype)  # [1, heads, 1, keys] as HF builds it
+
+    kv_bytes = 2 * batch * keys * heads * head_dim * key_cache.element_size()
+    decode = dict(query=query, key_cache=key_cache, value_cache=value_cache, block_table=block_table,
+                  seq_lens=seq_lens, scale=1.0, bias_table=table)  # fmt: skip
+    timings = {
+        "paged_decode": bench(lambda: paged_decode(**decode)),
+        "paged_decode_no_split": bench(lambda: paged_decode(**decode, num_splits=1)),
+        "hf_eager": bench(lambda: hf_eager_attention(q, k, v, bias)),
+        "sdpa": bench(lambda: sdpa_attention(q, k, v, bias)),
+    }
+    row = {"kind": "decode", "batch": batch, "keys": keys, "kv_bytes": kv_bytes, "ms": timings}
+    row["gbps"] = {name: kv_bytes / ms / 1e6 for name, ms in timings.items()}
+    row["pct_of_copy"] = {name: 100 * gbps / copy_gbps for name, gbps in row["gbps"].items()}
+    return row
+
+
+def prefill_case(batch, length, args, device):
+    """Encoder (bidirectional) prefill of `batch` sequences of `length` tokens."""
+    dtype, heads, head_dim = DTYPES[args.dtype], args.heads, args.head_dim
+    total = batch * length
+    query, key, value = (torch.randn(total, heads, head_dim, device=device, dtype=dtype) for _ in range(3))
+    cu_seqlens = torch.arange(0, total + 1, length, dtype=torch.int32, device=device)
+    table = torch.randn(heads, 257, device=device)  # bidirectional table, max_distance 128
+
+    q, k, v = (t.view(batch, length, heads, head_dim).transpose(1, 2) for t in (query, key, value))
+    pos = torch.arange(length, device=device)
+    index = (pos[None, :] - pos[:, None]).clamp(-128, 128) + 128
+    bias = table[:, index][None].to(dtype)  # [1, heads, L, L] as HF builds it
+
+    timings = {
+        "prefill": bench(lambda: prefill(query, key, value, cu_seqlens, length, 1.0, False, table)),
+        "sdpa": bench(lambda: sdpa_attention(q, k, v, bias)),
+    }
+    # HF eager materializes [batch, heads, L, L] fp32 scores; skip it where that passes ~8 GB.
+    if batch * heads * length * length * 4 <= 8 * 2**30:
+        timings["hf_eager"] = bench(lambda: hf_eager_attention(q, k, v, bias))
+    flops = 4 * batch * heads * length * length * head_dim
+    row = {"kind": "prefill", "batch": batch, "length": length, "ms": timings}
+    row["tflops"] = {name: flops / ms / 1e9 for name, ms in timings.items()}
+    return row
+
+
+def default_out(device: torch.device) -> pathlib.Path:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    slug = "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
+    stamp = datetime.date.today().strftime("%Y%m%d")
+    return pathlib.Path(__file__).parent / "results" / f"kernels-{slug}-{stamp}.json"
+
+
+def print_table(result: dict) -> None:
+    print(f"{result['gpu']}  torch {result['torch']}  triton {result['triton']}  {result['dtype']}")
+    print(f"copy bandwidth: {result['copy_gbps']:.0f} GB/s (read + write)")
+    print(f"{'case':<22}{'impl':<24}{'ms':>10}{'GB/s':>10}{'% copy':>8}{'TFLOP/s':>9}{'speedup':>9}")
+    for row in result["rows"]:
+        case = (
+            f"decode {row['batch']}x{row['keys']}" if row["kind"] == "decode" else f"prefill {row['batch']}x{row['length']}"
+        )
+        mine = row["ms"]["paged_decode" if row["kind"] == "decode" else "prefill"]
+        for name, ms in row["ms"].items():
+            gbps = f"{row['gbps'][name]:.0f}" if "gbps" in row else ""
+            pct = f"{row['pct_of_copy'][name]:.0f}" if "pct_of_copy" in row else ""
+            tflops = f"{row['tflops'][name]:.1f}" if "tflops" in row else ""
+            print(f"{case:<22}{name:<24}{ms:>10.4f}{gbps:>10}{pct:>8}{tflops:>9}{ms / mine:>8.2f}x")
+    print("speedup: how many times faster the Triton kernel (first row of each case) is than that row")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=pathlib.Path, default=None, help="JSON path (default under benchmarks/results)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, to check the script (CPU ok)")
+    args = parser.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.quick:
+        decode_shapes, prefill_shapes, copy_bytes = [(2, 40), (1, 64)], [(2, 32), (1, 48)], 2**20
+        if device.type == "cpu":
+            args.dtype, args.heads, args.head_dim = "fp32", 2, 16
+    else:
+        decode_shapes = [(64, 2048), (1, 16384)]
+        prefill_shapes = [(16, 512), (4, 2048), (1, 8192)]
+        copy_bytes = 2**31
+    torch.manual_seed(0)
+    copy_gbps = copy_bandwidth(device, copy_bytes)
+    rows = [decode_case(b, n, args, device, copy_gbps) for b, n in decode_shapes]
+    rows += [prefill_case(b, n, args, device) for b, n in prefill_shapes]
+    result = {
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (triton interpreter)",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "dtype": args.dtype,
+        "heads": args.heads,
+        "head_dim": args.head_dim,
+        "block_size": args.block_size,
+        "copy_gbps": copy_gbps,
+        "rows": rows,
+    }
+    print_table(result)
+    out = args.out or default_out(device)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
