@@ -69,9 +69,18 @@ FALLBACK_KWARGS = {
 }
 
 
+# Values that mean "off" for an option whose default is None (model configs often write them).
+_OFF = (None, False, 0, 1, "", (), [], {})
+
+
 def _differs(config: GenerationConfig, default: GenerationConfig, key: str) -> bool:
-    value = getattr(config, key, None)
-    return value is not None and value != getattr(default, key, None)
+    """Whether `key` asks for something other than the library default."""
+    value, base = getattr(config, key, None), getattr(default, key, None)
+    if value is None or value == base:
+        return False
+    if base is None or isinstance(base, bool) or base == 1:
+        return not any(value is off or (type(value) is type(off) and value == off) for off in _OFF)
+    return True
 
 
 def fallback_reason(config: GenerationConfig, model_kwargs: dict[str, Any], training: bool) -> Optional[str]:

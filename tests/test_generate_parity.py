@@ -14,8 +14,12 @@ import hf_paged_t5 as hp
 CONFIG = hp.PagedCacheConfig(block_size=8, backend="torch")
 
 
-def hf_and_paged(model, config=CONFIG, seed=None, **kwargs):
-    """(stock HF output, patched output) of the same generate() call; leaves the model unpatched."""
+def hf_and_paged(model, config=CONFIG, seed=None, expect_paged=True, **kwargs):
+    """(stock HF output, patched output) of the same generate() call; leaves the model unpatched.
+
+    Checks that the patched call did (or, with expect_paged=False, did not) run on the pool,
+    and that every block went back to it.
+    """
     assert not hp.is_patched(model)
     if seed is not None:
         torch.manual_seed(seed)
@@ -26,7 +30,11 @@ def hf_and_paged(model, config=CONFIG, seed=None, **kwargs):
             torch.manual_seed(seed)
         out = model.generate(**kwargs)
         pool = model._hf_paged_t5.pool
-        assert pool.manager.num_free == pool.num_blocks, "generate() leaked KV blocks"
+        if expect_paged:
+            assert pool is not None, "the paged path did not run"
+            assert pool.manager.num_free == pool.num_blocks, "generate() leaked KV blocks"
+        else:
+            assert pool is None, "expected a fallback to stock HF"
     finally:
         hp.unpatch_model(model)
     return ref, out
@@ -145,7 +153,7 @@ def test_fallback_gives_hf_result_and_warns(caplog):
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, output_hidden_states=True,
               return_dict_in_generate=True)
     with caplog.at_level(logging.WARNING, logger="hf_paged_t5"):
-        ref, out = hf_and_paged(model, **kw)
+        ref, out = hf_and_paged(model, expect_paged=False, **kw)
     assert_same_sequences(ref, out)
     assert len(out.decoder_hidden_states) == len(ref.decoder_hidden_states) == 5
     torch.testing.assert_close(out.encoder_hidden_states[-1], ref.encoder_hidden_states[-1])

@@ -156,7 +156,7 @@ def _check_prefill_args(query, key, value, cu_seqlens, max_seqlen, causal, bias_
         )
     if cu_seqlens.shape[0] < 1:
         raise ValueError("cu_seqlens must be [batch + 1] with batch >= 0")
-    if isinstance(max_seqlen, torch.Tensor) or not isinstance(max_seqlen, int) or max_seqlen < 0:
+    if isinstance(max_seqlen, torch.Tensor) or not hasattr(max_seqlen, "__index__") or max_seqlen < 0:
         raise TypeError(f"max_seqlen must be a non-negative host int, got {max_seqlen!r}")
     if bias_table is not None and dense_bias is not None:
         raise ValueError("pass at most one of bias_table / dense_bias")
@@ -203,6 +203,7 @@ def prefill(
     returns: [total_tokens, num_heads, head_dim], query's dtype
     """
     max_distance = _check_prefill_args(query, key, value, cu_seqlens, max_seqlen, causal, bias_table, dense_bias)
+    max_seqlen = int(max_seqlen)
     total_tokens, num_heads, head_dim = query.shape
     out = torch.empty((total_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
     batch = cu_seqlens.shape[0] - 1
