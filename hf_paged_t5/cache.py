@@ -51,10 +51,18 @@ class KVPool:
         # Bumped whenever the tensors are re-allocated: captured CUDA graphs hold their addresses.
         self.generation = 0
         self._allocate(self.manager.num_blocks)
+        # A block no sequence owns: padded rows of a captured decode step write their
+        # (discarded) K/V here and read it back, so they never touch a live sequence's blocks.
+        (self.scratch_block,) = self.manager.allocate(1)
+        self.num_reserved = 1
 
     @property
     def num_blocks(self) -> int:
         return self.manager.num_blocks
+
+    def is_idle(self) -> bool:
+        """True when no generate() holds any block (only the reserved scratch block is used)."""
+        return self.manager.num_used == self.num_reserved
 
     def _allocate(self, num_blocks: int) -> None:
         old_k, old_v = self.key_caches, self.value_caches
@@ -177,6 +185,7 @@ class PagedEncoderDecoderCache(Cache):
         self.cross_lens: list[int] = []
         self.released = False
         self._tables_dirty = True
+        self._host: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
         self._device_state: dict[torch.device, dict[str, torch.Tensor]] = {}
 
     # ---- the transformers.Cache contract -------------------------------------------------
@@ -296,35 +305,42 @@ class PagedEncoderDecoderCache(Cache):
             self._tables_dirty = True
         return torch.tensor(slots, dtype=torch.int64)
 
+    def host_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """CPU (self_block_table [rows, W] int32, self_seq_lens [rows] int32,
+        cross_block_table [rows, Wc] int32, cross_seq_lens [rows] int32); tables rebuilt only when changed."""
+        if self._tables_dirty or self._host is None:
+            cross_rows = [self.cross_blocks[r // self.expand] for r in range(self.num_rows)]
+            cross_lens = [self.cross_lens[r // self.expand] for r in range(self.num_rows)]
+            width = max((len(b) for b in self.cross_blocks), default=1)
+            self._host = (
+                _table_tensor(self.self_blocks, self.max_self_blocks),
+                _table_tensor(cross_rows, width),
+                torch.tensor(cross_lens, dtype=torch.int32),
+            )
+            self._device_state.clear()
+            self._tables_dirty = False
+        self_table, cross_table, cross_lens = self._host
+        return self_table, torch.tensor(self.self_lens, dtype=torch.int32), cross_table, cross_lens
+
     def metadata(self, slot_mapping: torch.Tensor, num_new: int, device: torch.device) -> StepMetadata:
         """Device tensors for the step `begin_step` just planned."""
+        self_table, self_lens, cross_table, cross_lens = self.host_tables()
         state = self._device_state.get(device)
-        if state is None or self._tables_dirty:
-            state = self._build_tables(device)
-        seq_lens = torch.tensor(self.self_lens, dtype=torch.int32).to(device, non_blocking=True)
+        if state is None:
+            state = {
+                "self_block_table": self_table.to(device),
+                "cross_block_table": cross_table.to(device),
+                "cross_seq_lens": cross_lens.to(device),
+            }
+            self._device_state[device] = state
         return StepMetadata(
             num_new=num_new,
             slot_mapping=slot_mapping.to(device, non_blocking=True),
             self_block_table=state["self_block_table"],
-            self_seq_lens=seq_lens,
+            self_seq_lens=self_lens.to(device, non_blocking=True),
             cross_block_table=state["cross_block_table"],
             cross_seq_lens=state["cross_seq_lens"],
         )
-
-    def _build_tables(self, device: torch.device) -> dict[str, torch.Tensor]:
-        if self._tables_dirty:
-            self._device_state.clear()
-            self._tables_dirty = False
-        cross_rows = [self.cross_blocks[r // self.expand] for r in range(self.num_rows)]
-        cross_lens = [self.cross_lens[r // self.expand] for r in range(self.num_rows)]
-        width = max((len(b) for b in self.cross_blocks), default=1)
-        state = {
-            "self_block_table": _table_tensor(self.self_blocks, self.max_self_blocks).to(device),
-            "cross_block_table": _table_tensor(cross_rows, width).to(device),
-            "cross_seq_lens": torch.tensor(cross_lens, dtype=torch.int32).to(device),
-        }
-        self._device_state[device] = state
-        return state
 
     def release(self) -> None:
         """Return every block to the pool. Idempotent; the cache is unusable afterwards."""

@@ -23,7 +23,8 @@ from .attention import backend_ops
 from .cache import KVPool, LayerSpec, PagedEncoderDecoderCache
 from .config import PagedCacheConfig
 from .modes import fallback_reason
-from .stacks import decoder_step, encoder_forward, module_device, store_cross
+from .graphs import DecodeGraphs, graphable
+from .stacks import decoder_layers, encoder_forward, module_device, store_cross
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class PagedRuntime:
         self.is_seq2seq = hasattr(model, "decoder")
         self.originals: dict[tuple[int, str], tuple[nn.Module, Any, bool]] = {}
         self.pool: Optional[KVPool] = None
+        self.graphs = DecodeGraphs()
         self.lock = threading.Lock()
         self.warned: set[str] = set()
         self._tables: dict[str, tuple[tuple, list[torch.Tensor]]] = {}
@@ -208,14 +210,41 @@ def _make_forward(runtime: PagedRuntime, original):
         with torch.no_grad():
             if not cache.cross_blocks:
                 store_cross(self.decoder, runtime.ops_for, cache, enc_hidden, kwargs.get("attention_mask"))
-            tables = runtime.bias_tables(self.decoder, causal=True)
-            hidden = decoder_step(self.decoder, runtime.ops_for, tables, cache, ids)
-            if _scales_output(self.config):
-                hidden = hidden * (self.model_dim**-0.5)
-            logits = self.lm_head(hidden.to(module_device(self.lm_head)))
+            logits = _decode(runtime, self, cache, ids)
         return Seq2SeqLMOutput(logits=logits, **{key: cache})
 
     return forward
+
+
+def _decode(runtime: PagedRuntime, model: nn.Module, cache: PagedEncoderDecoderCache, ids: torch.Tensor):
+    """Logits [rows, num_new, vocab] of the new decoder tokens; a captured graph serves single tokens."""
+    tables = runtime.bias_tables(model.decoder, causal=True)
+    scale = model.model_dim**-0.5 if _scales_output(model.config) else None
+
+    def step(input_ids, meta_for):
+        hidden = decoder_layers(model.decoder, runtime.ops_for, tables, cache.pool, meta_for, input_ids)
+        if scale is not None:
+            hidden = hidden * scale
+        return model.lm_head(hidden.to(module_device(model.lm_head)))
+
+    device = ids.device
+    if (
+        ids.shape[1] == 1
+        and runtime.config.cuda_graphs
+        and ids.shape[0] <= runtime.config.max_graph_batch
+        and graphable(model)
+        and runtime.config.resolve_backend(device) == "triton"
+    ):
+        return runtime.graphs.run(step, cache, ids, device)
+    slots = cache.begin_step(ids.shape[1])
+    metas: dict[torch.device, object] = {}
+
+    def meta_for(dev):
+        if dev not in metas:
+            metas[dev] = cache.metadata(slots, ids.shape[1], dev)
+        return metas[dev]
+
+    return step(ids, meta_for)
 
 
 def _scales_output(config) -> bool:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from . import attention as attn_ops
-from .cache import PagedEncoderDecoderCache
+from .cache import KVPool, PagedEncoderDecoderCache, StepMetadata
 
 
 def module_device(module: nn.Module) -> torch.device:
@@ -106,28 +106,23 @@ def store_cross(
         )
 
 
-def decoder_step(
+def decoder_layers(
     decoder: nn.Module,
     ops_for: Callable[[torch.device], ModuleType],
     bias_tables: list[torch.Tensor],
-    cache: PagedEncoderDecoderCache,
+    pool: KVPool,
+    meta_for: Callable[[torch.device], StepMetadata],
     input_ids: torch.Tensor,
 ) -> torch.Tensor:
-    """Run the decoder stack on `num_new` new tokens per row and store their K/V.
+    """The decoder stack over prepared step metadata; no host sync (CUDA-graph capturable).
 
-    input_ids: [rows, num_new]; bias_tables[i]: layer i's causal table
-    returns: final hidden states [rows, num_new, d_model] (after the final layer norm)
+    input_ids: [rows, num_new]; returns [rows, num_new, d_model]
     """
-    num_new = input_ids.shape[1]
-    slots = cache.begin_step(num_new)
-    metas: dict[torch.device, object] = {}
     hidden = decoder.dropout(decoder.embed_tokens(input_ids))
     for i, block in enumerate(decoder.block):
         device = module_device(block)
-        if device not in metas:
-            metas[device] = cache.metadata(slots, num_new, device)
-        meta, ops = metas[device], ops_for(device)
-        kc, vc = cache.pool.key_caches[i], cache.pool.value_caches[i]
+        meta, ops = meta_for(device), ops_for(device)
+        kc, vc = pool.key_caches[i], pool.value_caches[i]
         hidden = hidden.to(device)
         sa, ca = block.layer[0], block.layer[1]
         out = attn_ops.decoder_self_attention(

@@ -32,7 +32,7 @@ def hf_and_paged(model, config=CONFIG, seed=None, expect_paged=True, **kwargs):
         pool = model._hf_paged_t5.pool
         if expect_paged:
             assert pool is not None, "the paged path did not run"
-            assert pool.manager.num_free == pool.num_blocks, "generate() leaked KV blocks"
+            assert pool.is_idle(), "generate() leaked KV blocks"
         else:
             assert pool is None, "expected a fallback to stock HF"
     finally:
