@@ -1,0 +1,147 @@
+"""generate() speed: unpatched HF (eager and sdpa) vs patched, in one run, on one GPU.
+
+Random weights with the real shapes of t5-small, t5-base, t5-large and flan-t5-xl; bf16;
+512-token inputs; 128 new tokens forced (min_new_tokens). Also an fp32 parity pass: greedy
+tokens of the patched model identical to HF's (t5-small and t5-large shapes, batch 16).
+
+    python benchmarks/bench_generate.py [--out PATH] [--models t5-small,t5-large] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import time
+
+import torch
+import transformers
+import triton
+from transformers import T5Config, T5ForConditionalGeneration
+
+import hf_paged_t5 as hp
+from hf_paged_t5.tiny import SHAPES
+
+CASES = [(1, 1), (16, 1), (64, 1), (8, 4)]  # (batch, num_beams)
+
+
+def make(name: str, attn: str, dtype: torch.dtype) -> T5ForConditionalGeneration:
+    shape = {k: v for k, v in SHAPES[name].items()}
+    cfg = T5Config(vocab_size=32128, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, **shape)
+    cfg._attn_implementation = attn
+    with torch.device("cuda"):
+        torch.manual_seed(0)
+        model = T5ForConditionalGeneration(cfg)
+    return model.to(dtype).eval()
+
+
+def inputs(batch: int, src_len: int):
+    g = torch.Generator(device="cuda").manual_seed(1)
+    ids = torch.randint(2, 32000, (batch, src_len), device="cuda", generator=g)
+    return ids, torch.ones_like(ids)
+
+
+def timed(model, batch, src_len, new, beams):
+    ids, mask = inputs(batch, src_len)
+    kw = dict(max_new_tokens=new, min_new_tokens=new, num_beams=beams, do_sample=False)
+    with torch.inference_mode():
+        model.generate(input_ids=ids[:, :32], attention_mask=mask[:, :32], max_new_tokens=4, min_new_tokens=4,
+                       num_beams=beams)
+        model.generate(input_ids=ids, attention_mask=mask, **kw)  # warm: graphs, autotune, allocator
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        out = model.generate(input_ids=ids, attention_mask=mask, **kw)
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+    return dict(ms_per_step=dt / new * 1e3, peak_gib=torch.cuda.max_memory_allocated() / 2**30, tokens=out)
+
+
+def weights_gib(model) -> float:
+    return sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
+
+
+def bench_model(name, src_len, new, cases, rows):
+    results = {}
+    for attn in ("eager", "sdpa"):
+        model = make(name, attn, torch.bfloat16)
+        for batch, beams in cases:
+            try:
+                r = timed(model, batch, src_len, new, beams)
+                results[(attn, batch, beams)] = r
+            except Exception as exc:  # a baseline that fails (e.g. OOM) is reported, not fatal
+                results[(attn, batch, beams)] = dict(error=repr(exc)[:200])
+            print(f"{name} {attn} b{batch} beams{beams}: {results[(attn, batch, beams)].get('ms_per_step')}",
+                  flush=True)
+        if attn == "sdpa":
+            wgib = weights_gib(model)
+            hp.patch_model(model)
+            for batch, beams in cases:
+                r = timed(model, batch, src_len, new, beams)
+                results[("paged", batch, beams)] = r
+                hf = [results[(a, batch, beams)] for a in ("eager", "sdpa")]
+                best = min(x["ms_per_step"] for x in hf if "ms_per_step" in x)
+                ref_tokens = results[("sdpa", batch, beams)].get("tokens")
+                rows.append(dict(
+                    model=name, batch=batch, beams=beams, src_len=src_len, new_tokens=new,
+                    hf_eager_ms_per_step=hf[0].get("ms_per_step"), hf_sdpa_ms_per_step=hf[1].get("ms_per_step"),
+                    paged_ms_per_step=r["ms_per_step"], speedup_vs_best_hf=best / r["ms_per_step"],
+                    hf_peak_gib=hf[1].get("peak_gib"), paged_peak_gib=r["peak_gib"], weights_gib=wgib,
+                    bf16_tokens_agree=None if ref_tokens is None else float((ref_tokens == r["tokens"]).float().mean()),
+                ))
+                print(f"{name} paged b{batch} beams{beams}: {r['ms_per_step']:.3f} ms/step "
+                      f"({best / r['ms_per_step']:.1f}x)", flush=True)
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def fp32_parity(name: str, batch: int = 16, src_len: int = 512, new: int = 64) -> bool:
+    model = make(name, "sdpa", torch.float32)
+    ids, mask = inputs(batch, src_len)
+    mask[1::3, src_len // 2:] = 0  # padded rows too
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new)
+    with torch.inference_mode():
+        ref = model.generate(**kw)
+        hp.patch_model(model)
+        out = model.generate(**kw)
+    same = torch.equal(ref, out)
+    print(f"fp32 parity {name}: identical={same} (agreement {(ref == out).float().mean():.4f})", flush=True)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return same
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--models", default="t5-small,t5-base,t5-large,flan-t5-xl")
+    ap.add_argument("--quick", action="store_true", help="fewer new tokens (smoke run)")
+    args = ap.parse_args()
+    gpu = torch.cuda.get_device_name()
+    new = 32 if args.quick else 128
+    rows: list[dict] = []
+    parity = {name: fp32_parity(name) for name in ("t5-small", "t5-large")}
+    for name in args.models.split(","):
+        bench_model(name, 512, new, CASES, rows)
+    report = dict(gpu=gpu, torch=torch.__version__, transformers=transformers.__version__,
+                  triton=triton.__version__, date=datetime.date.today().isoformat(),
+                  fp32_tokens_identical=all(parity.values()), fp32_parity=parity, rows=rows)
+    out = args.out or f"benchmarks/results/generate-{gpu.replace(' ', '_')}-{datetime.date.today():%Y%m%d}.json"
+    with open(out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"\n{'model':<12}{'batch':>6}{'beams':>6}{'HF eager':>10}{'HF sdpa':>10}{'paged':>9}{'speedup':>9}"
+          f"{'HF peak':>9}{'paged pk':>9}{'weights':>9}")
+    for r in rows:
+        print(f"{r['model']:<12}{r['batch']:>6}{r['beams']:>6}{r['hf_eager_ms_per_step'] or float('nan'):>10.2f}"
+              f"{r['hf_sdpa_ms_per_step'] or float('nan'):>10.2f}{r['paged_ms_per_step']:>9.3f}"
+              f"{r['speedup_vs_best_hf']:>8.1f}x{r['hf_peak_gib'] or float('nan'):>9.2f}{r['paged_peak_gib']:>9.2f}"
+              f"{r['weights_gib']:>9.2f}")
+    print(f"fp32 greedy tokens identical to HF: {report['fp32_tokens_identical']} {parity}")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
