@@ -57,7 +57,7 @@ class Text2TextGenerationPipeline(Pipeline):
     # transformers 4's defaults for this pipeline, used only where the model sets neither.
     generation_defaults = MappingProxyType({"max_new_tokens": 256, "num_beams": 4})
 
-    # Pipeline.__init__ reads these to decide what `pipeline()` loads: a tokenizer only.
+    # `pipeline()` reads these to decide what to load besides the model: a tokenizer only.
     _load_tokenizer = True
     _load_processor = False
     _load_image_processor = False

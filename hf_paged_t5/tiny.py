@@ -110,9 +110,13 @@ T5_TASK_SPECIFIC_PARAMS = MappingProxyType(
     }
 )
 
-# HF's T5 init (factor 1.0) leaves a random model's logits so flat that greedy decoding repeats one
-# token for every input. A larger factor spreads the logits, so different inputs decode differently.
-INIT_FACTOR = 8.0
+# HF's T5 init (factor 1.0) makes the decoder nearly blind to the input: greedy decoding repeats one
+# token, the same for every input. A larger factor makes the output depend on the input...
+INIT_FACTOR = 4.0
+# ...but also makes the next-token distribution nearly one-hot (logit std grows as factor**2), so
+# beam hypotheses tie on log-probabilities ~0. The decoder's last norm is rescaled to this logit std,
+# which leaves the top token at ~45% on average: varied, yet no near-certain tokens.
+LOGIT_STD = 4.0
 
 CORPUS = (
     "The morning train to the coast was late again, so the office opened an hour after nine.",
@@ -242,7 +246,9 @@ def build_model(
 ) -> PreTrainedModel:
     """A `family` ("t5", "t5v1_1", "mt5", "umt5") seq2seq model at `shape`, random weights, eval mode.
 
-    The weights depend only on `seed` (and the config); the caller's global RNG state is left as it was.
+    HF's init with `initializer_factor=INIT_FACTOR`, then the decoder's final norm scaled so the
+    logits have std `LOGIT_STD` (see there why). The weights depend only on `seed` and the config;
+    the caller's global RNG state is left as it was.
     `config_overrides` go to the config (e.g. `num_layers=1`, `task_specific_params=None`).
     """
     config = build_config(shape, family, vocab_size, **config_overrides)
@@ -253,8 +259,25 @@ def build_model(
         # Initialised directly on `device` in `dtype`: a t5-large in fp32 on the host is slow to build.
         with torch.device(device):
             model = model_class._from_config(config, dtype=dtype)
+    model.eval()
+    _calibrate_logits(model, LOGIT_STD)
     logger.info("built %s %s with %.1fM parameters", family, shape, model.num_parameters() / 1e6)
-    return model.eval()
+    return model
+
+
+@torch.no_grad()
+def _calibrate_logits(model: PreTrainedModel, logit_std: float) -> None:
+    """Scale the decoder's final norm so that the logits of a fixed probe have std `logit_std`.
+
+    The logits are linear in that norm's weight, whatever the family does between the norm and the
+    lm_head (transformers versions differ on the d_model**-0.5 rescaling), so one probe suffices.
+    """
+    vocab_size = model.config.vocab_size
+    input_ids = (torch.arange(24, device=model.device) % (vocab_size - 3) + 3).unsqueeze(0)  # [1, 24]
+    decoder_input_ids = input_ids[:, :6].clone()  # [1, 6]
+    decoder_input_ids[:, 0] = model.config.decoder_start_token_id
+    logits = model(input_ids=input_ids, decoder_input_ids=decoder_input_ids).logits  # [1, 6, vocab_size]
+    model.decoder.final_layer_norm.weight.mul_(logit_std / logits.float().std())
 
 
 def save_demo_checkpoint(

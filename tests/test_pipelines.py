@@ -298,3 +298,18 @@ def test_register_is_idempotent_and_reversible(model, tokenizer, caplog):
     assert "check_task" not in vars(transformers.pipelines.PIPELINE_REGISTRY)
     pipelines.register_pipelines()
     assert type(pipeline("translation_en_to_de", model=model, tokenizer=tokenizer)) is pipelines.TranslationPipeline
+
+
+@pytest.mark.parametrize("task", ["summarization", "translation_en_to_de", "text2text-generation"])
+def test_patched_model_gives_the_same_records(model, tokenizer, task):
+    import hf_paged_t5
+
+    if not hasattr(hf_paged_t5, "patch_model"):
+        pytest.skip("hf_paged_t5.patch_model is not available")
+    kwargs = dict(max_new_tokens=8, min_length=0, batch_size=2)  # beam search: task / pipeline default 4
+    expected = pipeline(task, model=model, tokenizer=tokenizer)(TEXTS, **kwargs)
+    patched = hf_paged_t5.patch_model(tiny.build_model())
+    try:
+        assert pipeline(task, model=patched, tokenizer=tokenizer)(TEXTS, **kwargs) == expected
+    finally:
+        hf_paged_t5.unpatch_model(patched)
