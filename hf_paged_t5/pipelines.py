@@ -69,6 +69,7 @@ class Text2TextGenerationPipeline(Pipeline):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        # Resolved once: for plain "translation" this picks (and warns about) a language pair.
         self._default_task_key = self._task_key()
 
     def __call__(self, inputs, **kwargs):

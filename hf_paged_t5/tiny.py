@@ -291,7 +291,9 @@ def save_demo_checkpoint(
     """Write a random-weight model and the local tokenizer to `path`; return `path` as a string.
 
     The directory loads offline with `AutoTokenizer.from_pretrained(path)` and
-    `AutoModelForSeq2SeqLM.from_pretrained(path)`.
+    `AutoModelForSeq2SeqLM.from_pretrained(path)`. At a real shape the model keeps the real
+    vocabulary size (32128, for realistic lm_head cost) while the tokenizer has ~512 tokens:
+    generated ids beyond the tokenizer's decode to nothing.
     """
     tokenizer = build_tokenizer(vocab_size=min(DEFAULT_VOCAB_SIZE, vocab_size or DEFAULT_VOCAB_SIZE))
     model = build_model(shape, family, vocab_size=vocab_size, seed=seed, **config_overrides)
