@@ -137,6 +137,26 @@ def clamp_fp16(hidden: torch.Tensor) -> torch.Tensor:
     return torch.clamp(hidden, min=-clamp_value, max=clamp_value)
 
 
+def add_norm(
+    ops: ModuleType, layer_norm: nn.Module, hidden: torch.Tensor, out: Optional[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(layer_norm(hidden + out), hidden + out) with HF's fp16 clamp in between; `out` may be None.
+
+    One fused kernel where HF's order allows it (no fp16 clamp, one device, one dtype).
+    """
+    device = layer_norm.weight.device
+    eps = layer_norm.variance_epsilon
+    fusable = (
+        out is not None and hidden.dtype != torch.float16 and out.dtype == hidden.dtype
+        and hidden.device == out.device == device
+    )
+    if fusable:
+        return ops.rms_norm(hidden=hidden, weight=layer_norm.weight, eps=eps, residual=out)
+    total = hidden if out is None else clamp_fp16(hidden + out)
+    total = total.to(device)
+    return ops.rms_norm(hidden=total, weight=layer_norm.weight, eps=eps)[0], total
+
+
 def layer_bias_module(blocks: nn.ModuleList, index: int) -> Optional[nn.Module]:
     """The attention module whose relative bias layer `index` uses (T5: layer 0's; UMT5: its own)."""
     own = blocks[index].layer[0].SelfAttention

@@ -145,7 +145,7 @@ def _table_tensor(tables: list[list[int]], width: int) -> torch.Tensor:
 class StepMetadata:
     """Device tensors for one decoder forward of `num_new` tokens per row (on one device).
 
-    slot_mapping: [rows * num_new] int64, row-major (row, token)
+    slot_mapping: [rows * num_new] int64 or int32, row-major (row, token)
     self_block_table: [rows, max_self_blocks] int32
     self_seq_lens: [rows] int32, keys per row after this step's tokens are stored
     cross_block_table: [rows, max_cross_blocks] int32 (rows of one source share blocks)

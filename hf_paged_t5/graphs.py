@@ -28,18 +28,35 @@ def bucket(n: int, minimum: int = 1) -> int:
 
 @dataclasses.dataclass
 class _StaticStep:
-    """Static input/output buffers of one captured graph (all on the decoder's device).
+    """Static buffers of one captured graph.
 
-    input_ids: [batch, 1] int64; slot_mapping: [batch] int64
-    self_block_table: [batch, self_width] int32; self_seq_lens: [batch] int32
-    cross_block_table: [batch, cross_width] int32; cross_seq_lens: [batch] int32
+    input_ids: [batch, 1] int64 on the device
+    packed: [4 * batch + batch * (self_width + cross_width)] int32 on the device; `meta`'s
+        tensors are views of it: slot_mapping [batch], self_seq_lens [batch],
+        cross_seq_lens [batch], self_block_table [batch, self_width],
+        cross_block_table [batch, cross_width] (one spare [batch] region keeps views aligned)
+    host: pinned CPU twin of `packed`, filled on the host and copied with one transfer
+    copied: event recorded after that transfer; the host waits on it before refilling
     logits: [batch, 1, vocab]
     """
 
     input_ids: torch.Tensor
+    packed: torch.Tensor
+    host: torch.Tensor
+    copied: torch.cuda.Event
     meta: StepMetadata
     graph: torch.cuda.CUDAGraph
     logits: torch.Tensor
+
+
+def _views(packed: torch.Tensor, batch: int, self_width: int, cross_width: int) -> list[torch.Tensor]:
+    """slot_mapping, self_seq_lens, cross_seq_lens, self_block_table, cross_block_table of `packed`."""
+    slot, self_lens, cross_lens = packed[:batch], packed[batch : 2 * batch], packed[2 * batch : 3 * batch]
+    start = 4 * batch
+    self_table = packed[start : start + batch * self_width].view(batch, self_width)
+    start += batch * self_width
+    cross_table = packed[start : start + batch * cross_width].view(batch, cross_width)
+    return [slot, self_lens, cross_lens, self_table, cross_table]
 
 
 class DecodeGraphs:
@@ -48,7 +65,7 @@ class DecodeGraphs:
     def __init__(self) -> None:
         self._graphs: dict[tuple, _StaticStep] = {}
         self._mempool = None
-        self._pool_generation = -1
+        self._pool_generation: tuple = ()
 
     def clear(self) -> None:
         self._graphs.clear()
@@ -65,55 +82,56 @@ class DecodeGraphs:
         step_fn(input_ids, meta_for) -> logits runs the whole step on given metadata.
         """
         pool = cache.pool
-        if pool.generation != self._pool_generation:
-            self._graphs.clear()  # the pool moved: captured addresses are stale
-            self._pool_generation = pool.generation
+        if (id(pool), pool.generation) != self._pool_generation:
+            self._graphs.clear()  # a new or re-allocated pool: captured addresses are stale
+            self._pool_generation = (id(pool), pool.generation)
         rows = input_ids.shape[0]
         slots = cache.begin_step(1)
         tables = cache.host_tables()
         key = (bucket(rows), bucket(tables[0].shape[1], 4), bucket(tables[2].shape[1], 4))
         static = self._graphs.get(key)
         if static is None:
-            static = self._capture(step_fn, pool, key, input_ids, device)
+            static = self._capture(step_fn, pool, key, device)
             self._graphs[key] = static
-        self._fill(static, pool, rows, input_ids, slots, tables)
+        self._fill(static, pool, key, rows, slots, tables)
+        static.input_ids[:rows].copy_(input_ids)
         static.graph.replay()
         return static.logits[:rows].clone()
 
     @staticmethod
-    def _fill(static: _StaticStep, pool: KVPool, rows: int, input_ids, slots, tables) -> None:
-        batch = static.input_ids.shape[0]
+    def _fill(static: _StaticStep, pool: KVPool, key: tuple, rows: int, slots, tables) -> None:
+        static.copied.synchronize()  # the previous transfer out of `host` has finished
         self_table, self_lens, cross_table, cross_lens = tables
-        ids = torch.zeros(batch, 1, dtype=torch.long)
-        slot = torch.full((batch,), pool.scratch_block * pool.block_size, dtype=torch.long)
+        slot, s_lens, c_lens, s_table, c_table = _views(static.host, *key)
+        slot.fill_(pool.scratch_block * pool.block_size)
         slot[:rows] = slots
-        st = torch.full(tuple(static.meta.self_block_table.shape), pool.scratch_block, dtype=torch.int32)
-        st[:rows, : self_table.shape[1]] = self_table
-        sl = torch.ones(batch, dtype=torch.int32)
-        sl[:rows] = self_lens
-        ct = torch.full(tuple(static.meta.cross_block_table.shape), pool.scratch_block, dtype=torch.int32)
-        ct[:rows, : cross_table.shape[1]] = cross_table
-        cl = torch.ones(batch, dtype=torch.int32)
-        cl[:rows] = cross_lens
-        static.input_ids[:rows].copy_(input_ids, non_blocking=True)
-        static.input_ids[rows:].copy_(ids[rows:], non_blocking=True)
-        for dst, src in (
-            (static.meta.slot_mapping, slot), (static.meta.self_block_table, st), (static.meta.self_seq_lens, sl),
-            (static.meta.cross_block_table, ct), (static.meta.cross_seq_lens, cl),
-        ):
-            dst.copy_(src, non_blocking=True)
+        s_lens.fill_(1)
+        s_lens[:rows] = self_lens
+        c_lens.fill_(1)
+        c_lens[:rows] = cross_lens
+        s_table.fill_(pool.scratch_block)
+        s_table[:rows, : self_table.shape[1]] = self_table
+        c_table.fill_(pool.scratch_block)
+        c_table[:rows, : cross_table.shape[1]] = cross_table
+        static.packed.copy_(static.host, non_blocking=True)
+        static.copied.record()
 
-    def _capture(self, step_fn, pool: KVPool, key: tuple, input_ids: torch.Tensor, device) -> _StaticStep:
+    def _capture(self, step_fn, pool: KVPool, key: tuple, device) -> _StaticStep:
         batch, self_width, cross_width = key
         logger.info("capturing a decode CUDA graph: batch %d, self width %d, cross width %d", *key)
-        scratch = pool.scratch_block
+        size = 4 * batch + batch * (self_width + cross_width)
+        host = torch.zeros(size, dtype=torch.int32, pin_memory=True)
+        slot, s_lens, c_lens, s_table, c_table = _views(host, *key)
+        slot.fill_(pool.scratch_block * pool.block_size)
+        s_lens.fill_(1)
+        c_lens.fill_(1)
+        s_table.fill_(pool.scratch_block)
+        c_table.fill_(pool.scratch_block)
+        packed = host.to(device)
+        slot, s_lens, c_lens, s_table, c_table = _views(packed, *key)
         meta = StepMetadata(
-            num_new=1,
-            slot_mapping=torch.full((batch,), scratch * pool.block_size, dtype=torch.long, device=device),
-            self_block_table=torch.full((batch, self_width), scratch, dtype=torch.int32, device=device),
-            self_seq_lens=torch.ones(batch, dtype=torch.int32, device=device),
-            cross_block_table=torch.full((batch, cross_width), scratch, dtype=torch.int32, device=device),
-            cross_seq_lens=torch.ones(batch, dtype=torch.int32, device=device),
+            num_new=1, slot_mapping=slot, self_block_table=s_table, self_seq_lens=s_lens,
+            cross_block_table=c_table, cross_seq_lens=c_lens,
         )
         static_ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
         meta_for = lambda _device: meta  # noqa: E731  (one device: checked by the caller)
@@ -128,7 +146,9 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._mempool):
             logits = step_fn(static_ids, meta_for)
-        return _StaticStep(static_ids, meta, graph, logits)
+        copied = torch.cuda.Event()
+        copied.record()
+        return _StaticStep(static_ids, packed, host, copied, meta, graph, logits)
 
 
 def graphable(decoder: nn.Module) -> bool:

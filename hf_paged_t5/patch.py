@@ -80,6 +80,7 @@ class PagedRuntime:
             by_module: dict[int, torch.Tensor] = {}
             tables = [by_module.setdefault(id(m), build(m)) for m in modules]
             self._tables[key] = (stamp, tables)
+            self.graphs.clear()  # captured steps read the old tables
         return self._tables[key][1]
 
     def layer_specs(self, decoder: nn.Module) -> list[LayerSpec]:
@@ -218,8 +219,18 @@ def _make_forward(runtime: PagedRuntime, original):
 
 def _decode(runtime: PagedRuntime, model: nn.Module, cache: PagedEncoderDecoderCache, ids: torch.Tensor):
     """Logits [rows, num_new, vocab] of the new decoder tokens; a captured graph serves single tokens."""
-    tables = runtime.bias_tables(model.decoder, causal=True)
-    scale = model.model_dim**-0.5 if _scales_output(model.config) else None
+    plan = cache.__dict__.get("_decode_plan")
+    if plan is None:  # once per generate() call: the bias tables, the output scale, graphability
+        device = ids.device
+        use_graph = (
+            runtime.config.cuda_graphs
+            and ids.shape[0] <= runtime.config.max_graph_batch
+            and graphable(model)
+            and runtime.config.resolve_backend(device) == "triton"
+        )
+        scale = model.model_dim**-0.5 if _scales_output(model.config) else None
+        plan = cache._decode_plan = (runtime.bias_tables(model.decoder, causal=True), scale, use_graph)
+    tables, scale, use_graph = plan
 
     def step(input_ids, meta_for):
         hidden = decoder_layers(model.decoder, runtime.ops_for, tables, cache.pool, meta_for, input_ids)
@@ -227,15 +238,8 @@ def _decode(runtime: PagedRuntime, model: nn.Module, cache: PagedEncoderDecoderC
             hidden = hidden * scale
         return model.lm_head(hidden.to(module_device(model.lm_head)))
 
-    device = ids.device
-    if (
-        ids.shape[1] == 1
-        and runtime.config.cuda_graphs
-        and ids.shape[0] <= runtime.config.max_graph_batch
-        and graphable(model)
-        and runtime.config.resolve_backend(device) == "triton"
-    ):
-        return runtime.graphs.run(step, cache, ids, device)
+    if use_graph and ids.shape[1] == 1:
+        return runtime.graphs.run(step, cache, ids, ids.device)
     slots = cache.begin_step(ids.shape[1])
     metas: dict[torch.device, object] = {}
 

@@ -156,3 +156,22 @@ def prefill(
         o = _attend(query[start:end], key[start:end], value[start:end], scale, bias, mask)
         out[start:end] = o.to(query.dtype)
     return out
+
+
+def rms_norm(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """T5 layer norm of `hidden (+ residual)`, step for step as HF's `T5LayerNorm`.
+
+    hidden: [..., d_model]; residual: same shape and dtype, or None; weight: [d_model]
+    returns: (normed [..., d_model], the sum hidden + residual (or hidden))
+    """
+    total = hidden if residual is None else hidden + residual
+    variance = total.to(torch.float32).pow(2).mean(-1, keepdim=True)
+    normed = total * torch.rsqrt(variance + eps)
+    if weight.dtype in (torch.float16, torch.bfloat16):
+        normed = normed.to(weight.dtype)
+    return weight * normed, total

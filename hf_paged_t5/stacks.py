@@ -61,18 +61,22 @@ def encoder_forward(
     index, _, cu_seqlens, max_seqlen = pack_tokens(attention_mask)
     hidden = inputs_embeds.reshape(batch * seq_len, d_model)[index.to(inputs_embeds.device)]
     hidden = stack.dropout(hidden)
+    # The residual stream `hidden` and the pending sub-layer output `out` are added inside
+    # the next layer norm (attn_ops.add_norm), as HF adds them just before it.
+    out = None
     for i, block in enumerate(stack.block):
         device = module_device(block)
-        hidden = hidden.to(device)
-        sa = block.layer[0]
-        out = attn_ops.encoder_self_attention(
-            ops_for(device), sa.SelfAttention, sa.layer_norm(hidden),
-            cu_seqlens.to(device), max_seqlen, bias_tables[i].to(device),
-        )
-        hidden = attn_ops.clamp_fp16(hidden + sa.dropout(out))
-        hidden = attn_ops.clamp_fp16(block.layer[-1](hidden))
-    hidden = hidden.to(module_device(stack.final_layer_norm))
-    hidden = stack.dropout(stack.final_layer_norm(hidden))
+        ops = ops_for(device)
+        sa, ff = block.layer[0], block.layer[-1]
+        normed, hidden = attn_ops.add_norm(ops, sa.layer_norm, hidden, out)
+        out = sa.dropout(attn_ops.encoder_self_attention(
+            ops, sa.SelfAttention, normed, cu_seqlens.to(device), max_seqlen, bias_tables[i].to(device),
+        ))
+        normed, hidden = attn_ops.add_norm(ops, ff.layer_norm, hidden, out)
+        out = ff.dropout(ff.DenseReluDense(normed))
+    ops = ops_for(module_device(stack.final_layer_norm))
+    hidden, _ = attn_ops.add_norm(ops, stack.final_layer_norm, hidden, out)
+    hidden = stack.dropout(hidden)
     out = hidden.new_zeros(batch * seq_len, d_model)
     out[index.to(out.device)] = hidden
     return out.reshape(batch, seq_len, d_model)
@@ -119,18 +123,20 @@ def decoder_layers(
     input_ids: [rows, num_new]; returns [rows, num_new, d_model]
     """
     hidden = decoder.dropout(decoder.embed_tokens(input_ids))
+    out = None  # pending sub-layer output, added inside the next layer norm (see encoder_forward)
     for i, block in enumerate(decoder.block):
         device = module_device(block)
         meta, ops = meta_for(device), ops_for(device)
         kc, vc = pool.key_caches[i], pool.value_caches[i]
-        hidden = hidden.to(device)
-        sa, ca = block.layer[0], block.layer[1]
-        out = attn_ops.decoder_self_attention(
-            ops, sa.SelfAttention, sa.layer_norm(hidden), kc, vc, meta, bias_tables[i].to(device)
-        )
-        hidden = attn_ops.clamp_fp16(hidden + sa.dropout(out))
-        out = attn_ops.cross_attention(ops, ca.EncDecAttention, ca.layer_norm(hidden), kc, vc, meta)
-        hidden = attn_ops.clamp_fp16(hidden + ca.dropout(out))
-        hidden = attn_ops.clamp_fp16(block.layer[-1](hidden))
-    hidden = hidden.to(module_device(decoder.final_layer_norm))
-    return decoder.dropout(decoder.final_layer_norm(hidden))
+        sa, ca, ff = block.layer[0], block.layer[1], block.layer[-1]
+        normed, hidden = attn_ops.add_norm(ops, sa.layer_norm, hidden, out)
+        out = sa.dropout(attn_ops.decoder_self_attention(
+            ops, sa.SelfAttention, normed, kc, vc, meta, bias_tables[i].to(device)
+        ))
+        normed, hidden = attn_ops.add_norm(ops, ca.layer_norm, hidden, out)
+        out = ca.dropout(attn_ops.cross_attention(ops, ca.EncDecAttention, normed, kc, vc, meta))
+        normed, hidden = attn_ops.add_norm(ops, ff.layer_norm, hidden, out)
+        out = ff.dropout(ff.DenseReluDense(normed))
+    ops = ops_for(module_device(decoder.final_layer_norm))
+    hidden, _ = attn_ops.add_norm(ops, decoder.final_layer_norm, hidden, out)
+    return decoder.dropout(hidden)

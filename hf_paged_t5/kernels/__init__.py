@@ -3,11 +3,13 @@
 - `store_kv`: write K/V of new tokens into pool slots.
 - `paged_decode`: one query token per row over paged keys, with the causal T5 bias table,
   a dense bias or none; splits long key ranges across programs (flash-decoding).
+- `rms_norm`: T5's layer norm, optionally fused with the residual add.
 - `prefill`: varlen flash-attention over packed sequences, bidirectional or causal.
 """
 
 from .decode import paged_decode
 from .prefill import prefill
+from .rmsnorm import rms_norm
 from .store_kv import store_kv
 
-__all__ = ["paged_decode", "prefill", "store_kv"]
+__all__ = ["paged_decode", "prefill", "rms_norm", "store_kv"]
