@@ -7,6 +7,11 @@ from .block_manager import BlockManager, PoolExhaustedError
 from .cache import KVPool, PagedEncoderDecoderCache
 from .config import PagedCacheConfig
 from .patch import SUPPORTED_CLASSES, is_patched, patch_model, unpatch_model
+from .pipelines import register_pipelines, unregister_pipelines
+
+# The one import-time action, by design: transformers 5 removed the summarization /
+# translation / text2text pipelines, and importing hf_paged_t5 brings them back.
+register_pipelines()
 
 __all__ = [
     "BlockManager",
@@ -17,6 +22,8 @@ __all__ = [
     "SUPPORTED_CLASSES",
     "is_patched",
     "patch_model",
+    "register_pipelines",
     "unpatch_model",
+    "unregister_pipelines",
 ]
 __version__ = "0.1.0"
