@@ -1,6 +1,6 @@
-"""Where a patched decode step's time goes: whole generate() vs model forward vs graph replay.
+"""Where a patched decode step's time goes: HF's loop, our forward's host work, the graph replay.
 
-    python benchmarks/profile_step.py [--models t5-small,t5-large] [--batch 1]
+    python benchmarks/profile_step.py [--models t5-small,t5-large] [--batch 1,64] [--table PATH]
 """
 
 from __future__ import annotations
@@ -9,52 +9,69 @@ import argparse
 import time
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 import hf_paged_t5 as hp
 from bench_generate import inputs, make
 
 
-def per_call(fn, n: int) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n * 1e3
+def timed_forward(model):
+    """Wrap the patched forward to sum its host time (no syncs added)."""
+    inner = model.forward
+    spent = [0.0, 0]
+
+    def forward(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = inner(*args, **kwargs)
+        spent[0] += time.perf_counter() - t0
+        spent[1] += 1
+        return out
+
+    model.forward = forward
+    return spent
 
 
-def profile(name: str, batch: int, new: int = 64) -> None:
+def run(name: str, batch: int, beams: int, table: str | None, new: int = 64) -> None:
     model = hp.patch_model(make(name, "sdpa", torch.bfloat16))
     ids, mask = inputs(batch, 512)
-    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, num_beams=beams)
     with torch.inference_mode():
         model.generate(**kw)
-        gen = per_call(lambda: model.generate(**kw), 2) / new
-        graphs = model._hf_paged_t5.graphs._graphs
-        static = next(iter(graphs.values()))
-        replay = per_call(static.graph.replay, 200)
-        # Host + device cost of our forward alone, on a live cache (one extra step each call).
-        runtime = model._hf_paged_t5
-        cache = hp.PagedEncoderDecoderCache(runtime.pool, batch, 1, 4096)
-        enc = model.encoder(input_ids=ids, attention_mask=mask)
-        dec = torch.zeros(batch, 1, dtype=torch.long, device="cuda")
-        step = lambda: model(encoder_outputs=enc, attention_mask=mask, decoder_input_ids=dec,  # noqa: E731
-                             **{runtime.cache_kwarg: cache})
-        step()
-        fwd = per_call(step, 200)
-        cache.release()
-    print(f"{name} b{batch}: generate {gen:.3f} ms/step | forward {fwd:.3f} | graph replay {replay:.3f} | "
-          f"HF loop + our host {gen - replay:.3f} | graphs {len(graphs)}", flush=True)
+        spent = timed_forward(model)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(**kw)
+        torch.cuda.synchronize()
+        total = (time.perf_counter() - t0) / new * 1e3
+        fwd = spent[0] / spent[1] * 1e3
+        static = next(iter(model._hf_paged_t5.graphs._graphs.values()))
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(100):
+            static.graph.replay()
+        torch.cuda.synchronize()
+        replay = (time.perf_counter() - t0) / 100 * 1e3
+        if table:
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                model.generate(**{**kw, "max_new_tokens": 16, "min_new_tokens": 16})
+            with open(table, "a") as f:
+                f.write(f"\n##### {name} b{batch} beams{beams}\n")
+                f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=45))
+    print(f"{name} b{batch} beams{beams}: generate {total:.3f} ms/step | our forward (host) {fwd:.3f} | "
+          f"graph replay (GPU) {replay:.3f} | rest (HF loop) {total - fwd - replay:.3f}", flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="t5-small,t5-large")
     ap.add_argument("--batch", default="1")
+    ap.add_argument("--beams", default="1")
+    ap.add_argument("--table", default=None)
     args = ap.parse_args()
     for name in args.models.split(","):
         for b in args.batch.split(","):
-            profile(name, int(b))
+            for k in args.beams.split(","):
+                run(name, int(b), int(k), args.table)
 
 
 if __name__ == "__main__":
