@@ -28,7 +28,7 @@ CASES = [(1, 1), (16, 1), (64, 1), (8, 4)]  # (batch, num_beams)
 
 def make(name: str, attn: str, dtype: torch.dtype) -> T5ForConditionalGeneration:
     shape = {k: v for k, v in SHAPES[name].items()}
-    cfg = T5Config(vocab_size=32128, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, **shape)
+    cfg = T5Config(decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, **shape)
     cfg._attn_implementation = attn
     with torch.device("cuda"):
         torch.manual_seed(0)
