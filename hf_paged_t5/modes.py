@@ -72,12 +72,20 @@ FALLBACK_KWARGS = {
 # Values that mean "off" for an option whose default is None (model configs often write them).
 _OFF = (None, False, 0, 1, "", (), [], {})
 
+# Options HF turns on by any value but None (`is not None` in `GenerationConfig.get_generation_mode`):
+# prompt_lookup_num_tokens=1 or assistant_early_exit=1 is assisted decoding, not "off".
+_ON_UNLESS_NONE = frozenset(
+    {"prompt_lookup_num_tokens", "assistant_early_exit", "dola_layers", "constraints", "force_words_ids"}
+)
+
 
 def _differs(config: GenerationConfig, default: GenerationConfig, key: str) -> bool:
     """Whether `key` asks for something other than the library default."""
     value, base = getattr(config, key, None), getattr(default, key, None)
     if value is None or value == base:
         return False
+    if key in _ON_UNLESS_NONE:
+        return True
     if base is None or isinstance(base, bool) or base == 1:
         return not any(value is off or (type(value) is type(off) and value == off) for off in _OFF)
     return True
