@@ -94,6 +94,14 @@ class PagedRuntime:
 
     def get_pool(self, decoder: nn.Module) -> KVPool:
         specs = self.layer_specs(decoder)
+        for i, (spec, block) in enumerate(zip(specs, decoder.block)):
+            weight_dtype = block.layer[0].SelfAttention.k.weight.dtype
+            if spec.dtype != weight_dtype:
+                raise ValueError(
+                    f"PagedCacheConfig(dtype={spec.dtype}) does not match decoder layer {i}'s weights "
+                    f"({weight_dtype}); the kernels need K/V in the model's dtype. Use dtype=None, or "
+                    f"convert the model with model.to({spec.dtype})"
+                )
         if self.pool is None or self.pool.specs != specs:
             if self.pool is not None:
                 logger.info("re-creating the KV pool: the decoder's devices or dtypes changed")

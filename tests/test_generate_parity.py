@@ -171,3 +171,46 @@ def test_unpatch_restores_stock_behaviour():
     assert set(model.__dict__) == set(before) and set(model.encoder.__dict__) == set(enc_before)
     assert type(model).forward is model.forward.__func__
     assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6), ref)
+
+
+def test_beam_search_stores_cross_kv_once_per_source(monkeypatch):
+    """num_beams=4 x 3 sources: the encoder K/V go into the pool 3 times (one block list per source)."""
+    model = make_model("t5", seed=14)
+    ids, mask = make_batch([20, 9, 14])
+    seen = []
+    original = hp.PagedEncoderDecoderCache.store_cross_plan
+
+    def spy(self, lens):
+        slots = original(self, lens)
+        seen.append((list(lens), [len(b) for b in self.cross_blocks], self.num_rows))
+        return slots
+
+    monkeypatch.setattr(hp.PagedEncoderDecoderCache, "store_cross_plan", spy)
+    ref, out = hf_and_paged(model, input_ids=ids, attention_mask=mask, max_new_tokens=6, num_beams=4)
+    assert_same_sequences(ref, out)
+    assert seen == [([20, 9, 14], [3, 2, 2], 12)]  # block_size 8: ceil(len / 8) blocks per source, 12 rows
+
+
+def test_encoder_model_matches_hf_on_real_tokens():
+    from transformers import T5Config, T5EncoderModel
+
+    torch.manual_seed(0)
+    model = T5EncoderModel(T5Config(vocab_size=384, d_model=64, d_ff=96, d_kv=16, num_heads=4, num_layers=2)).eval()
+    ids, mask = make_batch([12, 30, 5], padding_side="left")
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        hp.patch_model(model, CONFIG)
+        out = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        hp.unpatch_model(model)
+    real = mask.bool()
+    torch.testing.assert_close(out[real], ref[real], rtol=1e-5, atol=1e-5)
+    assert (out[~real] == 0).all()  # documented: padded positions are zero on the paged encoder
+
+
+def test_kv_dtype_must_match_the_model():
+    model = make_model("t5", seed=15)
+    ids, mask = make_batch([6])
+    hp.patch_model(model, hp.PagedCacheConfig(dtype=torch.float16, backend="torch"))
+    with pytest.raises(ValueError, match="does not match decoder layer 0"):
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3)
+    hp.unpatch_model(model)
