@@ -57,6 +57,9 @@ class PagedRuntime:
         self.pool: Optional[KVPool] = None
         self.graphs = DecodeGraphs()
         self.lock = threading.Lock()
+        # Thread running a paged generate() (holding `lock`): a generate() it nests, from a streamer
+        # or logits processor, must not wait on the lock (deadlock) nor take blocks promised to it.
+        self.owner: Optional[int] = None
         self.warned: set[str] = set()
         self._tables: dict[str, tuple[tuple, list[torch.Tensor]]] = {}
         sig = inspect.signature(type(model).forward).parameters if self.is_seq2seq else {}
@@ -271,6 +274,8 @@ def _make_generate(runtime: PagedRuntime, original):
         if inputs is not None:
             model_kwargs["input_ids"] = inputs
         reason = fallback_reason(gen_config, model_kwargs, self.training)
+        if reason is None and runtime.owner == threading.get_ident():
+            reason = "a generate() nested in a running generate() of the same model is served by stock HF"
         if reason is not None:
             runtime.warn_once(reason)
             return original(inputs, generation_config, **kwargs)
@@ -305,13 +310,18 @@ def _paged_generate(runtime, model, original, inputs, generation_config, gen_con
     if model_kwargs.get("decoder_attention_mask") is not None:
         kwargs = {k: v for k, v in kwargs.items() if k != "decoder_attention_mask"}  # all ones: same as none
     with runtime.lock:
-        pool = runtime.get_pool(model.decoder)
-        pool.reserve(PagedEncoderDecoderCache.blocks_needed(source_lens, expand, max_self_tokens, pool.block_size))
-        cache = PagedEncoderDecoderCache(pool, len(source_lens), expand, max_self_tokens)
+        runtime.owner = threading.get_ident()
+        cache = None
         try:
+            pool = runtime.get_pool(model.decoder)
+            needed = PagedEncoderDecoderCache.blocks_needed(source_lens, expand, max_self_tokens, pool.block_size)
+            pool.reserve(needed)
+            cache = PagedEncoderDecoderCache(pool, len(source_lens), expand, max_self_tokens)
             return original(inputs, generation_config, **kwargs, **{runtime.cache_kwarg: cache})
         finally:
-            cache.release()
+            runtime.owner = None
+            if cache is not None:
+                cache.release()
 
 
 def _check_devices(model: nn.Module, source: torch.Tensor, mask: Optional[torch.Tensor]) -> None:
