@@ -89,9 +89,12 @@ def test_cache_matches_dense_reference(program, seed):
     source_lens, expand, ops = program
     gen = torch.Generator().manual_seed(seed)
     config = hp.PagedCacheConfig(block_size=4, num_blocks=64, backend="torch")
-    pool = KVPool(config, [LayerSpec(torch.device("cpu"), torch.float32, num_heads=NUM_HEADS, head_dim=HEAD_DIM)])
+    spec = LayerSpec(torch.device("cpu"), torch.float32, num_heads=NUM_HEADS, head_dim=HEAD_DIM)
+    pool = KVPool(config, [spec])
     max_self_tokens = sum(n for name, n in ops if name == "step")
-    pool.reserve(PagedEncoderDecoderCache.blocks_needed(source_lens, expand, max_self_tokens, pool.block_size))
+    # grow=True: the reservation may grow the 64-block pool, as generate() does.
+    needed = PagedEncoderDecoderCache.blocks_needed(source_lens, expand, max_self_tokens, pool.block_size)
+    pool.reserve(needed)
     cache = PagedEncoderDecoderCache(pool, len(source_lens), expand, max_self_tokens)
     rows = cache.num_rows
 
@@ -216,7 +219,8 @@ def test_stopping_criteria_exception_releases_blocks(patched_with_refs):
 
 def test_keyboard_interrupt_in_streamer_releases_blocks(patched_with_refs):
     model, kw, refs = patched_with_refs
-    one = dict(kw, input_ids=kw["input_ids"][:1], attention_mask=kw["attention_mask"][:1])  # streamers take batch 1
+    # streamers take batch 1
+    one = dict(kw, input_ids=kw["input_ids"][:1], attention_mask=kw["attention_mask"][:1])
     streamer = InterruptingStreamer()
     with pytest.raises(KeyboardInterrupt):
         model.generate(**one, streamer=streamer)
@@ -487,3 +491,46 @@ def test_unknown_generation_option_falls_back(caplog):
     gen_config.my_new_option = 3
     kw = dict(input_ids=ids, attention_mask=mask, generation_config=gen_config)
     _check_fallback(model, kw, "generation option 'my_new_option'=3 is not known", caplog)
+
+
+def test_generate_nested_in_a_streamer_does_not_deadlock(caplog):
+    """A streamer that calls generate() on the same model while the outer paged call holds the
+    model's lock: the nested call runs on stock HF (it would otherwise wait on the lock forever,
+    or take blocks promised to the outer call). Run in a thread so a deadlock fails, not hangs."""
+    model = make_model("t5", seed=31)
+    ids, mask = make_batch([8], seed=4)
+    inner_kw = dict(input_ids=make_batch([5], seed=5)[0], max_new_tokens=4)
+    outer_kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6)
+    refs = [model.generate(**outer_kw), model.generate(**inner_kw)]
+    hp.patch_model(model, CONFIG)
+    nested: list = []
+
+    class NestingStreamer(BaseStreamer):
+        def __init__(self) -> None:
+            self.puts = 0
+
+        def put(self, value):
+            self.puts += 1
+            if self.puts == 2:
+                nested.append(model.generate(**inner_kw))
+
+        def end(self):
+            pass
+
+    result: list = []
+
+    def run():
+        try:
+            result.append(model.generate(**outer_kw, streamer=NestingStreamer()))
+        except BaseException as exc:  # reported by the main thread
+            result.append(exc)
+
+    with caplog.at_level(logging.WARNING, logger="hf_paged_t5"):
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        thread.join(timeout=60)
+    assert not thread.is_alive(), "generate() nested in a streamer deadlocked"
+    assert isinstance(result[0], torch.Tensor), result[0]
+    assert torch.equal(result[0], refs[0]) and torch.equal(nested[0], refs[1])
+    assert any("nested" in r.getMessage() for r in caplog.records)
+    assert model._hf_paged_t5.pool.is_idle() and model._hf_paged_t5.owner is None
