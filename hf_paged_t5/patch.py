@@ -87,24 +87,22 @@ class PagedRuntime:
         return self._tables[key][1]
 
     def layer_specs(self, decoder: nn.Module) -> list[LayerSpec]:
+        """One pool spec per decoder layer: its device, the model's dtype, its head shape."""
         specs = []
-        for block in decoder.block:
+        for i, block in enumerate(decoder.block):
             attn = block.layer[0].SelfAttention
             weight = attn.k.weight
-            dtype = self.config.dtype or weight.dtype
-            specs.append(LayerSpec(weight.device, dtype, attn.n_heads, attn.key_value_proj_dim))
+            if self.config.dtype is not None and self.config.dtype != weight.dtype:
+                raise ValueError(
+                    f"PagedCacheConfig(dtype={self.config.dtype}) does not match decoder layer {i}'s weights "
+                    f"({weight.dtype}); the kernels need K/V in the model's dtype. Use dtype=None, or "
+                    f"convert the model with model.to({self.config.dtype})"
+                )
+            specs.append(LayerSpec(weight.device, weight.dtype, attn.n_heads, attn.key_value_proj_dim))
         return specs
 
     def get_pool(self, decoder: nn.Module) -> KVPool:
         specs = self.layer_specs(decoder)
-        for i, (spec, block) in enumerate(zip(specs, decoder.block)):
-            weight_dtype = block.layer[0].SelfAttention.k.weight.dtype
-            if spec.dtype != weight_dtype:
-                raise ValueError(
-                    f"PagedCacheConfig(dtype={spec.dtype}) does not match decoder layer {i}'s weights "
-                    f"({weight_dtype}); the kernels need K/V in the model's dtype. Use dtype=None, or "
-                    f"convert the model with model.to({spec.dtype})"
-                )
         if self.pool is None or self.pool.specs != specs:
             if self.pool is not None:
                 logger.info("re-creating the KV pool: the decoder's devices or dtypes changed")
