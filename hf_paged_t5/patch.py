@@ -16,12 +16,14 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
+from transformers.generation import GenerationMode
 from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
 
 from . import bias as bias_mod
 from .attention import backend_ops
 from .cache import KVPool, LayerSpec, PagedEncoderDecoderCache
 from .config import PagedCacheConfig
+from .loop import sample_loop
 from .modes import fallback_reason
 from .graphs import DecodeGraphs, graphable
 from .stacks import decoder_layers, encoder_forward, module_device, store_cross
@@ -315,11 +317,44 @@ def _paged_generate(runtime, model, original, inputs, generation_config, gen_con
             needed = PagedEncoderDecoderCache.blocks_needed(source_lens, expand, max_self_tokens, pool.block_size)
             pool.reserve(needed)
             cache = PagedEncoderDecoderCache(pool, len(source_lens), expand, max_self_tokens)
+            if _lean_loop_serves(gen_config):
+                kwargs = {**kwargs, "custom_generate": _make_sample_loop(runtime, cache)}
             return original(inputs, generation_config, **kwargs, **{runtime.cache_kwarg: cache})
         finally:
             runtime.owner = None
             if cache is not None:
                 cache.release()
+
+
+def _lean_loop_serves(gen_config) -> bool:
+    """Greedy and sampling calls that return plain sequences run `loop.sample_loop`; the rest
+    (beam search, return_dict_in_generate) run HF's own loop over the same paged forward."""
+    mode = gen_config.get_generation_mode()
+    return mode in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE) and not gen_config.return_dict_in_generate
+
+
+def _make_sample_loop(runtime: PagedRuntime, cache: PagedEncoderDecoderCache):
+    """A `custom_generate` callable (HF's `_sample` signature) running the paged loop on `cache`."""
+
+    def paged_sample(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                     synced_gpus=False, streamer=None, **model_kwargs):
+        if synced_gpus:
+            raise RuntimeError("synced_gpus is served by stock HF; this call should not have reached the paged loop")
+
+        def prefill(ids):
+            return model(
+                decoder_input_ids=ids, encoder_outputs=model_kwargs["encoder_outputs"],
+                attention_mask=model_kwargs.get("attention_mask"), use_cache=True, return_dict=True,
+                **{runtime.cache_kwarg: cache},
+            ).logits
+
+        def step(ids):
+            with torch.no_grad():
+                return _decode(runtime, model, cache, ids)
+
+        return sample_loop(step, prefill, input_ids, logits_processor, stopping_criteria, generation_config, streamer)
+
+    return paged_sample
 
 
 def _check_devices(model: nn.Module, source: torch.Tensor, mask: Optional[torch.Tensor]) -> None:

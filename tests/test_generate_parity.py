@@ -214,3 +214,22 @@ def test_kv_dtype_must_match_the_model():
     with pytest.raises(ValueError, match="does not match decoder layer 0"):
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3)
     hp.unpatch_model(model)
+
+
+def test_greedy_and_sampling_run_the_lean_loop(monkeypatch):
+    """Greedy / sampling calls that return plain sequences go through loop.sample_loop (HF's
+    processors and criteria, fewer per-step host ops); beam search and dict outputs do not."""
+    import hf_paged_t5.patch as patch_mod
+
+    calls = []
+    real = patch_mod.sample_loop
+    monkeypatch.setattr(patch_mod, "sample_loop", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = make_model("t5")
+    ids, mask = make_batch([9, 4, 7])
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=7)
+    hp.patch_model(model)
+    assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=7), ref)
+    assert len(calls) == 1
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=7, num_beams=2)
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=7, return_dict_in_generate=True)
+    assert len(calls) == 1

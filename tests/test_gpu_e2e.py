@@ -105,3 +105,25 @@ def test_beam_cross_kv_stored_once():
         hp.PagedEncoderDecoderCache.store_cross_plan = orig
     assert seen == [mask.sum(1).tolist()]  # 3 sources stored, not 12 beams
     assert pool.pool.is_idle()
+
+
+def test_deferred_stop_matches_hf_when_rows_end_early():
+    """The lean loop reads "all finished" one step late and drops the queued step: same tokens as HF
+    when rows hit EOS at different steps, when all stop before max_new_tokens, and when sampling."""
+    model = real_shape_model("t5-small", torch.float32)
+    ids, mask = batch(6, 120)
+    probe = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30)
+    eos = int(probe[0, 5])  # a token row 0 emits early: rows now end at different steps
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=60, eos_token_id=eos)
+    ref, out = both(model, **kw)
+    assert torch.equal(ref, out) and ref.shape[1] < 61
+    torch.manual_seed(3)
+    ref = model.generate(**kw, do_sample=True, top_k=20)
+    hp.patch_model(model)
+    try:
+        torch.manual_seed(3)
+        out = model.generate(**kw, do_sample=True, top_k=20)
+        assert model._hf_paged_t5.pool.is_idle()
+    finally:
+        hp.unpatch_model(model)
+    assert torch.equal(ref, out)

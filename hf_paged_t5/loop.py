@@ -1,0 +1,74 @@
+"""The greedy / sampling decode loop of a paged `generate()`, handed to HF as `custom_generate`.
+
+It is HF's `_sample` loop with HF's own logits processors and stopping criteria, minus the
+per-step work the paged path does not need (`prepare_inputs_for_generation`, model-kwargs
+updates, attention-mask growth), and with the stop decision read one step late: the host
+queues step n+1 before it waits for step n's "all finished" flag, so host work overlaps the
+GPU instead of alternating with it. When the flag says stop, the queued step's logits are
+dropped (its K/V lands in blocks that `release()` frees), so the returned tokens are HF's.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+
+def sample_loop(
+    step: Callable[[torch.Tensor], torch.Tensor],
+    prefill: Callable[[torch.Tensor], torch.Tensor],
+    input_ids: torch.LongTensor,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    streamer=None,
+) -> torch.LongTensor:
+    """Greedy or multinomial decoding; returns the sequences [rows, length] as HF's `_sample` does.
+
+    prefill(input_ids [rows, L]) -> logits [rows, L, vocab]: the first decoder forward.
+    step(tokens [rows, 1]) -> logits [rows, 1, vocab]: one cached decode step.
+    """
+    pad_token_id = generation_config._pad_token_tensor
+    if pad_token_id is not None:
+        pad_token_id = pad_token_id.to(input_ids.device)
+    has_eos_stopping_criteria = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
+    max_length = stopping_criteria.max_length
+    unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
+    # Deferring needs an asynchronous device->host copy; a streamer needs every token now anyway.
+    defer = input_ids.device.type == "cuda" and streamer is None
+    if defer:
+        all_done = torch.zeros((), dtype=torch.bool, pin_memory=True)
+        copied = torch.cuda.Event()
+
+    logits = prefill(input_ids)
+    while True:
+        next_token_logits = logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)
+        scores = logits_processor(input_ids, next_token_logits)
+        if generation_config.do_sample:
+            next_tokens = torch.multinomial(nn.functional.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+        else:
+            next_tokens = torch.argmax(scores, dim=-1)
+        if has_eos_stopping_criteria:
+            next_tokens = next_tokens * unfinished + pad_token_id * (1 - unfinished)
+        input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
+        unfinished = unfinished & ~stopping_criteria(input_ids, None)
+        if streamer is not None:
+            streamer.put(next_tokens.cpu())
+        if max_length is not None and input_ids.shape[1] >= max_length:
+            break  # MaxLengthCriteria has just stopped every row: known on the host, no wait
+        if not defer:
+            if unfinished.max() == 0:
+                break
+            logits = step(next_tokens[:, None])
+            continue
+        all_done.copy_(unfinished.max() == 0, non_blocking=True)
+        copied.record()
+        logits = step(next_tokens[:, None])  # queued before we wait: it may be dropped below
+        copied.synchronize()
+        if bool(all_done):
+            break
+    if streamer is not None:
+        streamer.end()
+    return input_ids
