@@ -18,6 +18,7 @@ if not torch.cuda.is_available():
 
 from hf_paged_t5 import reference  # noqa: E402
 from hf_paged_t5.kernels import paged_decode, prefill, store_kv  # noqa: E402
+from hf_paged_t5.kernels.decode import DecodeConfig, decode_config  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -171,6 +172,66 @@ def test_paged_decode_split_counts_agree(num_splits):
     assert rel_err(out, decode_reference(*args, bias_table=table)) < TOLERANCE[torch.float32]
 
 
+@pytest.mark.parametrize("block_size", [1, 4, 16, 32])
+@pytest.mark.parametrize("block_n", [16, 32, 64])
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_paged_decode_tile_configs(block_size, block_n, num_splits):
+    """Tiles of several blocks and tiles inside one block, rows ending at tile edges, shuffled tables."""
+    lens = [block_n - 1, block_n, block_n + 1, 2 * block_n, 3 * block_n + 5, 1]
+    key_cache, value_cache, block_table, seq_lens = make_paged_kv(lens, block_size, 2, 16, torch.float32, seed=3)
+    query = torch.randn(len(lens), 2, 16, device=DEVICE)
+    table = torch.randn(2, 40, device=DEVICE)
+    args = (query, key_cache, value_cache, block_table, seq_lens)
+    config = DecodeConfig(block_n=block_n, num_warps=4, num_stages=2, num_splits=num_splits)
+    out = paged_decode(*args, scale=0.5, bias_table=table, config=config)
+    ref = decode_reference(*args, scale=0.5, bias_table=table)
+    assert rel_err(out, ref) < TOLERANCE[torch.float32]
+
+
+def test_paged_decode_num_splits_overrides_config():
+    lens = [70, 3]
+    key_cache, value_cache, block_table, seq_lens = make_paged_kv(lens, 8, 2, 16, torch.float32)
+    query = torch.randn(2, 2, 16, device=DEVICE)
+    args = (query, key_cache, value_cache, block_table, seq_lens)
+    config = DecodeConfig(block_n=32, num_warps=4, num_splits=1)
+    out = paged_decode(*args, config=config, num_splits=3)
+    assert rel_err(out, decode_reference(*args)) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize(
+    "knobs, words",
+    [
+        (dict(block_n=24, num_warps=4), "power of two"),
+        (dict(block_n=8, num_warps=4), "power of two"),
+        (dict(block_n=32, num_warps=3), "num_warps"),
+        (dict(block_n=32, num_warps=4, num_splits=0), "num_splits"),
+    ],
+)
+def test_decode_config_rejects_bad_knobs(knobs, words):
+    with pytest.raises(ValueError, match=words):
+        DecodeConfig(**knobs)
+
+
+def test_decode_config_heuristic_on_an_h200():
+    """Graph-replayed small batches: one split (no combine launch); few rows over long keys: split."""
+    sms = 132
+    for keys in (128, 256, 512):
+        assert decode_config(1, 16, 64, keys, sms).num_splits == 1
+    assert decode_config(64, 16, 64, 2048, sms).num_splits == 1
+    long_row = decode_config(1, 16, 64, 16384, sms)
+    assert 16 <= long_row.num_splits <= 64
+    assert decode_config(1, 16, 128, 16384, sms).block_n * 128 <= 8192
+    for batch, keys in ((1, 128), (16, 512), (64, 2048), (1, 16384)):
+        cfg = decode_config(batch, 16, 64, keys, sms)
+        assert cfg.block_n * 64 <= 8192 and cfg.num_splits * _min_split_keys() <= max(keys, _min_split_keys())
+
+
+def _min_split_keys() -> int:
+    from hf_paged_t5.kernels import decode
+
+    return decode._MIN_KEYS_PER_SPLIT
+
+
 def test_paged_decode_max_seq_len_hint():
     lens = [3, 33]
     key_cache, value_cache, block_table, seq_lens = make_paged_kv(lens, 2, 2, 16, torch.float32, extra_cols=20)
@@ -318,6 +379,9 @@ def test_gpu_paged_decode_realistic(dtype, head_dim, batch, keys):
     for num_splits in (None, 1):
         out = paged_decode(*args, scale=head_dim**-0.5, bias_table=table, num_splits=num_splits)
         assert rel_err(out, ref) < TOLERANCE[dtype], num_splits
+    for config in (DecodeConfig(128, 8, 2, 4), DecodeConfig(32, 4, 3, 1)):
+        out = paged_decode(*args, scale=head_dim**-0.5, bias_table=table, config=config)
+        assert rel_err(out, ref) < TOLERANCE[dtype], config
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
@@ -384,3 +448,36 @@ def test_gpu_paged_decode_replays_in_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert rel_err(out, decode_reference(*args, bias_table=table)) < TOLERANCE[torch.bfloat16]
+
+
+# ---- gemv (few-row projections) ----------------------------------------------------------
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("n,k", [(5, 7), (96, 64), (130, 520), (1030, 33)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gemv_matches_reference(rows, n, k, dtype):
+    from hf_paged_t5 import kernels
+
+    g = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, 1, k, generator=g).to(dtype)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    assert kernels.gemv_supports(x, w)
+    out = kernels.gemv(x, w)
+    ref = x.double() @ w.double().T
+    assert out.shape == (rows, 1, n) and out.dtype == dtype
+    # fp32 accumulation: what is left is the final rounding to `dtype`, at most one ulp
+    # (Triton's interpreter truncates instead of rounding to nearest).
+    ulp = ref.abs() * torch.finfo(dtype).eps
+    assert ((out.double() - ref).abs() <= ulp * 1.01 + 1e-4).all()
+
+
+def test_gemv_refuses_what_it_does_not_serve():
+    from hf_paged_t5 import kernels
+
+    w = torch.randn(8, 16).half()
+    assert not kernels.gemv_supports(torch.randn(5, 16).half(), w)  # too many rows
+    assert not kernels.gemv_supports(torch.randn(1, 16), w.float())  # fp32 stays on torch
+    assert not kernels.gemv_supports(torch.randn(1, 16).half(), w.T.contiguous().T)  # column-major
+    with pytest.raises(ValueError, match="at most 4 rows"):
+        kernels.gemv(torch.randn(5, 16).half(), w)
+    with pytest.raises(ValueError, match="features"):
+        kernels.gemv(torch.randn(1, 15).half(), w)

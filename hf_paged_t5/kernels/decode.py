@@ -1,14 +1,19 @@
 """Paged decode attention, one query token per row (Triton twin of `reference.paged_decode`).
 
-One program handles one (row, head, key split). With one split it writes the output; with
-several (flash-decoding, for few rows over long keys) each writes an unnormalised partial
+One program handles one (head, row, key split) and streams that split's keys in tiles of
+BLOCK_N keys (several blocks, or part of one): per key it gathers the block id from the row's
+table and loads the K / V rows as one [BLOCK_N, head_dim] pointer tile with 16-byte loads,
+requesting the next tile before it uses the current one. With one split it writes the output;
+with several (flash-decoding, for few rows over long keys) each writes an unnormalised partial
 (running max, running sum, weighted V sum) and `_combine_splits_kernel` merges them with a
-log-sum-exp rescale. The grid depends on tensor shapes only: no host-device sync, so the
-wrapper can be captured in a CUDA graph; programs past a row's `seq_len` contribute nothing.
+log-sum-exp rescale. The grid depends on tensor shapes and the host bound `max_seq_len` only:
+no host-device sync, so the wrapper can be captured in a CUDA graph; programs past a row's
+`seq_len` contribute nothing. Launch knobs are a `DecodeConfig`, picked by `decode_config`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -28,11 +33,45 @@ from ._checks import (
 
 # BIAS_MODE values.
 _NO_BIAS, _TABLE_BIAS, _DENSE_BIAS = 0, 1, 2
-# A split shorter than this costs more in partial traffic than it wins in parallelism.
-_MIN_KEYS_PER_SPLIT = 256
+# A split shorter than this costs more (partials, the combine launch) than it wins in parallelism.
+_MIN_KEYS_PER_SPLIT = 512
 _MAX_SPLITS = 128
 # Enough resident programs per SM to hide memory latency on a bandwidth-bound kernel.
 _PROGRAMS_PER_SM = 4
+
+
+@triton.jit
+def _load_tile(
+    key_cache_ptr,
+    value_cache_ptr,
+    table_row_ptr,
+    tile_start,
+    end,
+    head,
+    dims,
+    dim_mask,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """K and V rows [BLOCK_N, BLOCK_D] of keys [tile_start, tile_start + BLOCK_N) of one head.
+
+    The tile spans BLOCK_N // BLOCK_SIZE blocks (or part of one): each key gathers its block id
+    from the row's table (repeated ids hit one cache line) and its row from that block. Keys
+    at or past `end` are masked, so a tile past the end costs no memory traffic.
+    """
+    keys = tile_start + tl.arange(0, BLOCK_N)
+    key_mask = keys < end
+    block_id = tl.load(table_row_ptr + keys // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
+    # int64: block_id * stride_cache_block passes 2^31 in pools of a few GB.
+    slot_off = block_id * stride_cache_block + (keys % BLOCK_SIZE) * stride_cache_slot + head * stride_cache_head
+    kv_off = slot_off[:, None] + dims[None, :]
+    kv_mask = key_mask[:, None] & dim_mask[None, :]
+    k = tl.load(key_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+    v = tl.load(value_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+    return k, v
 
 
 @triton.jit
@@ -69,11 +108,14 @@ def _paged_decode_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SPLIT: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1).to(tl.int64)
+    # Heads vary fastest over the grid: programs running side by side read neighbouring
+    # head slices of the same slots, so together they stream whole blocks.
+    head = tl.program_id(0).to(tl.int64)
+    row = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
-    num_heads = tl.num_programs(1)
+    num_heads = tl.num_programs(0)
     num_splits = tl.num_programs(2)
 
     # Clamping to the table's capacity keeps a bad seq_len from reading past the row.
@@ -84,6 +126,14 @@ def _paged_decode_kernel(
 
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < head_dim
+    table_row_ptr = block_table_ptr + row * stride_table_batch
+    # The first tile is in flight while q and the state are set up; inside the loop the next
+    # tile is requested before the current one is used, so each program keeps one tile of K
+    # and V in flight while it computes (latency hiding that does not rely on occupancy).
+    k, v = _load_tile(
+        key_cache_ptr, value_cache_ptr, table_row_ptr, start, end, head, dims, dim_mask,
+        stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_SIZE, BLOCK_N,
+    )  # fmt: skip
     q = tl.load(query_ptr + row * stride_query_batch + head * stride_query_head + dims, mask=dim_mask, other=0.0)
     # Work in log2 units (exp2 is the native instruction); fp32 so fp16 scores never overflow.
     q = q.to(tl.float32) * (scale * 1.4426950408889634)
@@ -91,17 +141,14 @@ def _paged_decode_kernel(
     m_i = tl.full([], float("-inf"), tl.float32)
     l_i = tl.full([], 0.0, tl.float32)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    table_row_ptr = block_table_ptr + row * stride_table_batch
-    for tile_start in range(start, end, BLOCK_N):
+    for tile_start in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
+        k_next, v_next = _load_tile(
+            key_cache_ptr, value_cache_ptr, table_row_ptr, tile_start + BLOCK_N, end, head, dims, dim_mask,
+            stride_cache_block, stride_cache_slot, stride_cache_head, BLOCK_SIZE, BLOCK_N,
+        )  # fmt: skip
         keys = tile_start + tl.arange(0, BLOCK_N)
         key_mask = keys < end
-        block_id = tl.load(table_row_ptr + keys // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
-        # int64: block_id * stride_cache_block passes 2^31 in pools of a few GB.
-        slot_off = block_id * stride_cache_block + (keys % BLOCK_SIZE) * stride_cache_slot + head * stride_cache_head
-        kv_off = slot_off[:, None] + dims[None, :]
-        kv_mask = key_mask[:, None] & dim_mask[None, :]
-        k = tl.load(key_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_D]
-        s = tl.sum(q[None, :] * k, axis=1)  # [BLOCK_N]
+        s = tl.sum(q[None, :] * k.to(tl.float32), axis=1)  # [BLOCK_N]
         if BIAS_MODE == 1:
             index = tl.minimum(q_pos - keys, max_distance)
             bias = tl.load(bias_ptr + head * stride_bias_head + index * stride_bias_key, mask=key_mask, other=0.0)
@@ -115,10 +162,10 @@ def _paged_decode_kernel(
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new)
-        v = tl.load(value_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
         l_i = l_i * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
         m_i = m_new
+        k, v = k_next, v_next
 
     if not SPLIT:
         out = acc / l_i
@@ -172,13 +219,50 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _pick_num_splits(batch: int, num_heads: int, keys: int, device: torch.device) -> int:
-    """Split keys only when rows x heads alone cannot fill the GPU and splits stay long."""
-    target = _PROGRAMS_PER_SM * _num_sms(device)
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Launch knobs of `paged_decode` (see `decode_config` for how defaults are picked).
+
+    block_n: keys per tile, a power of two >= 16 (any multiple or fraction of block_size)
+    num_warps: warps per program
+    num_stages: software-pipelining depth of the key loop (1 = only the kernel's own one-tile prefetch)
+    num_splits: key splits per (row, head); > 1 adds the combine kernel
+    """
+
+    block_n: int
+    num_warps: int
+    num_stages: int = 1
+    num_splits: int = 1
+
+    def __post_init__(self) -> None:
+        if self.block_n < 16 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"block_n must be a power of two >= 16, got {self.block_n}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+        if self.num_stages < 1 or self.num_splits < 1:
+            raise ValueError(f"num_stages and num_splits must be >= 1, got {self.num_stages}, {self.num_splits}")
+
+
+def decode_config(batch: int, num_heads: int, head_dim: int, max_keys: int, num_sms: int) -> DecodeConfig:
+    """Default knobs for one launch shape on a GPU of `num_sms` SMs; `max_keys` bounds seq_lens.
+
+    Reasoning for sm_90 (H200, 132 SMs), to be replaced by `benchmarks/tune_kernels.py` results:
+    - Few (row, head) pairs over short keys (graph-replayed decode at small batch): the time
+      is launch + a few dependent memory round trips, so one split (no combine kernel) and
+      big 8-warp tiles that cover the keys in a few steps.
+    - Many pairs or long keys: bandwidth-bound; ~4K-element tiles on 4 warps (~96 registers,
+      5 programs per SM) with 16-byte loads, and keys are split only when rows x heads cannot
+      fill the GPU, never below _MIN_KEYS_PER_SPLIT keys per split.
+    """
+    padded_d = block_d(head_dim)
     programs = batch * num_heads
-    if programs >= target:
-        return 1
-    return max(1, min(triton.cdiv(target, programs), keys // _MIN_KEYS_PER_SPLIT, _MAX_SPLITS))
+    splits = 1
+    if programs < _PROGRAMS_PER_SM * num_sms:
+        splits = triton.cdiv(_PROGRAMS_PER_SM * num_sms, programs)
+        splits = max(1, min(splits, max_keys // _MIN_KEYS_PER_SPLIT, _MAX_SPLITS))
+    if programs < num_sms and triton.cdiv(max_keys, splits) <= 1024:
+        return DecodeConfig(block_n=max(16, min(128, 8192 // padded_d)), num_warps=8, num_splits=splits)
+    return DecodeConfig(block_n=max(16, min(64, 4096 // padded_d)), num_warps=4, num_splits=splits)
 
 
 def _check_decode_args(query, key_cache, value_cache, block_table, seq_lens, bias_table, dense_bias) -> int:
@@ -237,6 +321,7 @@ def paged_decode(
     dense_bias: Optional[torch.Tensor] = None,
     max_seq_len: Optional[int] = None,
     num_splits: Optional[int] = None,
+    config: Optional[DecodeConfig] = None,
 ) -> torch.Tensor:
     """Attention of one query token per row over that row's paged keys.
 
@@ -251,6 +336,7 @@ def paged_decode(
     max_seq_len: optional host-side upper bound on seq_lens (a promise: longer rows are cut);
         only sizes the key splits. Without it the bound is max_blocks * block_size.
     num_splits: optional override of the number of key splits (testing, tuning).
+    config: optional override of every launch knob (tuning); `num_splits` still wins if given.
     returns: [batch, num_heads, head_dim], query's dtype
     """
     max_distance = _check_decode_args(query, key_cache, value_cache, block_table, seq_lens, bias_table, dense_bias)
@@ -262,17 +348,18 @@ def paged_decode(
         return out
 
     padded_d = block_d(head_dim)
-    # Small tiles in the interpreter: it is cheap there and exercises tile edges on tiny shapes.
-    # On the GPU, ~2K elements per K tile keeps registers near 128-150 (no spills at
-    # head_dim 128) so several programs stay resident per SM to keep loads in flight.
-    block_n = 16 if interpreting() else max(32, min(64, 2048 // padded_d))
     covered = max_keys if max_seq_len is None else max(1, min(max_keys, int(max_seq_len)))
-    splits = num_splits if num_splits is not None else _pick_num_splits(batch, num_heads, covered, query.device)
+    if config is None and interpreting():
+        # Small tiles: cheap in the interpreter and they exercise tile edges on tiny shapes.
+        config = DecodeConfig(block_n=16, num_warps=4)
+    if config is None:
+        config = decode_config(batch, num_heads, head_dim, covered, _num_sms(query.device))
+    splits = config.num_splits if num_splits is None else num_splits
     if splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {splits}")
     keys_per_split = max_keys
     if splits > 1:
-        keys_per_split = triton.cdiv(triton.cdiv(covered, splits), block_n) * block_n
+        keys_per_split = triton.cdiv(triton.cdiv(covered, splits), config.block_n) * config.block_n
         splits = triton.cdiv(covered, keys_per_split)
 
     if bias_table is not None:
@@ -288,7 +375,7 @@ def paged_decode(
         part_max = torch.empty((batch, num_heads, splits), dtype=torch.float32, device=query.device)
         part_sum = torch.empty((batch, num_heads, splits), dtype=torch.float32, device=query.device)
 
-    _paged_decode_kernel[(batch, num_heads, splits)](
+    _paged_decode_kernel[(num_heads, batch, splits)](
         query, key_cache, value_cache, block_table, seq_lens, bias, out, part_acc, part_max, part_sum,
         float(scale), head_dim, max_keys, keys_per_split, max_distance, dense_len,
         query.stride(0), query.stride(1),
@@ -296,8 +383,8 @@ def paged_decode(
         block_table.stride(0),
         *bias_strides,
         out.stride(0), out.stride(1),
-        BIAS_MODE=bias_mode, BLOCK_SIZE=block_size, BLOCK_N=block_n, BLOCK_D=padded_d, SPLIT=splits > 1,
-        num_warps=4,
+        BIAS_MODE=bias_mode, BLOCK_SIZE=block_size, BLOCK_N=config.block_n, BLOCK_D=padded_d, SPLIT=splits > 1,
+        NUM_STAGES=config.num_stages, num_warps=config.num_warps,
     )  # fmt: skip
     if splits > 1:
         _combine_splits_kernel[(batch, num_heads)](
