@@ -8,6 +8,7 @@ from a dense [batch|1, heads|1, L, L] tensor, or is absent.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -139,21 +140,38 @@ def _prefill_kernel(
     )
 
 
-def _tile_config(head_dim: int, dtype: torch.dtype) -> dict:
-    """Tile sizes and launch options.
+@dataclasses.dataclass(frozen=True)
+class PrefillConfig:
+    """Launch knobs of `prefill` (see `prefill_config` for the defaults).
 
-    Chosen so no variant (any bias mode, causal or not) spills registers on sm_90 (checked with
-    ptxas); BLOCK_N = 32 because the bias gather adds two [BLOCK_M, BLOCK_N] tiles of live state.
+    block_m: queries per program, block_n: keys per tile (powers of two >= 16)
+    num_warps: warps per program; num_stages: software-pipelining depth of the key loop
     """
-    if interpreting():
-        # Small tiles: cheap in the interpreter and they exercise tile edges on tiny shapes.
-        return dict(BLOCK_M=16, BLOCK_N=16)
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+
+
+def prefill_config(head_dim: int, dtype: torch.dtype) -> PrefillConfig:
+    """Default knobs on a GPU (sm_90 reasoning; `benchmarks/tune_kernels.py` measures them)."""
     if dtype == torch.float32:
         # IEEE fp32 dots run on FMA units with operands in registers: smaller query tiles.
-        return dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)
+        return PrefillConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
     if head_dim <= 128:
-        return dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=3)
-    return dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)
+        return PrefillConfig(block_m=128, block_n=32, num_warps=8, num_stages=3)
+    return PrefillConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
 
 
 def _check_prefill_args(query, key, value, cu_seqlens, max_seqlen, causal, bias_table, dense_bias) -> int:
@@ -207,6 +225,7 @@ def prefill(
     causal: bool = False,
     bias_table: Optional[torch.Tensor] = None,
     dense_bias: Optional[torch.Tensor] = None,
+    config: Optional[PrefillConfig] = None,
 ) -> torch.Tensor:
     """Attention within each packed sequence (varlen, no padding), O(L) memory.
 
@@ -218,6 +237,7 @@ def prefill(
         table [num_heads, 2 * max_distance + 1] otherwise; or None
     dense_bias: [batch | 1, num_heads | 1, max_seqlen, max_seqlen] indexed by positions
         within the sequence, or None. At most one of bias_table / dense_bias.
+    config: optional override of the launch knobs (tuning)
     returns: [total_tokens, num_heads, head_dim], query's dtype
     """
     max_distance = _check_prefill_args(query, key, value, cu_seqlens, max_seqlen, causal, bias_table, dense_bias)
@@ -234,17 +254,22 @@ def prefill(
         bias_mode, bias, bias_strides = _DENSE_BIAS, dense_bias, broadcast_strides(dense_bias)
     else:
         bias_mode, bias, bias_strides = _NO_BIAS, query, [0, 0, 0, 0]
-    config = _tile_config(head_dim, query.dtype)
+    if config is None and interpreting():
+        # Small tiles: cheap in the interpreter and they exercise tile edges on tiny shapes.
+        config = PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+    if config is None:
+        config = prefill_config(head_dim, query.dtype)
     # fp32 callers expect fp32 matmuls (HF parity); TF32 would cost ~3 decimal digits.
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
-    grid = (triton.cdiv(max_seqlen, config["BLOCK_M"]), batch, num_heads)
+    grid = (triton.cdiv(max_seqlen, config.block_m), batch, num_heads)
     _prefill_kernel[grid](
         query, key, value, cu_seqlens, bias, out,
         float(scale), head_dim, max_seqlen, max_distance,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         *bias_strides,
         out.stride(0), out.stride(1),
-        CAUSAL=bool(causal), BIAS_MODE=bias_mode, BLOCK_D=block_d(head_dim), INPUT_PRECISION=precision,
-        **config,
+        CAUSAL=bool(causal), BIAS_MODE=bias_mode, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        BLOCK_D=block_d(head_dim), INPUT_PRECISION=precision,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out

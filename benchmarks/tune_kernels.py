@@ -1,0 +1,453 @@
+"""Sweep the launch knobs of the Triton kernels on the GPU; print and save the best per shape.
+
+    python benchmarks/tune_kernels.py [--out PATH.json] [--budget SECONDS] [--only decode|prefill]
+
+One run (~4 minutes on an H200, mostly Triton compiles) measures, in this order:
+- copy bandwidth (a 2 GiB device-to-device copy, bytes read + written / time);
+- paged decode, bf16, 16 heads, block_size 16, head_dim 64 and 128, at the shapes that matter:
+  64 x 2048 and 1 x 16384 keys (bandwidth: % of copy bandwidth), and the graph-replayed
+  decode step of t5-large at batch 1 (self-attention over 128 keys with the causal bias table
+  in a 256-key table, cross-attention over 512 keys) and 16 x 512 cross-attention. The small
+  shapes are also timed as they run: many calls back to back in one CUDA graph, each call on
+  its own copy of the KV so the data is cold (the copies together pass twice the L2 size);
+- varlen encoder prefill (bidirectional, bias table), 16 heads x 64, bf16, 16 x 512,
+  4 x 2048 and 1 x 8192 tokens, against SDPA with the materialized [1, heads, L, L] bias
+  (and SDPA without bias, the flash-attention speed, for scale).
+Every config is first checked against `hf_paged_t5.reference` (fp32 maths); a config that
+fails the check, fails to compile or runs out of resources is recorded and skipped. Per shape,
+a first pass sweeps tile size x warps, a second tries pipelining depth and split counts around
+the best. The best config per shape is printed as Python (`DecodeConfig(...)`,
+`PrefillConfig(...)`) to paste into `decode_config` / `prefill_config`, and everything goes
+to the JSON. `--quick` runs tiny shapes (CPU: Triton interpreter) to check the script itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import platform
+import statistics
+import time
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+
+from hf_paged_t5 import reference  # noqa: E402
+from hf_paged_t5.kernels import paged_decode, prefill  # noqa: E402
+from hf_paged_t5.kernels._checks import block_d  # noqa: E402
+from hf_paged_t5.kernels.decode import DecodeConfig, decode_config  # noqa: E402
+from hf_paged_t5.kernels.prefill import PrefillConfig, prefill_config  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+BLOCK_SIZE = 16
+HEADS = 16
+TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 2e-5}
+
+
+class Clock:
+    """The run's time budget: sections check it and skip what no longer fits."""
+
+    def __init__(self, budget_s: float) -> None:
+        self.start = time.perf_counter()
+        self.budget_s = budget_s
+
+    def left(self) -> float:
+        return self.budget_s - (time.perf_counter() - self.start)
+
+
+def bench_ms(fn) -> float:
+    """Median ms of `fn()` called back to back (data hot in L2 for small working sets)."""
+    if CUDA:
+        return triton.testing.do_bench(fn, warmup=5, rep=30, return_mode="median")
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def graph_us(calls) -> float:
+    """Median µs per call when `calls` replay back to back in one CUDA graph (as in the decode step)."""
+    if not CUDA:
+        return float("nan")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for fn in calls[:2]:
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(7):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del graph
+    return statistics.median(times) * 1e3 / len(calls)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def copy_bandwidth(nbytes: int) -> float:
+    """GB/s of a device-to-device copy, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=DEVICE).uniform_()
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src))
+    return 2 * src.numel() * 4 / ms / 1e6
+
+
+def l2_bytes() -> int:
+    if not CUDA:
+        return 2**20
+    return int(getattr(torch.cuda.get_device_properties(DEVICE), "L2_cache_size", 50 * 2**20))
+
+
+def num_sms() -> int:
+    return torch.cuda.get_device_properties(DEVICE).multi_processor_count if CUDA else 132
+
+
+# ----------------------------------------------------------------------------- decode
+
+
+def decode_inputs(shape: dict, dtype: torch.dtype, copies: int) -> dict:
+    """A shuffled pool with `copies` disjoint sets of block tables for `shape`'s rows.
+
+    key_cache, value_cache: [num_blocks, BLOCK_SIZE, HEADS, head_dim]
+    tables: [copies, batch, width] int32 (width from the table capacity; spare columns -> block 0)
+    """
+    batch, keys, head_dim = shape["batch"], shape["keys"], shape["head_dim"]
+    per_row = triton.cdiv(keys, BLOCK_SIZE)
+    width = max(per_row, triton.cdiv(shape.get("capacity", keys), BLOCK_SIZE))
+    num_blocks = copies * batch * per_row
+    key_cache = torch.randn(num_blocks, BLOCK_SIZE, HEADS, head_dim, device=DEVICE, dtype=dtype)
+    value_cache = torch.randn_like(key_cache)
+    ids = torch.randperm(num_blocks, device=DEVICE).to(torch.int32).view(copies, batch, per_row)
+    tables = torch.zeros(copies, batch, width, dtype=torch.int32, device=DEVICE)
+    tables[:, :, :per_row] = ids
+    seq_lens = torch.full((batch,), keys, dtype=torch.int32, device=DEVICE)
+    query = torch.randn(batch, HEADS, head_dim, device=DEVICE, dtype=dtype)
+    bias = {"bias_table": torch.randn(HEADS, 129, device=DEVICE)} if shape["bias"] else {}
+    return dict(key_cache=key_cache, value_cache=value_cache, tables=tables, seq_lens=seq_lens, query=query, bias=bias)
+
+
+def decode_candidates(shape: dict, base: DecodeConfig, quick: bool) -> list[DecodeConfig]:
+    """First pass: tile size x warps at the heuristic's split count."""
+    padded = block_d(shape["head_dim"])
+    tiles = [n for n in (16, 32, 64, 128, 256) if (256 if quick else 2048) <= n * padded <= 16384]
+    configs = [DecodeConfig(n, w, 1, base.num_splits) for n in tiles for w in (4, 8)]
+    if shape["batch"] * HEADS < num_sms() and shape["keys"] <= 512:
+        configs += [DecodeConfig(n, 2, 1, base.num_splits) for n in tiles if n * padded <= 4096]
+    return [base] + [c for c in configs if c != base]
+
+
+def decode_second_pass(shape: dict, ranked: list[DecodeConfig]) -> list[DecodeConfig]:
+    """Pipelining depth on the two best, split counts on the best."""
+    configs = []
+    for cfg in ranked[:2]:
+        configs += [DecodeConfig(cfg.block_n, cfg.num_warps, stages, cfg.num_splits) for stages in (2, 3)]
+    best = ranked[0]
+    keys = shape["keys"]
+    if shape["batch"] * HEADS >= 4 * num_sms():
+        splits = (1, 2)
+    elif keys >= 4096:
+        splits = (8, 16, 32, 64)
+    else:
+        splits = (1, 2, 4)
+    configs += [
+        DecodeConfig(best.block_n, best.num_warps, best.num_stages, s)
+        for s in splits
+        if s * 128 <= keys and s != best.num_splits
+    ]
+    return configs
+
+
+def tune_decode_shape(shape: dict, dtype: torch.dtype, copy_gbps: float, clock: Clock, quick: bool) -> dict:
+    batch, keys, head_dim = shape["batch"], shape["keys"], shape["head_dim"]
+    kv_bytes = 2 * batch * keys * HEADS * head_dim * torch.finfo(dtype).bits // 8
+    graphed = shape.get("graph", False)
+    copies = max(1, min(256, triton.cdiv(2 * l2_bytes(), kv_bytes))) if graphed and CUDA else 1
+    data = decode_inputs(shape, dtype, copies)
+    capacity = data["tables"].shape[2] * BLOCK_SIZE
+    args = dict(query=data["query"], key_cache=data["key_cache"], value_cache=data["value_cache"],
+                seq_lens=data["seq_lens"], scale=1.0, **data["bias"])  # fmt: skip
+    tables = data["tables"]
+    ref = reference.paged_decode(
+        data["query"].float(), data["key_cache"], data["value_cache"], tables[0], data["seq_lens"], **data["bias"]
+    )
+    result = {"shape": shape, "kv_bytes": kv_bytes, "graph_copies": copies, "configs": []}
+
+    def measure(cfg: DecodeConfig) -> dict:
+        row = {"config": cfg.__dict__.copy()}
+        try:
+            out = paged_decode(block_table=tables[0], config=cfg, **args)
+            row["rel_err"] = rel_err(out, ref)
+            if not row["rel_err"] < TOLERANCE[dtype]:
+                row["error"] = f"wrong result: rel_err {row['rel_err']:.3g}"
+                return row
+            row["hot_us"] = 1e3 * bench_ms(lambda: paged_decode(block_table=tables[0], config=cfg, **args))
+            row["gbps"] = kv_bytes / row["hot_us"] / 1e3
+            row["pct_of_copy"] = 100 * row["gbps"] / copy_gbps
+            if graphed:
+                calls = [
+                    (lambda i=i: paged_decode(block_table=tables[i], config=cfg, **args)) for i in range(copies)
+                ]
+                row["graph_us"] = graph_us(calls)
+        except Exception as exc:  # compile failures, out of resources: record and go on
+            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        return row
+
+    metric = "graph_us" if graphed and CUDA else "hot_us"
+    base = decode_config(batch, HEADS, head_dim, capacity, num_sms())
+    result["default"] = measure(base)
+    rows = [result["default"]]
+    for cfg in decode_candidates(shape, base, quick)[1:]:
+        if clock.left() < 0:
+            result["skipped"] = "time budget"
+            break
+        rows.append(measure(cfg))
+    ok = sorted((r for r in rows if metric in r), key=lambda r: r[metric])
+    ranked = [DecodeConfig(**r["config"]) for r in ok]
+    if ranked and clock.left() > 0:
+        seen = {DecodeConfig(**r["config"]) for r in rows}
+        for cfg in decode_second_pass(shape, ranked):
+            if cfg in seen or clock.left() < 0:
+                continue
+            seen.add(cfg)
+            rows.append(measure(cfg))
+    result["configs"] = rows
+    ok = sorted((r for r in rows if metric in r), key=lambda r: r[metric])
+    result["metric"] = metric
+    result["best"] = ok[0] if ok else None
+
+    # Baselines on contiguous KV: SDPA with the bias materialized as HF builds it.
+    ids = tables[0][:, : triton.cdiv(keys, BLOCK_SIZE)].long()
+    k = data["key_cache"][ids].reshape(batch, -1, HEADS, head_dim)[:, :keys].transpose(1, 2).contiguous()
+    v = data["value_cache"][ids].reshape(batch, -1, HEADS, head_dim)[:, :keys].transpose(1, 2).contiguous()
+    q = data["query"][:, :, None, :]
+    mask = None
+    if shape["bias"]:
+        distance = (keys - 1 - torch.arange(keys, device=DEVICE)).clamp(max=128)
+        mask = data["bias"]["bias_table"][:, distance][None, :, None, :].to(dtype)
+    result["sdpa_hot_us"] = 1e3 * bench_ms(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0))
+    return result
+
+
+DECODE_SHAPES = [
+    # name, batch, keys, head_dim, bias table, graph-timed, table capacity
+    dict(name="64x2048", batch=64, keys=2048, head_dim=64, bias=True),
+    dict(name="1x16384", batch=1, keys=16384, head_dim=64, bias=True),
+    dict(name="1x128 self", batch=1, keys=128, head_dim=64, bias=True, graph=True, capacity=256),
+    dict(name="1x512 cross", batch=1, keys=512, head_dim=64, bias=False, graph=True),
+    dict(name="16x512 cross", batch=16, keys=512, head_dim=64, bias=False, graph=True),
+    dict(name="64x2048 d128", batch=64, keys=2048, head_dim=128, bias=True),
+    dict(name="1x16384 d128", batch=1, keys=16384, head_dim=128, bias=True),
+    dict(name="1x128 self d128", batch=1, keys=128, head_dim=128, bias=True, graph=True, capacity=256),
+    dict(name="1x512 cross d128", batch=1, keys=512, head_dim=128, bias=False, graph=True),
+]
+QUICK_DECODE_SHAPES = [
+    dict(name="2x40", batch=2, keys=40, head_dim=16, bias=True, graph=True, capacity=64),
+    dict(name="1x300", batch=1, keys=300, head_dim=16, bias=False),
+]
+
+
+# ----------------------------------------------------------------------------- prefill
+
+
+PREFILL_FIRST_PASS = [
+    PrefillConfig(128, 64, 4, 3),
+    PrefillConfig(128, 64, 8, 3),
+    PrefillConfig(128, 128, 8, 3),
+    PrefillConfig(64, 64, 4, 3),
+    PrefillConfig(64, 128, 4, 3),
+    PrefillConfig(128, 32, 8, 3),
+    PrefillConfig(128, 128, 4, 2),
+]
+QUICK_PREFILL = [PrefillConfig(16, 16, 4, 1), PrefillConfig(32, 16, 4, 1), PrefillConfig(16, 32, 4, 2)]
+
+
+def tune_prefill_shape(shape: dict, dtype: torch.dtype, clock: Clock, quick: bool) -> dict:
+    batch, length, head_dim = shape["batch"], shape["length"], shape["head_dim"]
+    total = batch * length
+    query, key, value = (torch.randn(total, HEADS, head_dim, device=DEVICE, dtype=dtype) for _ in range(3))
+    cu_seqlens = torch.arange(0, total + 1, length, dtype=torch.int32, device=DEVICE)
+    table = torch.randn(HEADS, 257, device=DEVICE)  # bidirectional, max_distance 128
+    args = dict(query=query, key=key, value=value, cu_seqlens=cu_seqlens, max_seqlen=length, scale=1.0,
+                causal=False, bias_table=table)  # fmt: skip
+    ref = reference.prefill(query.float(), key.float(), value.float(), cu_seqlens, length, bias_table=table)
+    flops = 4 * batch * HEADS * length * length * head_dim
+    result = {"shape": shape, "configs": []}
+
+    def measure(cfg: PrefillConfig) -> dict:
+        row = {"config": cfg.__dict__.copy()}
+        try:
+            row["rel_err"] = rel_err(prefill(**args, config=cfg), ref)
+            if not row["rel_err"] < TOLERANCE[dtype]:
+                row["error"] = f"wrong result: rel_err {row['rel_err']:.3g}"
+                return row
+            row["ms"] = bench_ms(lambda: prefill(**args, config=cfg))
+            row["tflops"] = flops / row["ms"] / 1e9
+        except Exception as exc:
+            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        return row
+
+    base = PrefillConfig(16, 16, 4, 1) if not CUDA else prefill_config(head_dim, dtype)
+    result["default"] = measure(base)
+    rows = [result["default"]]
+    seen = {base}
+    for cfg in QUICK_PREFILL if quick else PREFILL_FIRST_PASS:
+        if cfg in seen or clock.left() < 0:
+            continue
+        seen.add(cfg)
+        rows.append(measure(cfg))
+    ranked = [PrefillConfig(**r["config"]) for r in sorted((r for r in rows if "ms" in r), key=lambda r: r["ms"])]
+    for cfg in ranked[:2]:
+        for stages in (2, 4) if not quick else (1,):
+            cand = PrefillConfig(cfg.block_m, cfg.block_n, cfg.num_warps, stages)
+            if cand in seen or clock.left() < 0:
+                continue
+            seen.add(cand)
+            rows.append(measure(cand))
+    result["configs"] = rows
+    ok = sorted((r for r in rows if "ms" in r), key=lambda r: r["ms"])
+    result["best"] = ok[0] if ok else None
+
+    q, k, v = (t.view(batch, length, HEADS, head_dim).transpose(1, 2) for t in (query, key, value))
+    pos = torch.arange(length, device=DEVICE)
+    bias = table[:, (pos[None, :] - pos[:, None]).clamp(-128, 128) + 128][None].to(dtype)  # [1, H, L, L]
+    result["sdpa_bias_ms"] = bench_ms(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0))
+    result["sdpa_nobias_ms"] = bench_ms(lambda: F.scaled_dot_product_attention(q, k, v, scale=1.0))
+    result["flops"] = flops
+    return result
+
+
+PREFILL_SHAPES = [
+    dict(name="16x512", batch=16, length=512, head_dim=64),
+    dict(name="4x2048", batch=4, length=2048, head_dim=64),
+    dict(name="1x8192", batch=1, length=8192, head_dim=64),
+    dict(name="32x512", batch=32, length=512, head_dim=64),
+]
+QUICK_PREFILL_SHAPES = [dict(name="2x40", batch=2, length=40, head_dim=16)]
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _fmt(cfg: dict, cls: str) -> str:
+    return f"{cls}(" + ", ".join(f"{k}={v}" for k, v in cfg.items()) + ")"
+
+
+def print_report(result: dict) -> None:
+    print(f"\n{result['gpu']}  torch {result['torch']}  triton {result['triton']}  {result['dtype']}")
+    print(f"copy bandwidth: {result['copy_gbps']:.0f} GB/s (read + write)")
+    print("\npaged decode (hot: back-to-back calls; graph: per call in a CUDA graph, cold KV)")
+    print(f"{'shape':<18}{'metric':<10}{'default':>10}{'best':>10}{'%copy':>7}{'sdpa hot':>10}  best config")
+    for row in result["decode"]:
+        best, default, metric = row["best"], row["default"], row["metric"]
+        if best is None:
+            print(f"{row['shape']['name']:<18} no config passed: {default.get('error')}")
+            continue
+        d = default.get(metric, float("nan"))
+        print(
+            f"{row['shape']['name']:<18}{metric:<10}{d:>10.2f}{best[metric]:>10.2f}{best['pct_of_copy']:>7.0f}"
+            f"{row['sdpa_hot_us']:>10.2f}  {_fmt(best['config'], 'DecodeConfig')}"
+        )
+    print("\nprefill, bidirectional with the bias table (ms; TFLOP/s)")
+    print(f"{'shape':<10}{'default':>9}{'best':>9}{'TFLOP/s':>9}{'sdpa+bias':>11}{'sdpa flash':>11}  best config")
+    for row in result["prefill"]:
+        best, default = row["best"], row["default"]
+        if best is None:
+            print(f"{row['shape']['name']:<10} no config passed: {default.get('error')}")
+            continue
+        print(
+            f"{row['shape']['name']:<10}{default.get('ms', float('nan')):>9.3f}{best['ms']:>9.3f}{best['tflops']:>9.1f}"
+            f"{row['sdpa_bias_ms']:>11.3f}{row['sdpa_nobias_ms']:>11.3f}  {_fmt(best['config'], 'PrefillConfig')}"
+        )
+    failed = [
+        (section, row["shape"]["name"], cfg["config"], cfg["error"])
+        for section in ("decode", "prefill")
+        for row in result[section]
+        for cfg in row["configs"]
+        if "error" in cfg
+    ]
+    for section, name, cfg, error in failed:
+        print(f"failed: {section} {name} {cfg}: {error}")
+    print(f"\n{result['elapsed_s']:.0f} s")
+
+
+def default_out() -> pathlib.Path:
+    name = torch.cuda.get_device_name(DEVICE) if CUDA else "cpu"
+    slug = "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
+    stamp = datetime.date.today().strftime("%Y%m%d")
+    return pathlib.Path(__file__).parent / "results" / f"tune-{slug}-{stamp}.json"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=pathlib.Path, default=None, help="JSON path (default under benchmarks/results)")
+    parser.add_argument("--budget", type=float, default=220.0, help="seconds for the sweeps (baselines run anyway)")
+    parser.add_argument("--only", choices=("decode", "prefill"), default=None)
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, to check the script (CPU ok)")
+    args = parser.parse_args()
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    torch.manual_seed(0)
+    clock = Clock(args.budget)
+    copy_gbps = copy_bandwidth(2**20 if args.quick else 2**31)
+    decode_shapes = QUICK_DECODE_SHAPES if args.quick else DECODE_SHAPES
+    prefill_shapes = QUICK_PREFILL_SHAPES if args.quick else PREFILL_SHAPES
+    if not CUDA:
+        decode_shapes = [dict(s, graph=False) for s in decode_shapes]
+    # Decode gets ~55% of the budget, prefill the rest (its compiles are slower).
+    decode_clock = Clock(args.budget * (0.55 if args.only is None else 1.0))
+    result = {
+        "gpu": torch.cuda.get_device_name(DEVICE) if CUDA else "cpu (triton interpreter)",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "dtype": str(dtype).removeprefix("torch."),
+        "heads": HEADS,
+        "block_size": BLOCK_SIZE,
+        "copy_gbps": copy_gbps,
+        "decode": [],
+        "prefill": [],
+    }
+    if args.only != "prefill":
+        for shape in decode_shapes:
+            print(f"decode {shape['name']} ({decode_clock.left():.0f} s left)", flush=True)
+            result["decode"].append(tune_decode_shape(shape, dtype, copy_gbps, decode_clock, args.quick))
+            if CUDA:
+                torch.cuda.empty_cache()
+    if args.only != "decode":
+        for shape in prefill_shapes:
+            print(f"prefill {shape['name']} ({clock.left():.0f} s left)", flush=True)
+            result["prefill"].append(tune_prefill_shape(shape, dtype, clock, args.quick))
+            if CUDA:
+                torch.cuda.empty_cache()
+    result["elapsed_s"] = time.perf_counter() - clock.start
+    print_report(result)
+    out = args.out or default_out()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
