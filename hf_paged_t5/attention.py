@@ -28,6 +28,37 @@ def backend_ops(name: str) -> ModuleType:
     return kernels
 
 
+def project(ops: ModuleType, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`layer(x)`, on the backend's few-row GEMV kernel when it serves this product.
+
+    Only a plain bias-free `nn.Linear` with no accelerate hook qualifies: a quantized or hooked
+    layer runs its own forward.
+    """
+    if type(layer) is nn.Linear and layer.bias is None and not hasattr(layer, "_hf_hook"):
+        if ops.gemv_supports(x, layer.weight):
+            return ops.gemv(x, layer.weight)
+    return layer(x)
+
+
+def feed_forward(ops: ModuleType, dense: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """HF's T5DenseActDense / T5DenseGatedActDense forward, op for op, with `project` for the Linears.
+
+    x: [..., d_model] (normed); returns [..., d_model]. Any other module runs its own forward.
+    """
+    names = {cls.__name__ for cls in type(dense).__mro__}
+    if hasattr(dense, "_hf_hook") or not names & {"T5DenseActDense", "T5DenseGatedActDense"}:
+        return dense(x)
+    if hasattr(dense, "wi_0"):
+        h = dense.act(project(ops, dense.wi_0, x)) * project(ops, dense.wi_1, x)
+    else:
+        h = dense.act(project(ops, dense.wi, x))
+    h = dense.dropout(h)
+    wo = dense.wo.weight
+    if isinstance(wo, torch.Tensor) and h.dtype != wo.dtype and wo.dtype != torch.int8:
+        h = h.to(wo.dtype)  # HF keeps `wo` in fp32 for some half-precision checkpoints
+    return project(ops, dense.wo, h)
+
+
 def _heads(x: torch.Tensor, attn: nn.Module) -> torch.Tensor:
     """[..., num_heads * head_dim] -> [prod(...), num_heads, head_dim]"""
     return x.reshape(-1, attn.n_heads, attn.key_value_proj_dim)
@@ -83,14 +114,14 @@ def decoder_self_attention(
     bias_table: [num_heads, D + 1] float32
     """
     rows, num_new = hidden.shape[:2]
-    q, k, v = _heads(attn.q(hidden), attn), _heads(attn.k(hidden), attn), _heads(attn.v(hidden), attn)
+    q, k, v = (_heads(project(ops, lin, hidden), attn) for lin in (attn.q, attn.k, attn.v))
     ops.store_kv(key=k, value=v, key_cache=key_cache, value_cache=value_cache, slot_mapping=meta.slot_mapping)
     table, lens = _per_token_rows(meta.self_block_table, meta.self_seq_lens, num_new, causal=True)
     out = ops.paged_decode(
         query=q, key_cache=key_cache, value_cache=value_cache, block_table=table, seq_lens=lens,
         scale=1.0, bias_table=bias_table,
     )  # [rows * num_new, num_heads, head_dim]
-    return attn.o(out.reshape(rows, num_new, -1))
+    return project(ops, attn.o, out.reshape(rows, num_new, -1))
 
 
 def cross_attention(
@@ -106,12 +137,12 @@ def cross_attention(
     hidden: [rows, num_new, d_model] (normed); returns [rows, num_new, d_model]
     """
     rows, num_new = hidden.shape[:2]
-    q = _heads(attn.q(hidden), attn)
+    q = _heads(project(ops, attn.q, hidden), attn)
     table, lens = _per_token_rows(meta.cross_block_table, meta.cross_seq_lens, num_new, causal=False)
     out = ops.paged_decode(
         query=q, key_cache=key_cache, value_cache=value_cache, block_table=table, seq_lens=lens, scale=1.0,
     )
-    return attn.o(out.reshape(rows, num_new, -1))
+    return project(ops, attn.o, out.reshape(rows, num_new, -1))
 
 
 def store_cross_kv(

@@ -20,7 +20,7 @@ from transformers.generation import GenerationMode
 from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
 
 from . import bias as bias_mod
-from .attention import backend_ops
+from .attention import backend_ops, project
 from .cache import KVPool, LayerSpec, PagedEncoderDecoderCache
 from .config import PagedCacheConfig
 from .loop import sample_loop
@@ -247,7 +247,8 @@ def _decode(runtime: PagedRuntime, model: nn.Module, cache: PagedEncoderDecoderC
         hidden = decoder_layers(model.decoder, runtime.ops_for, tables, cache.pool, meta_for, input_ids)
         if scale is not None:
             hidden = hidden * scale
-        return model.lm_head(hidden.to(module_device(model.lm_head)))
+        head_device = module_device(model.lm_head)
+        return project(runtime.ops_for(head_device), model.lm_head, hidden.to(head_device))
 
     if use_graph and ids.shape[1] == 1:
         return runtime.graphs.run(step, cache, ids, ids.device)

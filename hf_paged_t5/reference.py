@@ -175,3 +175,13 @@ def rms_norm(
     if weight.dtype in (torch.float16, torch.bfloat16):
         normed = normed.to(weight.dtype)
     return weight * normed, total
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T (twin of `kernels.gemv`). x: [..., K]; weight: [N, K]; returns [..., N]."""
+    return x @ weight.T
+
+
+def gemv_supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The torch backend leaves every projection to the model's own Linear layers."""
+    return False

@@ -4,12 +4,14 @@
 - `paged_decode`: one query token per row over paged keys, with the causal T5 bias table,
   a dense bias or none; splits long key ranges across programs (flash-decoding).
 - `rms_norm`: T5's layer norm, optionally fused with the residual add.
+- `gemv`: x @ weight.T for at most a few rows (batch-1 decode projections).
 - `prefill`: varlen flash-attention over packed sequences, bidirectional or causal.
 """
 
 from .decode import paged_decode
+from .gemv import gemv, gemv_supports
 from .prefill import prefill
 from .rmsnorm import rms_norm
 from .store_kv import store_kv
 
-__all__ = ["paged_decode", "prefill", "rms_norm", "store_kv"]
+__all__ = ["gemv", "gemv_supports", "paged_decode", "prefill", "rms_norm", "store_kv"]
