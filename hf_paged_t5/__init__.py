@@ -3,6 +3,7 @@
     model = hf_paged_t5.patch_model(model)   # the only new line
 """
 
+from .batching import BatchGenerator, BatchRequest, BatchResult
 from .block_manager import BlockManager, PoolExhaustedError
 from .cache import KVPool, PagedEncoderDecoderCache
 from .config import PagedCacheConfig
@@ -14,6 +15,9 @@ from .pipelines import register_pipelines, unregister_pipelines
 register_pipelines()
 
 __all__ = [
+    "BatchGenerator",
+    "BatchRequest",
+    "BatchResult",
     "BlockManager",
     "KVPool",
     "PagedCacheConfig",

@@ -1,0 +1,310 @@
+"""`BatchRun`: one `BatchGenerator` job, one step at a time: admit, encode, decode, retire.
+
+Each `step()` holds the model's runtime lock (so a patched `generate()` from another thread waits
+for the step, never for the whole job) and:
+1. admits waiting requests, first come first served, while rows, the KV token budget and the pool
+   allow (the pool grows if its config lets it). Admission waits until an eighth of the rows and of
+   the token budget are free, so the encoder runs on batches rather than one input at a time;
+2. runs the encoder over the admitted inputs, packed (varlen), in chunks sorted by length, and
+   stores each source's cross-attention K/V once in freshly allocated blocks;
+3. runs one decode step (`patch._decode`, a CUDA graph on the GPU) for every live row, each at its
+   own position;
+4. picks the next tokens (greedy, sampling, or HF's beam-search steps per `BeamGroup`) and retires
+   finished rows and requests, whose blocks go back to the pool at once.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict, deque
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from . import attention as attn_ops
+from .batch_cache import BatchCache, blocks_for
+from .batch_decoding import BeamGroup, RowLimits
+from .block_manager import PoolExhaustedError
+from .cache import KVPool
+from .patch import _decode
+from .stacks import encoder_forward, module_device, pack_tokens
+
+if TYPE_CHECKING:
+    from .batching import BatchGenerator, BatchResult, Request
+
+
+class BatchRun:
+    """The state of one job: waiting and running requests, the cache, beam groups."""
+
+    def __init__(self, generator: BatchGenerator, inputs: Iterable) -> None:
+        self.gen = generator
+        self.inputs = enumerate(inputs)
+        self.exhausted = False
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.groups: list[BeamGroup] = []
+        self.group_of: dict[int, list[Request]] = {}  # id(group) -> its requests, in the group's order
+        self.cache: Optional[BatchCache] = None
+        self.live_rows = 0
+        self.promised_blocks = 0
+        self.promised_tokens = 0
+        self.row_refs: list[tuple[Request, int]] = []  # greedy/sampling: (request, row position) per step row
+        self.order_dirty = True
+        self.graph_fits: Optional[bool] = None
+
+    # ---- the job's life -------------------------------------------------------------------------
+    def step(self) -> Optional[list[BatchResult]]:
+        """Admit, encode, decode one token per live row; the results that finished (None: job done)."""
+        runtime = self.gen.runtime
+        with runtime.lock:
+            runtime.owner = threading.get_ident()
+            try:
+                with torch.no_grad():
+                    return self._step()
+            finally:
+                runtime.owner = None
+
+    def close(self) -> None:
+        """Return every block this job holds to the pool (idempotent)."""
+        if self.cache is not None:
+            with self.gen.runtime.lock:
+                self.cache.release()
+        self.running.clear()
+        self.groups.clear()
+        self.live_rows = self.promised_blocks = self.promised_tokens = 0
+
+    def _step(self) -> Optional[list[BatchResult]]:
+        pool = self.gen.runtime.get_pool(self.gen.model.decoder)
+        if self.cache is None:
+            self.cache = BatchCache(pool, self.gen.max_batch_rows)
+        elif self.cache.pool is not pool:
+            raise RuntimeError("the model's KV pool was re-created during the batch job (device or dtype changed)")
+        admitted = self._admit(pool)
+        if admitted:
+            self._encode(admitted, pool)
+        if not self.running:
+            return None
+        return self._decode_step()
+
+    # ---- 1. admission ---------------------------------------------------------------------------
+    def _peek(self) -> Optional[Request]:
+        if not self.waiting and not self.exhausted:
+            try:
+                index, item = next(self.inputs)
+            except StopIteration:
+                self.exhausted = True
+                return None
+            request = self.gen.make_request(index, item)
+            bs = self.cache.block_size
+            rows_blocks = blocks_for(1 + request.max_new, bs) + (1 if request.expand > 1 else 0)
+            request.blocks = blocks_for(len(request.ids), bs) + request.expand * rows_blocks
+            request.tokens = len(request.ids) + request.expand * (1 + request.max_new)
+            self.waiting.append(request)
+        return self.waiting[0] if self.waiting else None
+
+    def _admit(self, pool: KVPool) -> list[Request]:
+        gen = self.gen
+        free_rows = gen.max_batch_rows - self.live_rows
+        free_tokens = gen.max_batch_tokens - self.promised_tokens
+        if self.running and (free_rows < max(1, gen.max_batch_rows // 8) or free_tokens < gen.max_batch_tokens // 8):
+            return []
+        admitted: list[Request] = []
+        while (request := self._peek()) is not None:
+            alone = not self.running
+            if self.live_rows + request.expand > gen.max_batch_rows:
+                break
+            if not alone and self.promised_tokens + request.tokens > gen.max_batch_tokens:
+                break
+            try:  # the pool must hold what every running request may still take, plus this one
+                pool.reserve(self.promised_blocks - self.cache.num_held + request.blocks)
+            except PoolExhaustedError as exc:
+                if alone:
+                    raise PoolExhaustedError(
+                        f"input {request.index} ({len(request.ids)} tokens, up to {request.max_new} new, "
+                        f"{request.expand} rows) needs {request.blocks} KV blocks by itself: {exc}"
+                    ) from exc
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            self.live_rows += request.expand
+            self.promised_blocks += request.blocks
+            self.promised_tokens += request.tokens
+            admitted.append(request)
+        return admitted
+
+    # ---- 2. encoder and cross K/V ---------------------------------------------------------------
+    def _encode(self, admitted: list[Request], pool: KVPool) -> None:
+        budget = max(self.gen.max_batch_tokens, len(max(admitted, key=lambda r: len(r.ids)).ids))
+        chunk: list[Request] = []
+        for request in sorted(admitted, key=lambda r: -len(r.ids)):
+            if chunk and (len(chunk) + 1) * len(chunk[0].ids) > budget:  # padded size of the chunk
+                self._encode_chunk(chunk, pool)
+                chunk = []
+            chunk.append(request)
+        self._encode_chunk(chunk, pool)
+        gen, cache = self.gen, self.cache
+        for request in admitted:
+            request.rows = [cache.add_row(request.source) for _ in range(request.expand)]
+            request.histories = [[gen.start_id] for _ in range(request.expand)]
+            request.live = list(range(request.expand))
+        if gen.num_beams > 1:
+            self._form_groups(admitted)
+        self.order_dirty = True
+
+    def _encode_chunk(self, chunk: list[Request], pool: KVPool) -> None:
+        """Encoder over `chunk` (longest first), then each source's cross K/V into new blocks."""
+        model, runtime, device = self.gen.model, self.gen.runtime, self.gen.device
+        encoder = model.get_encoder()
+        ids = torch.full((len(chunk), len(chunk[0].ids)), self.gen.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, request in enumerate(chunk):
+            ids[row, : len(request.ids)] = torch.tensor(request.ids)
+            mask[row, : len(request.ids)] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        tables = runtime.bias_tables(encoder, causal=False)
+        hidden = encoder_forward(encoder, runtime.ops_for, tables, encoder.embed_tokens(ids), mask)  # [n, L, d]
+        index, _, _, _ = pack_tokens(mask)
+        packed = hidden.reshape(-1, hidden.shape[-1])[index.to(hidden.device)]  # [total_tokens, d_model]
+        slots = []
+        for request in chunk:
+            request.source, source_slots = self.cache.add_source(len(request.ids))
+            slots.append(source_slots)
+        slot_mapping = torch.cat(slots)  # [total_tokens] int64, source by source as packed
+        for i, block in enumerate(model.decoder.block):
+            layer_device = module_device(block)
+            attn_ops.store_cross_kv(
+                runtime.ops_for(layer_device), block.layer[1].EncDecAttention, packed.to(layer_device),
+                pool.key_caches[i], pool.value_caches[i], slot_mapping.to(layer_device),
+            )
+
+    def _form_groups(self, admitted: list[Request]) -> None:
+        """Beam search: one `BeamGroup` per (max length, EOS ids) among requests admitted together."""
+        by_key: dict[tuple, list[Request]] = defaultdict(list)
+        for request in admitted:
+            by_key[(request.max_new, request.eos)].append(request)
+        gen = self.gen
+        for (max_new, eos), requests in by_key.items():
+            group = BeamGroup(gen.model, gen.config, len(requests), 1 + max_new, eos, gen.start_id, gen.pad_id,
+                              gen.device)
+            self.groups.append(group)
+            self.group_of[id(group)] = requests
+
+    # ---- 3. one decode step ---------------------------------------------------------------------
+    def _rebuild_order(self) -> None:
+        if self.gen.num_beams > 1:
+            rows = [slot for g in self.groups for r in self.group_of[id(g)] for slot in r.rows]
+        else:
+            self.row_refs = [(r, j) for r in self.running for j in r.live]
+            rows = [r.rows[j] for r, j in self.row_refs]
+        self.cache.set_order(rows)
+        self.order_dirty = False
+
+    def _decode_step(self) -> list[BatchResult]:
+        gen = self.gen
+        if self.order_dirty:
+            self._rebuild_order()
+        if gen.num_beams > 1:
+            ids = torch.cat([g.next_ids() for g in self.groups])
+        else:
+            ids = torch.tensor([r.histories[j][-1] for r, j in self.row_refs])
+        ids = ids.to(gen.device).view(-1, 1)  # [rows, 1]
+        fits = ids.shape[0] <= gen.runtime.config.max_graph_batch
+        if fits != self.graph_fits:  # _decode decides graph use once per cache, from the row count
+            self.cache.__dict__.pop("_decode_plan", None)
+            self.graph_fits = fits
+        logits = _decode(gen.runtime, gen.model, self.cache, ids)  # [rows, 1, vocab]
+        logits = logits[:, -1, :].to(copy=True, dtype=torch.float32)  # as HF: a float32 copy
+        if gen.num_beams > 1:
+            return self._advance_beams(logits)
+        return self._advance_rows(logits)
+
+    # ---- 4. next tokens, retirement -------------------------------------------------------------
+    def _advance_rows(self, logits: torch.Tensor) -> list[BatchResult]:
+        """Greedy or sampling over rows at any lengths; logits [rows, vocab] float32."""
+        gen, refs = self.gen, self.row_refs
+        limits = RowLimits.build(
+            [len(r.histories[j]) - 1 for r, j in refs], [r.min_new for r, _ in refs],
+            [r.max_new for r, _ in refs], [r.eos for r, _ in refs], logits.device,
+        )
+        if gen.rules.needs_history:  # HF's processors see the rows of one length together
+            by_length: dict[int, list[int]] = defaultdict(list)
+            for pos, (r, j) in enumerate(refs):
+                by_length[len(r.histories[j])].append(pos)
+            for positions in by_length.values():
+                index = torch.tensor(positions, device=logits.device)
+                history = torch.tensor([refs[p][0].histories[refs[p][1]] for p in positions], device=logits.device)
+                logits[index] = gen.rules(history, logits[index], limits.select(index))
+        else:
+            logits = gen.rules(None, logits, limits)
+        if gen.config.do_sample:
+            next_tokens = torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1).squeeze(1)
+        else:
+            next_tokens = torch.argmax(logits, dim=-1)
+        finished = []
+        for (request, j), token in zip(refs, next_tokens.tolist()):
+            history = request.histories[j]
+            history.append(token)
+            if token in request.eos or len(history) - 1 >= request.max_new:
+                self.cache.free_row(request.rows[j])
+                request.live.remove(j)
+                self.live_rows -= 1
+                self.order_dirty = True
+                if not request.live:
+                    finished.append(self._retire(request, _pad_rows(request.histories, gen.pad_id), None))
+        return finished
+
+    def _advance_beams(self, logits: torch.Tensor) -> list[BatchResult]:
+        """One HF beam-search step per group; logits [rows, vocab] float32 in group order."""
+        gen, offset, steps = self.gen, 0, []
+        for group in self.groups:
+            requests, k = self.group_of[id(group)], group.num_beams
+            n = group.batch * k
+            limits = RowLimits.build(
+                [group.cur_len - 1] * n, [r.min_new for r in requests for _ in range(k)],
+                [group.max_length - 1] * n, [r.eos for r in requests for _ in range(k)], logits.device,
+            )
+            steps.append(group.advance(logits[offset : offset + n], gen.rules, limits))
+            offset += n
+        # one host sync for every group's reorder indices and unfinished flags
+        flat = torch.cat([torch.cat([b.long(), u.long()]) for b, u in steps]).tolist() if steps else []
+        finished, start = [], 0
+        for group, (beam_idx, _) in zip(list(self.groups), steps):
+            requests, k = self.group_of[id(group)], group.num_beams
+            n = group.batch * k
+            sources, unfinished = flat[start : start + n], flat[start + n : start + n + group.batch]
+            start += n + group.batch
+            keep = []
+            for b, request in enumerate(requests):
+                if unfinished[b]:
+                    self.cache.reorder(request.rows, [s - b * k for s in sources[b * k : (b + 1) * k]])
+                    keep.append(b)
+                else:
+                    sequences, scores = group.output(b)
+                    for slot in request.rows:
+                        self.cache.free_row(slot)
+                    self.live_rows -= k
+                    finished.append(self._retire(request, sequences, scores))
+            if len(keep) < len(requests):
+                self.order_dirty = True
+                if keep:
+                    group.keep(keep)
+                    self.group_of[id(group)] = [requests[b] for b in keep]
+                else:
+                    self.groups.remove(group)
+                    del self.group_of[id(group)]
+        return finished
+
+    def _retire(self, request: Request, sequences: list[list[int]], scores) -> BatchResult:
+        """The request's remaining blocks (its source) back to the pool; its result."""
+        self.cache.free_source(request.source)
+        self.running.remove(request)
+        self.promised_blocks -= request.blocks
+        self.promised_tokens -= request.tokens
+        return self.gen.result(request, sequences, scores)
+
+
+def _pad_rows(histories: list[list[int]], pad_id: int) -> list[list[int]]:
+    """Rows padded to one length with the pad token, as generate() pads finished rows."""
+    width = max(len(h) for h in histories)
+    return [h + [pad_id] * (width - len(h)) for h in histories]

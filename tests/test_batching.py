@@ -1,0 +1,239 @@
+"""BatchGenerator (continuous batching) against patched generate() on each input alone (CPU, fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_model
+
+import hf_paged_t5 as hp
+from hf_paged_t5 import tiny
+from hf_paged_t5.batch_run import BatchRun
+
+# Lengths crossing the 4-token block boundaries; limits that make rows finish at different steps.
+LENGTHS = [5, 23, 3, 17, 9, 30, 2, 12, 8, 4]
+MAX_NEW = [7, 19, 3, 12, 25, 4, 16, 9, 1, 11]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matmuls: one thread avoids OpenMP spin-waits on a busy 2-core machine (10-100x here)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_inputs(lengths=LENGTHS, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 384, (n,), generator=g).tolist() for n in lengths]
+
+
+def patched(family="t5", seed=0, **config):
+    model = make_model(family, seed=seed)
+    config = {"block_size": 4, "backend": "torch", **config}
+    return hp.patch_model(model, hp.PagedCacheConfig(**config))
+
+
+def alone(model, ids, **kwargs):
+    """Patched generate() on one input: (rows as lists, sequences_scores or None)."""
+    out = model.generate(input_ids=torch.tensor([ids]), return_dict_in_generate=True, output_scores=True, **kwargs)
+    scores = getattr(out, "sequences_scores", None)
+    return out.sequences.tolist(), None if scores is None else scores.tolist()
+
+
+def _frequent_token(model, inputs, new=12):
+    """A token greedy decoding emits early for some input (made an EOS, rows then end early)."""
+    firsts = [alone(model, ids, max_new_tokens=new)[0][0] for ids in inputs]
+    counts = torch.bincount(torch.tensor([t for seq in firsts for t in seq[2:6]]))
+    return int(counts.argmax())
+
+
+@pytest.fixture
+def admissions(monkeypatch):
+    """Records, per admission round, (requests admitted, requests running afterwards)."""
+    log = []
+    original = BatchRun._admit
+
+    def spy(self, pool):
+        admitted = original(self, pool)
+        log.append((len(admitted), len(self.running)))
+        return admitted
+
+    monkeypatch.setattr(BatchRun, "_admit", spy)
+    return log
+
+
+# ---- token-exact parity ---------------------------------------------------------------------------
+@pytest.mark.parametrize("family", ["t5", "umt5"])
+def test_greedy_matches_generate_alone_with_small_pool(family, admissions):
+    # 40 blocks of 4 tokens: the largest input needs 14 (30 + 4 new tokens), three typical ones ~30,
+    # so admission must wait for finished requests to free their blocks.
+    model = patched(family, num_blocks=40, grow=False)
+    inputs = make_inputs()
+    eos = [1, _frequent_token(model, inputs)]  # random weights rarely pick token 1: add one they do pick
+    requests = [hp.BatchRequest(ids, max_new_tokens=m) for ids, m in zip(inputs, MAX_NEW)]
+    gen = hp.BatchGenerator(model, max_batch_rows=3, max_batch_tokens=1000, eos_token_id=eos)
+    results = list(gen.generate(requests))
+    pool = model._hf_paged_t5.pool
+    assert pool.is_idle() and pool.num_blocks == 40
+    assert [r.index for r in results] == list(range(len(inputs)))
+    for ids, m, result in zip(inputs, MAX_NEW, results):
+        assert result.sequences == alone(model, ids, max_new_tokens=m, eos_token_id=eos)[0]
+        assert result.num_input_tokens == len(ids)
+    assert sum(n for n, _ in admissions) == len(inputs)
+    assert max(running for _, running in admissions) <= 3
+    assert sum(1 for n, _ in admissions if n) >= 4, "expected admissions mid-run"
+    assert any(r.num_new_tokens < m and r.token_ids[-1] in eos for r, m in zip(results, MAX_NEW))
+
+
+def test_pool_not_rows_limits_admission(admissions):
+    model = patched(num_blocks=24, grow=False)
+    inputs = make_inputs([14, 13, 15, 12, 14, 13])
+    gen = hp.BatchGenerator(model, max_batch_rows=6, max_new_tokens=10)
+    results = list(gen.generate(inputs))
+    # each input needs 4 + 3 blocks: three fit in the 23 usable blocks, never six
+    assert max(running for _, running in admissions) == 3
+    for ids, result in zip(inputs, results):
+        assert result.sequences == alone(model, ids, max_new_tokens=10)[0]
+    assert model._hf_paged_t5.pool.is_idle()
+
+
+@pytest.mark.parametrize("early_stopping", [True, False, "never"])
+def test_beam_search_matches_generate_alone(early_stopping):
+    model = patched(seed=3)
+    inputs = make_inputs(LENGTHS[:7], seed=2)
+    kw = dict(num_beams=3, length_penalty=0.7, early_stopping=early_stopping, num_return_sequences=2)
+    requests = [hp.BatchRequest(ids, max_new_tokens=m) for ids, m in zip(inputs, MAX_NEW)]
+    gen = hp.BatchGenerator(model, max_batch_rows=7, **kw)
+    for ids, m, result in zip(inputs, MAX_NEW, gen.generate(requests)):
+        sequences, scores = alone(model, ids, max_new_tokens=m, **kw)
+        assert result.sequences == sequences
+        assert result.scores == pytest.approx(scores, rel=1e-5, abs=1e-5)
+    assert model._hf_paged_t5.pool.is_idle()
+
+
+def test_per_request_min_new_tokens_and_eos():
+    model = patched(seed=4)
+    inputs = make_inputs(LENGTHS[:6], seed=3)
+    eos = _frequent_token(model, inputs)  # an EOS some rows pick early; minimums then push it later
+    specs = [dict(min_new_tokens=5), dict(eos_token_id=eos), dict(eos_token_id=[eos, 1], min_new_tokens=3),
+             dict(max_new_tokens=4, min_new_tokens=4), dict(), dict(eos_token_id=eos, max_new_tokens=20)]
+    requests = [hp.BatchRequest(ids, **spec) for ids, spec in zip(inputs, specs)]
+    gen = hp.BatchGenerator(model, max_new_tokens=12, max_batch_rows=4)
+    for ids, spec, result in zip(inputs, specs, gen.generate(requests)):
+        assert result.sequences == alone(model, ids, **{"max_new_tokens": 12, **spec})[0], spec
+    assert model._hf_paged_t5.pool.is_idle()
+
+
+def test_history_processors_run_per_length_group():
+    model = patched(seed=5)
+    inputs = make_inputs(LENGTHS[:6], seed=4)
+    kw = dict(max_new_tokens=14, repetition_penalty=1.8, no_repeat_ngram_size=2, forced_eos_token_id=1)
+    requests = [hp.BatchRequest(ids, max_new_tokens=m) for ids, m in zip(inputs, [14, 6, 9, 14, 3, 11])]
+    gen = hp.BatchGenerator(model, max_batch_rows=3, **kw)
+    assert gen.rules.needs_history
+    for request, result in zip(requests, gen.generate(requests)):
+        assert result.sequences == alone(model, request.inputs, **{**kw, "max_new_tokens": request.max_new_tokens})[0]
+
+
+def test_sampling_warpers_and_return_sequences():
+    model = patched(seed=6)
+    inputs = make_inputs(LENGTHS[:5], seed=5)
+    # top_k=1 leaves one candidate: sampling must then reproduce greedy, through HF's warpers
+    greedy = [r.sequences for r in hp.BatchGenerator(model, max_new_tokens=10).generate(inputs)]
+    gen = hp.BatchGenerator(model, max_new_tokens=10, do_sample=True, top_k=1, temperature=0.7, max_batch_rows=2)
+    assert not gen.rules.needs_history
+    assert [r.sequences for r in gen.generate(inputs)] == greedy
+    gen = hp.BatchGenerator(model, max_new_tokens=10, do_sample=True, top_p=0.9, num_return_sequences=3)
+    torch.manual_seed(0)
+    first = [r.sequences for r in gen.generate(inputs)]
+    torch.manual_seed(0)
+    assert [r.sequences for r in gen.generate(inputs)] == first  # the global RNG drives the draws
+    for rows in first:
+        assert len(rows) == 3 and len({len(row) for row in rows}) == 1 and len(rows[0]) <= 11
+    assert len({tuple(row) for rows in first for row in rows}) > len(inputs), "samples should differ"
+    assert model._hf_paged_t5.pool.is_idle()
+
+
+# ---- order, texts -----------------------------------------------------------------------------------
+def test_as_completed_runs_ahead_of_input_order():
+    model = patched(seed=7)
+    inputs = make_inputs([20, 3, 9, 5], seed=6)
+    requests = [hp.BatchRequest(ids, max_new_tokens=m, min_new_tokens=m) for ids, m in zip(inputs, [24, 2, 6, 4])]
+    gen = hp.BatchGenerator(model)
+    order = [index for index, _ in gen.as_completed(requests)]
+    assert sorted(order) == [0, 1, 2, 3] and order[-1] == 0
+    assert [r.index for r in gen.generate(requests)] == [0, 1, 2, 3]
+
+
+def test_text_inputs_with_tokenizer():
+    tokenizer = tiny.build_tokenizer()
+    model = tiny.build_model("tiny", vocab_size=len(tokenizer))
+    hp.patch_model(model, hp.PagedCacheConfig(block_size=8, backend="torch"))
+    texts = list(tiny.CORPUS[:4]) + [" ".join(tiny.CORPUS[4:7])]
+    results = list(hp.BatchGenerator(model, tokenizer, max_new_tokens=8, max_batch_rows=2).generate(texts))
+    for text, result in zip(texts, results):
+        enc = tokenizer(text, return_tensors="pt")
+        ref = model.generate(**enc, max_new_tokens=8)
+        assert result.sequences == ref.tolist()
+        assert result.text == tokenizer.decode(ref[0], skip_special_tokens=True)
+
+
+# ---- the pool is returned: exhausted, closed early, exceptions ----------------------------------------
+def test_pool_idle_after_close_and_errors():
+    model = patched(num_blocks=64, grow=False)
+    pool_of = lambda: model._hf_paged_t5.pool  # noqa: E731
+    inputs = make_inputs()
+    gen = hp.BatchGenerator(model, max_new_tokens=8, max_batch_rows=4)
+    stream = gen.generate([hp.BatchRequest(ids, max_new_tokens=m) for ids, m in zip(inputs, MAX_NEW)])
+    next(stream)
+    assert not pool_of().is_idle()  # requests are in flight
+    stream.close()
+    assert pool_of().is_idle()
+
+    with pytest.raises(RuntimeError, match="consumer failed"):
+        for result in gen.as_completed(inputs):
+            raise RuntimeError("consumer failed")
+    assert pool_of().is_idle()
+
+    bad = inputs[:4] + [[]] + inputs[4:]  # an empty input, met mid-run
+    with pytest.raises(ValueError, match="input 4 has no tokens"):
+        list(gen.generate(bad))
+    assert pool_of().is_idle()
+
+    with pytest.raises(hp.PoolExhaustedError, match="input 0"):
+        list(gen.generate([list(range(2, 300))]))  # needs 75+ blocks by itself
+    assert pool_of().is_idle()
+    assert [r.sequences for r in gen.generate(inputs[:2])] == [alone(model, i, max_new_tokens=8)[0] for i in inputs[:2]]
+
+
+def test_generate_between_steps_does_not_deadlock():
+    model = patched(seed=8)
+    inputs = make_inputs(LENGTHS[:4], seed=7)
+    refs = [alone(model, ids, max_new_tokens=6)[0] for ids in inputs]
+    for ids, result in zip(inputs, hp.BatchGenerator(model, max_new_tokens=6, max_batch_rows=2).generate(inputs)):
+        assert result.sequences == refs[inputs.index(ids)]
+        assert model.generate(input_ids=torch.tensor([ids]), max_new_tokens=6).tolist() == result.sequences
+    assert model._hf_paged_t5.pool.is_idle()
+
+
+def test_refusals():
+    model = make_model("t5")
+    with pytest.raises(TypeError, match="patch_model"):
+        hp.BatchGenerator(model)
+    hp.patch_model(model, hp.PagedCacheConfig(backend="torch"))
+    with pytest.raises(ValueError, match="encoder_repetition_penalty"):
+        hp.BatchGenerator(model, encoder_repetition_penalty=1.3)
+    with pytest.raises(ValueError, match="cannot serve"):
+        hp.BatchGenerator(model, num_beam_groups=2, num_beams=4, diversity_penalty=0.5)
+    with pytest.raises(TypeError, match="not generation options"):
+        hp.BatchGenerator(model, attention_mask=torch.ones(1, 3))
+    with pytest.raises(ValueError, match="max_batch_rows"):
+        hp.BatchGenerator(model, num_beams=4, max_batch_rows=2)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        list(hp.BatchGenerator(model).generate(["a text"]))
+    with pytest.raises(ValueError, match="per-input eos_token_id cannot be combined"):
+        gen = hp.BatchGenerator(model, bad_words_ids=[[5]])
+        list(gen.generate([hp.BatchRequest([3, 4, 5], eos_token_id=7)]))
+    assert model._hf_paged_t5.pool.is_idle()
