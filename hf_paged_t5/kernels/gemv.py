@@ -9,6 +9,8 @@ Half precision only: fp32 keeps cuBLAS so fp32 results stay bit-comparable with 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -72,9 +74,10 @@ def gemv_supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor, config: Optional[tuple[int, int, int]] = None) -> torch.Tensor:
     """x @ weight.T for x [..., K] with at most MAX_ROWS rows, weight [N, K] (row-major), half precision.
 
+    config: (BLOCK_N, BLOCK_K, num_warps) instead of `gemv_config`'s choice (for tuning).
     returns [..., N] in x's dtype
     """
     check_float("x", x, x.dim())
@@ -93,7 +96,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         x2 = x2.contiguous()
     rows = x2.shape[0]
     out = torch.empty((rows, N), dtype=x.dtype, device=x.device)
-    block_n, block_k, num_warps = gemv_config(rows, N, K)
+    block_n, block_k, num_warps = config or gemv_config(rows, N, K)
     _gemv_kernel[(triton.cdiv(N, block_n),)](
         x2, weight, out, rows, N, K, x2.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,

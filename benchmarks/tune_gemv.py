@@ -1,0 +1,88 @@
+"""Sweep `kernels.gemv` launch configs against F.linear on the decode projections of T5 shapes.
+
+    python benchmarks/tune_gemv.py [--out DIR]
+
+Each candidate is checked against F.linear first, then timed as 20 back-to-back calls replayed
+in a CUDA graph (how the decode step runs them). Prints the best config per shape and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+
+from hf_paged_t5.kernels.gemv import gemv, gemv_config
+
+# (N, K) of q/k/v/o, wi, wo, lm_head for t5-small, t5-large, flan-t5-xl
+SHAPES = [
+    (512, 512), (2048, 512), (512, 2048), (32128, 512),
+    (1024, 1024), (4096, 1024), (1024, 4096), (32128, 1024),
+    (2048, 2048), (5120, 2048), (2048, 5120), (32128, 2048),
+]
+CALLS = 20
+
+
+def graph_time_us(fn) -> float:
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS):
+            fn()
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (20 * CALLS)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    dtype = torch.bfloat16
+    results = []
+    for (n, k), rows in itertools.product(SHAPES, (1, 4)):
+        x = torch.randn(rows, k, device="cuda", dtype=dtype)
+        w = torch.randn(n, k, device="cuda", dtype=dtype) / k**0.5
+        ref = F.linear(x, w).float()
+        torch_us = graph_time_us(lambda: F.linear(x, w))
+        best = None
+        for bn, bk, warps in itertools.product((1, 2, 4, 8), (256, 512, 1024), (2, 4, 8)):
+            if bk > max(256, triton_pow2(k)):
+                continue
+            cfg = (bn, bk, warps)
+            out = gemv(x, w, cfg).float()
+            if not torch.allclose(out, ref, rtol=2e-2, atol=2e-2):
+                print(f"MISMATCH {n}x{k} rows {rows} cfg {cfg}", flush=True)
+                continue
+            us = graph_time_us(lambda: gemv(x, w, cfg))
+            if best is None or us < best[1]:
+                best = (cfg, us)
+        default_us = graph_time_us(lambda: gemv(x, w))
+        gbps = n * k * 2 / (best[1] * 1e-6) / 1e9
+        row = dict(N=n, K=k, rows=rows, torch_us=torch_us, default_cfg=gemv_config(rows, n, k), default_us=default_us,
+                   best_cfg=best[0], best_us=best[1], best_gbps=gbps)
+        results.append(row)
+        print(f"{n:6d}x{k:5d} rows {rows}: F.linear {torch_us:7.2f} us | default {default_us:7.2f} | "
+              f"best {best[1]:7.2f} us {best[0]} ({gbps:.0f} GB/s)", flush=True)
+    info = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, results=results)
+    with open(os.path.join(args.out, "tune_gemv.json"), "w") as f:
+        json.dump(info, f, indent=1)
+
+
+def triton_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+if __name__ == "__main__":
+    main()
