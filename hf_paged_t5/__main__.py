@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from typing import Optional
 
-from . import demo
+from . import cli, demo
 
 # name -> (help, add_arguments(parser), run(args) -> exit status)
 _COMMANDS = {
@@ -21,6 +21,21 @@ _COMMANDS = {
         "stock HF generate() vs the paged one on a few texts: outputs, token agreement, ms/token",
         demo.add_arguments,
         demo.cli,
+    ),
+    "summarize": (
+        "summarize a JSONL file with continuous batching (T5 'summarize: ' prefix); resumable output",
+        cli.add_arguments,
+        cli.command_runner("summarize"),
+    ),
+    "translate": (
+        "translate a JSONL file with continuous batching (T5 translation prefix, --task); resumable output",
+        cli.add_arguments,
+        cli.command_runner("translate"),
+    ),
+    "generate": (
+        "generate for a JSONL file with continuous batching (no task prefix); resumable output",
+        cli.add_arguments,
+        cli.command_runner("generate"),
     ),
 }
 

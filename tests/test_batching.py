@@ -116,13 +116,18 @@ def test_beam_search_matches_generate_alone(early_stopping):
 def test_per_request_min_new_tokens_and_eos():
     model = patched(seed=4)
     inputs = make_inputs(LENGTHS[:6], seed=3)
-    eos = _frequent_token(model, inputs)  # an EOS some rows pick early; minimums then push it later
-    specs = [dict(min_new_tokens=5), dict(eos_token_id=eos), dict(eos_token_id=[eos, 1], min_new_tokens=3),
-             dict(max_new_tokens=4, min_new_tokens=4), dict(), dict(eos_token_id=eos, max_new_tokens=20)]
+    # each input's EOS: the 2nd token greedy decoding gives it, so minimums have something to hold back
+    eos = [alone(model, ids, max_new_tokens=12)[0][0][2] for ids in inputs]
+    specs = [dict(eos_token_id=eos[0]), dict(eos_token_id=eos[1], min_new_tokens=4),
+             dict(eos_token_id=[eos[2], 1], min_new_tokens=3), dict(max_new_tokens=4, min_new_tokens=4),
+             dict(), dict(eos_token_id=eos[5], max_new_tokens=20, min_new_tokens=6)]
     requests = [hp.BatchRequest(ids, **spec) for ids, spec in zip(inputs, specs)]
     gen = hp.BatchGenerator(model, max_new_tokens=12, max_batch_rows=4)
-    for ids, spec, result in zip(inputs, specs, gen.generate(requests)):
+    results = list(gen.generate(requests))
+    for ids, spec, result in zip(inputs, specs, results):
         assert result.sequences == alone(model, ids, **{"max_new_tokens": 12, **spec})[0], spec
+    assert results[0].num_new_tokens <= 2 and results[0].token_ids[-1] == eos[0]
+    assert results[1].num_new_tokens >= 4 and results[5].num_new_tokens >= 6
     assert model._hf_paged_t5.pool.is_idle()
 
 
