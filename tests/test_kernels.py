@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
 from hf_paged_t5 import reference  # noqa: E402
 from hf_paged_t5.kernels import paged_decode, prefill, store_kv  # noqa: E402
 from hf_paged_t5.kernels.decode import DecodeConfig, decode_config  # noqa: E402
+from hf_paged_t5.kernels.prefill import PrefillConfig  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -327,6 +328,34 @@ def test_prefill_head_dims_batch_one(head_dim, causal):
     assert rel_err(out, prefill_reference(*args, causal=causal, bias_table=table)) < TOLERANCE[torch.float32]
 
 
+@pytest.mark.parametrize("block_m, block_n, tile_ranges", [(16, 16, True), (32, 16, True), (16, 32, True),
+                                                      (64, 32, True), (32, 16, False)])  # fmt: skip
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("bias", ["none", "table", "dense"])
+def test_prefill_tile_configs(block_m, block_n, tile_ranges, causal, bias):
+    """Sequences ending at tile edges and long enough (vs max_distance 7) for key tiles wholly
+    left of, inside and right of the bias band, where the kernel uses a constant bias; and
+    the single masked loop (tile_ranges off)."""
+    num_heads, head_dim = 2, 16
+    lens = [1, block_n - 1, block_n, block_n + 1, 2 * block_m + 3, 100]
+    query, key, value, cu_seqlens = packed(lens, num_heads, head_dim, torch.float32, seed=5)
+    kw = dict(scale=0.3, causal=causal, **make_bias(bias, num_heads, len(lens), max(lens), causal, dims=2, seed=2))
+    config = PrefillConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=2, tile_ranges=tile_ranges)
+    out = prefill(query=query, key=key, value=value, cu_seqlens=cu_seqlens, max_seqlen=max(lens), config=config, **kw)
+    ref = prefill_reference(query, key, value, cu_seqlens, max(lens), **kw)
+    assert rel_err(out, ref) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize(
+    "knobs, words",
+    [(dict(block_m=48, block_n=16, num_warps=4), "block_m"), (dict(block_m=16, block_n=8, num_warps=4), "block_n"),
+     (dict(block_m=16, block_n=16, num_warps=5), "num_warps"), (dict(block_m=16, block_n=16, num_warps=4, num_stages=0), "num_stages")],
+)  # fmt: skip
+def test_prefill_config_rejects_bad_knobs(knobs, words):
+    with pytest.raises(ValueError, match=words):
+        PrefillConfig(**knobs)
+
+
 def test_prefill_fp16_large_scores_do_not_overflow():
     query, key, value, cu_seqlens = packed([20, 9], 2, 32, torch.float16)
     query = torch.full_like(query, 60.0)
@@ -475,6 +504,8 @@ def test_gemv_refuses_what_it_does_not_serve():
 
     w = torch.randn(8, 16).half()
     assert not kernels.gemv_supports(torch.randn(5, 16).half(), w)  # too many rows
+    assert not kernels.gemv_supports(torch.randn(1, 16).half(), torch.randn(9000, 16).half())  # vocab-sized: cuBLAS
+    assert not kernels.gemv_supports(torch.randn(2, 1024).half(), torch.randn(4096, 1024).half())
     assert not kernels.gemv_supports(torch.randn(1, 16), w.float())  # fp32 stays on torch
     assert not kernels.gemv_supports(torch.randn(1, 16).half(), w.T.contiguous().T)  # column-major
     with pytest.raises(ValueError, match="at most 4 rows"):
