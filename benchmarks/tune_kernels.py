@@ -271,14 +271,15 @@ QUICK_DECODE_SHAPES = [
 # ----------------------------------------------------------------------------- prefill
 
 
-PREFILL_FIRST_PASS = [
-    PrefillConfig(128, 64, 4, 3),
+PREFILL_FIRST_PASS = [  # ptxas on sm_90: 128x128/8w and 64x128/4w spill a little, the rest do not
     PrefillConfig(128, 64, 8, 3),
     PrefillConfig(128, 128, 8, 3),
     PrefillConfig(64, 64, 4, 3),
     PrefillConfig(64, 128, 4, 3),
     PrefillConfig(128, 32, 8, 3),
-    PrefillConfig(128, 128, 4, 2),
+    PrefillConfig(64, 32, 4, 3),
+    PrefillConfig(64, 64, 8, 3),
+    PrefillConfig(128, 64, 8, 3, tile_ranges=False),  # the one-loop kernel, to see what the ranges win
 ]
 QUICK_PREFILL = [PrefillConfig(16, 16, 4, 1), PrefillConfig(32, 16, 4, 1), PrefillConfig(16, 32, 4, 2)]
 
@@ -308,7 +309,7 @@ def tune_prefill_shape(shape: dict, dtype: torch.dtype, clock: Clock, quick: boo
             row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
         return row
 
-    base = PrefillConfig(16, 16, 4, 1) if not CUDA else prefill_config(head_dim, dtype)
+    base = PrefillConfig(16, 16, 4, 1) if not CUDA else prefill_config(head_dim, dtype, length)
     result["default"] = measure(base)
     rows = [result["default"]]
     seen = {base}

@@ -1,9 +1,13 @@
 """Varlen flash-attention prefill with T5 bias (Triton twin of `reference.prefill`).
 
 One program handles BLOCK_M queries of one (sequence, head) and streams that sequence's keys
-in BLOCK_N tiles with an online softmax, so memory stays O(L): no L x L tensor is ever made.
-The bias comes from the per-head distance table (one L1-resident scalar per (query, key)),
-from a dense [batch|1, heads|1, L, L] tensor, or is absent.
+in BLOCK_N tiles with an online softmax (tl.dot in the input dtype, fp32 accumulation, exp2),
+so memory stays O(L): no L x L tensor is ever made. The bias comes from the per-head distance
+table, from a dense [batch|1, heads|1, L, L] tensor, or is absent. With the bidirectional
+table only the key tiles within max_distance of the query block gather per (query, key);
+tiles wholly left or right of that band add one scalar (every distance there clamps to the
+table's first or last entry). Whole tiles skip the key mask; only the ragged end (and, when
+causal, the diagonal) is masked. Launch knobs are a `PrefillConfig`, picked by `prefill_config`.
 """
 
 from __future__ import annotations
@@ -28,6 +32,94 @@ from ._checks import (
 
 # BIAS_MODE values.
 _NO_BIAS, _TABLE_BIAS, _DENSE_BIAS = 0, 1, 2
+
+
+@triton.jit
+def _attend_tile(
+    acc,
+    l_i,
+    m_i,
+    q,
+    k_base,
+    v_base,
+    k_start,
+    const_bias,
+    q_pos,
+    seq_len,
+    seq,
+    head,
+    qk_scale,
+    max_distance,
+    head_dim,
+    stride_key_token,
+    stride_value_token,
+    bias_ptr,
+    bias_row_ptr,
+    stride_bias_batch,
+    stride_bias_head,
+    stride_bias_query,
+    stride_bias_key,
+    CAUSAL: tl.constexpr,
+    TILE_BIAS: tl.constexpr,
+    MASKED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    """One online-softmax step over keys [k_start, k_start + BLOCK_N); scores in log2 units.
+
+    MASKED: the tile may hold keys past seq_len (or, when CAUSAL, after a query); unmasked
+    tiles skip every comparison. TILE_BIAS: 0 none, 1 a gather from the distance table, 2 a
+    dense bias tile (these two match BIAS_MODE), 3 one scalar `const_bias` for the whole tile
+    (far from the diagonal every distance clamps to the same table entry).
+    """
+    k_pos = k_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    dims = tl.arange(0, BLOCK_D)
+    # 64-bit scalar tile bases plus 32-bit in-tile offsets: 64-bit offset tiles would cost two
+    # registers per element (and spill at BLOCK_D = 128).
+    k_start64 = tl.full([], k_start, tl.int64)
+    k_ptrs = (k_base + k_start64 * stride_key_token) + (
+        tl.arange(0, BLOCK_N)[:, None] * stride_key_token + dims[None, :]
+    )  # fmt: skip
+    v_ptrs = (v_base + k_start64 * stride_value_token) + (
+        tl.arange(0, BLOCK_N)[:, None] * stride_value_token + dims[None, :]
+    )  # fmt: skip
+    if MASKED or not EVEN_D:
+        kv_mask = (k_pos[:, None] < seq_len) & (dims[None, :] < head_dim)
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N] fp32
+    if TILE_BIAS == 3:
+        s += const_bias
+    if TILE_BIAS == 1:
+        # The clamp keeps every index inside the table, so the gather needs no mask.
+        if CAUSAL:
+            index = tl.minimum(tl.maximum(q_pos[:, None] - k_pos[None, :], 0), max_distance)
+        else:
+            index = tl.minimum(tl.maximum(k_pos[None, :] - q_pos[:, None], -max_distance), max_distance)
+            index += max_distance
+        s += tl.load(bias_row_ptr + index * stride_bias_key).to(tl.float32) * 1.4426950408889634
+    if TILE_BIAS == 2:
+        bias_off = seq.to(tl.int64) * stride_bias_batch + head * stride_bias_head
+        bias_off += q_pos[:, None].to(tl.int64) * stride_bias_query + k_pos[None, :] * stride_bias_key
+        live_bias = (q_pos[:, None] < seq_len) & (k_pos[None, :] < seq_len)
+        s += tl.load(bias_ptr + bias_off, mask=live_bias, other=0.0).to(tl.float32) * 1.4426950408889634
+    if MASKED:
+        live = k_pos[None, :] < seq_len
+        if CAUSAL:
+            live = live & (k_pos[None, :] <= q_pos[:, None])
+        s = tl.where(live, s, float("-inf"))
+    # Every row meets a live key in its first tile (key 0), so m_new is finite from then on.
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+    return acc, l_i, m_new
 
 
 @triton.jit
@@ -59,6 +151,9 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    TILE_RANGES: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
     q_start = tl.program_id(0) * BLOCK_M
@@ -71,25 +166,17 @@ def _prefill_kernel(
         return
 
     q_pos = q_start + tl.arange(0, BLOCK_M)  # [BLOCK_M] positions within the sequence
-    q_mask = q_pos < seq_len
     dims = tl.arange(0, BLOCK_D)
-    dim_mask = dims < head_dim
-    # 64-bit scalar bases plus 32-bit in-tile offsets: pointer tiles would cost two registers
-    # per element and spill at BLOCK_D = 128.
+    q_mask = (q_pos[:, None] < seq_len) & (dims[None, :] < head_dim)
     q_base = query_ptr + (seq_start + q_start) * stride_query_token + head * stride_query_head
     rows_m = tl.arange(0, BLOCK_M)
-    q = tl.load(
-        q_base + rows_m[:, None] * stride_query_token + dims[None, :],
-        mask=q_mask[:, None] & dim_mask[None, :],
-        other=0.0,
-    )  # [BLOCK_M, BLOCK_D]
-    rows_n = tl.arange(0, BLOCK_N)
-    k_tile = rows_n[:, None] * stride_key_token + dims[None, :]  # [BLOCK_N, BLOCK_D]
-    v_tile = rows_n[:, None] * stride_value_token + dims[None, :]
-    k_base = key_ptr + seq_start * stride_key_token + head * stride_key_head
-    v_base = value_ptr + seq_start * stride_value_token + head * stride_value_head
-    # Scores in log2 units: exp2 is the native instruction.
+    q = tl.load(q_base + rows_m[:, None] * stride_query_token + dims[None, :], mask=q_mask, other=0.0)
+    # Scores in log2 units (exp2 is the native instruction); the scale is applied to the fp32
+    # scores (rounding a scaled q to bf16 would cost T5's unscaled logits ~0.1 absolute).
     qk_scale = scale * 1.4426950408889634
+    k_base = key_ptr + seq_start * stride_key_token + head * stride_key_head
+    bias_row_ptr = bias_ptr + head * stride_bias_head  # this head's distance table row
+    v_base = value_ptr + seq_start * stride_value_token + head * stride_value_head
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -97,47 +184,58 @@ def _prefill_kernel(
     kv_end = seq_len
     if CAUSAL:
         kv_end = tl.minimum(seq_len, q_start + BLOCK_M)
-    for k_start in range(0, kv_end, BLOCK_N):
-        k_pos = k_start + rows_n  # [BLOCK_N]
-        k_mask = k_pos < seq_len
-        kv_mask = k_mask[:, None] & dim_mask[None, :]
-        k_start64 = tl.full([], k_start, tl.int64)
-        k = tl.load(k_base + k_start64 * stride_key_token + k_tile, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N] fp32
-        if BIAS_MODE == 1:
-            # The clamp keeps every index inside the table, so the gather needs no mask.
-            if CAUSAL:
-                index = tl.minimum(tl.maximum(q_pos[:, None] - k_pos[None, :], 0), max_distance)
-            else:
-                index = tl.minimum(tl.maximum(k_pos[None, :] - q_pos[:, None], -max_distance), max_distance)
-                index += max_distance
-            bias = tl.load(bias_ptr + head * stride_bias_head + index * stride_bias_key)
-            s += bias.to(tl.float32) * 1.4426950408889634
-        if BIAS_MODE == 2:
-            bias_off = seq.to(tl.int64) * stride_bias_batch + head * stride_bias_head
-            bias_off += q_pos[:, None].to(tl.int64) * stride_bias_query + k_pos[None, :] * stride_bias_key
-            bias = tl.load(bias_ptr + bias_off, mask=q_mask[:, None] & k_mask[None, :], other=0.0)
-            s += bias.to(tl.float32) * 1.4426950408889634
-        live = k_mask[None, :]
+    # Loop arguments shared by every tile kind.
+    tile_args = (q_pos, seq_len, seq, head, qk_scale, max_distance, head_dim, stride_key_token, stride_value_token)
+    bias_args = (bias_ptr, bias_row_ptr, stride_bias_batch, stride_bias_head, stride_bias_query, stride_bias_key)
+    tail_start = 0
+    if TILE_RANGES:
+        # Keys [0, full_end) come in whole tiles that need no key mask (nor, when causal, a
+        # causal mask: they end before the block's first query).
+        full_end = (seq_len // BLOCK_N) * BLOCK_N
         if CAUSAL:
-            live = live & (k_pos[None, :] <= q_pos[:, None])
-        s = tl.where(live, s, float("-inf"))
-        # Key 0 is live for every row and sits in the first tile, so m_new is finite from then on.
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + k_start64 * stride_value_token + v_tile, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
-        m_i = m_new
+            full_end = tl.minimum(full_end, (q_start // BLOCK_N) * BLOCK_N)
+        if BIAS_MODE == 1 and not CAUSAL:
+            # Far from the diagonal every distance clamps to the table's first (keys before
+            # the queries) or last entry: only the ~2 * max_distance keys around it gather.
+            # A tile is left of that band when k_start + BLOCK_N - 1 - q_start <= -max_distance,
+            # right of it when k_start - (q_start + BLOCK_M - 1) >= max_distance.
+            left_end = tl.minimum(tl.maximum(q_start - max_distance + 1, 0) // BLOCK_N * BLOCK_N, full_end)
+            right_start = tl.cdiv(q_start + BLOCK_M - 1 + max_distance, BLOCK_N) * BLOCK_N
+            right_start = tl.maximum(tl.minimum(right_start, full_end), left_end)
+            left_bias = tl.load(bias_row_ptr).to(tl.float32) * 1.4426950408889634
+            right_bias = tl.load(bias_row_ptr + 2 * max_distance * stride_bias_key).to(tl.float32) * 1.4426950408889634
+            for k_start in tl.range(0, left_end, BLOCK_N, num_stages=NUM_STAGES):
+                acc, l_i, m_i = _attend_tile(
+                    acc, l_i, m_i, q, k_base, v_base, k_start, left_bias, *tile_args, *bias_args,
+                    CAUSAL, 3, False, BLOCK_N, BLOCK_D, EVEN_D, INPUT_PRECISION,
+                )  # fmt: skip
+            for k_start in tl.range(left_end, right_start, BLOCK_N, num_stages=NUM_STAGES):
+                acc, l_i, m_i = _attend_tile(
+                    acc, l_i, m_i, q, k_base, v_base, k_start, 0.0, *tile_args, *bias_args,
+                    CAUSAL, 1, False, BLOCK_N, BLOCK_D, EVEN_D, INPUT_PRECISION,
+                )  # fmt: skip
+            for k_start in tl.range(right_start, full_end, BLOCK_N, num_stages=NUM_STAGES):
+                acc, l_i, m_i = _attend_tile(
+                    acc, l_i, m_i, q, k_base, v_base, k_start, right_bias, *tile_args, *bias_args,
+                    CAUSAL, 3, False, BLOCK_N, BLOCK_D, EVEN_D, INPUT_PRECISION,
+                )  # fmt: skip
+        else:
+            for k_start in tl.range(0, full_end, BLOCK_N, num_stages=NUM_STAGES):
+                acc, l_i, m_i = _attend_tile(
+                    acc, l_i, m_i, q, k_base, v_base, k_start, 0.0, *tile_args, *bias_args,
+                    CAUSAL, BIAS_MODE, False, BLOCK_N, BLOCK_D, EVEN_D, INPUT_PRECISION,
+                )  # fmt: skip
+        tail_start = full_end
+    # The ragged end (the last partial tile; with CAUSAL the diagonal), or every key.
+    for k_start in tl.range(tail_start, kv_end, BLOCK_N, num_stages=NUM_STAGES):
+        acc, l_i, m_i = _attend_tile(
+            acc, l_i, m_i, q, k_base, v_base, k_start, 0.0, *tile_args, *bias_args,
+            CAUSAL, BIAS_MODE, True, BLOCK_N, BLOCK_D, EVEN_D, INPUT_PRECISION,
+        )  # fmt: skip
 
     out = acc / l_i[:, None]
     out_base = out_ptr + (seq_start + q_start) * stride_out_token + head * stride_out_head
-    tl.store(
-        out_base + rows_m[:, None] * stride_out_token + dims[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=q_mask[:, None] & dim_mask[None, :],
-    )
+    tl.store(out_base + rows_m[:, None] * stride_out_token + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,12 +244,16 @@ class PrefillConfig:
 
     block_m: queries per program, block_n: keys per tile (powers of two >= 16)
     num_warps: warps per program; num_stages: software-pipelining depth of the key loop
+    tile_ranges: split the key loop into unmasked / constant-bias / gathered / masked ranges
+        (off: one masked loop with the general bias; for fp32, whose FMA dots would spill
+        registers across several loops)
     """
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int = 2
+    tile_ranges: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -164,11 +266,19 @@ class PrefillConfig:
             raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
 
 
-def prefill_config(head_dim: int, dtype: torch.dtype) -> PrefillConfig:
-    """Default knobs on a GPU (sm_90 reasoning; `benchmarks/tune_kernels.py` measures them)."""
+def prefill_config(head_dim: int, dtype: torch.dtype, max_seqlen: int) -> PrefillConfig:
+    """Default knobs on a GPU (sm_90 reasoning; `benchmarks/tune_kernels.py` measures them).
+
+    bf16/fp16, head_dim <= 64: 128 x 64 tiles on 8 warps (two warpgroups of m64n64 wgmma;
+    ~167 registers with the bias gather, no spills) and a 3-deep cp.async pipeline.
+    Wider heads halve the query tile to stay clear of spills. `max_seqlen` is there for
+    tuned per-length rules.
+    """
     if dtype == torch.float32:
-        # IEEE fp32 dots run on FMA units with operands in registers: smaller query tiles.
-        return PrefillConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
+        # IEEE fp32 dots run on FMA units with operands in registers: smaller tiles, one loop.
+        return PrefillConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, tile_ranges=False)
+    if head_dim <= 64:
+        return PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
     if head_dim <= 128:
         return PrefillConfig(block_m=128, block_n=32, num_warps=8, num_stages=3)
     return PrefillConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
@@ -258,7 +368,7 @@ def prefill(
         # Small tiles: cheap in the interpreter and they exercise tile edges on tiny shapes.
         config = PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
     if config is None:
-        config = prefill_config(head_dim, query.dtype)
+        config = prefill_config(head_dim, query.dtype, max_seqlen)
     # fp32 callers expect fp32 matmuls (HF parity); TF32 would cost ~3 decimal digits.
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     grid = (triton.cdiv(max_seqlen, config.block_m), batch, num_heads)
@@ -269,7 +379,8 @@ def prefill(
         *bias_strides,
         out.stride(0), out.stride(1),
         CAUSAL=bool(causal), BIAS_MODE=bias_mode, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        BLOCK_D=block_d(head_dim), INPUT_PRECISION=precision,
+        BLOCK_D=block_d(head_dim), EVEN_D=block_d(head_dim) == head_dim, NUM_STAGES=config.num_stages,
+        TILE_RANGES=config.tile_ranges, INPUT_PRECISION=precision,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out
