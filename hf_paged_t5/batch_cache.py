@@ -159,6 +159,15 @@ class BatchCache:
         self.pool.copy_blocks(cow_src, cow_dst)
 
     # ---- one decode step (the interface of patch._decode and graphs.DecodeGraphs.run) ---------
+    def prepare_step(self) -> None:
+        """Make the blocks the next `begin_step` opens free now, growing the pool if needed: growth
+        re-allocates the pool tensors, which must not happen inside `DecodeGraphs.run`, between its
+        check of the pool's generation and the replay of a graph captured on the old tensors."""
+        rows = self.order
+        opening = int((self._self_lens[rows] // self.block_size >= self._num_self[rows]).sum())
+        if opening > self.pool.manager.num_free:
+            self.pool.reserve(opening)
+
     def begin_step(self, num_new: int) -> torch.Tensor:
         """Reserve the slot of one new token in every row of `order`; returns slot_mapping [rows] int64 (CPU)."""
         if num_new != 1:
@@ -168,7 +177,8 @@ class BatchCache:
         starts_block = lens // bs >= self._num_self[rows]  # the new token opens a block
         if starts_block.any():
             opening = rows[starts_block]
-            blocks = self._allocate(len(opening))
+            blocks = self.pool.manager.allocate(len(opening))  # free since prepare_step: no growth here
+            self.num_held += len(opening)
             width = int(self._num_self[opening].max()) + 1
             if width > self._self_table.shape[1]:
                 self._self_table = _widen(self._self_table, width)

@@ -213,6 +213,7 @@ class BatchRun:
         if fits != self.graph_fits:  # _decode decides graph use once per cache, from the row count
             self.cache.__dict__.pop("_decode_plan", None)
             self.graph_fits = fits
+        self.cache.prepare_step()
         logits = _decode(gen.runtime, gen.model, self.cache, ids)  # [rows, 1, vocab]
         logits = logits[:, -1, :].to(copy=True, dtype=torch.float32)  # as HF: a float32 copy
         if gen.num_beams > 1:

@@ -1,0 +1,279 @@
+"""Batch-job throughput: BatchGenerator (continuous batching) vs patched generate() in static batches
+vs stock HF generate(), on one GPU, in one run.
+
+Workload: `--num-inputs` (2,000) random-token inputs, lengths long-tailed (log-normal, median 160,
+clipped to 20-2,000 tokens), each with a summary length drawn long-tailed in 20-200 tokens (median
+60) and forced: BatchGenerator gets it per request (min_new_tokens = max_new_tokens = n).
+Static batching cannot give rows their own lengths, so each static batch runs to the longest n in it
+(min = max = that n). That is what static batching costs anyway: generate() keeps computing every row
+until the batch's last row stops at its EOS. Only the n wanted tokens of each input are counted, for
+every system: tokens/s = sum(n) / wall time, encoder included. Static batches are sorted by input
+length (least padding), as in a well-tuned HF job; each static system uses the best batch size of a
+small sweep on a probe subset. Model: random weights with the t5-large shape, bf16; HF with SDPA.
+
+HF is slow, so it runs on a random subset (`--hf-inputs`) and, like the static paged run, stops at
+its share of `--time-budget` (batches run in shuffled order, so a partial run is a random sample); the
+JSON says how many inputs each system measured. Graphs are captured before timing (warm-up runs).
+
+    python benchmarks/bench_batch.py [--out DIR] [--num-inputs 2000] [--hf-inputs 256] [--time-budget 210]
+    python benchmarks/bench_batch.py --quick --device cpu     # tiny smoke run of the whole script
+
+Writes DIR/batch-<gpu>-<yyyymmdd>.json with top-level keys gpu, tokens_per_s (per system),
+speedup_vs_static_paged, speedup_vs_hf, and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import random
+import time
+
+import torch
+import transformers
+from transformers import StoppingCriteria, StoppingCriteriaList, T5Config, T5ForConditionalGeneration
+
+import hf_paged_t5 as hp
+from hf_paged_t5.tiny import SHAPES
+
+
+def make_model(shape: str, dtype: torch.dtype, device: str) -> T5ForConditionalGeneration:
+    """Random weights with a real shape, as bench_generate.make builds them (SDPA attention for HF)."""
+    cfg = T5Config(decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, **SHAPES[shape])
+    cfg._attn_implementation = "sdpa"
+    with torch.device(device):
+        torch.manual_seed(0)
+        model = T5ForConditionalGeneration(cfg)
+    return model.to(dtype).eval()
+
+
+def workload(num: int, vocab: int, seed: int, quick: bool) -> list[tuple[list[int], int]]:
+    """[(input ids, forced new tokens)], both long-tailed (see the module docstring)."""
+    rng = random.Random(seed)
+    src_median, src_max, new_median, new_min, new_max = (24, 120, 6, 3, 24) if quick else (160, 2000, 60, 20, 200)
+    items = []
+    for _ in range(num):
+        length = min(max(round(rng.lognormvariate(0, 1.0) * src_median), 20 if not quick else 4), src_max)
+        new = min(max(round(rng.lognormvariate(0, 0.6) * new_median), new_min), new_max)
+        items.append(([rng.randrange(2, vocab) for _ in range(length)], new))
+    return items
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def static_batches(items, batch_size: int, seed: int = 0):
+    """Batches of inputs sorted by length, in shuffled order (a run cut short is a random sample)."""
+    ordered = sorted(items, key=lambda item: len(item[0]))
+    batches = [ordered[i : i + batch_size] for i in range(0, len(ordered), batch_size)]
+    random.Random(seed).shuffle(batches)
+    return batches
+
+
+def generate_batch(model, batch, device: str, stop_after=None) -> None:
+    """One static generate() call: right-padded inputs, every row forced to the batch's longest n."""
+    width = max(len(ids) for ids, _ in batch)
+    ids = torch.zeros(len(batch), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, (tokens, _) in enumerate(batch):
+        ids[row, : len(tokens)] = torch.tensor(tokens)
+        mask[row, : len(tokens)] = 1
+    new = max(n for _, n in batch)
+    kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, num_beams=1)
+    if stop_after is not None:
+        kw = dict(max_new_tokens=new, stopping_criteria=StoppingCriteriaList([stop_after()]))
+    with torch.inference_mode():
+        model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kw)
+
+
+class StopSoon(StoppingCriteria):
+    """Ends a warm-up call after two steps (its cache, and so its graph key, is sized as the real call's)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.calls += 1
+        return torch.full((input_ids.shape[0],), self.calls >= 2, dtype=torch.bool, device=input_ids.device)
+
+
+def run_static(model, items, batch_size: int, device: str, deadline: float) -> dict:
+    """Static batches until done or `deadline`; useful tokens, inputs measured, seconds."""
+    tokens = inputs = 0
+    sync(device)
+    start = time.perf_counter()
+    for batch in static_batches(items, batch_size):
+        generate_batch(model, batch, device)
+        tokens += sum(n for _, n in batch)
+        inputs += len(batch)
+        if time.perf_counter() > deadline:
+            break
+    sync(device)
+    seconds = time.perf_counter() - start
+    return dict(batch_size=batch_size, tokens=tokens, inputs=inputs, seconds=seconds, tokens_per_s=tokens / seconds)
+
+
+def sweep(model, probe, sizes, device: str, deadline: float, warm_all: bool) -> tuple[int, dict]:
+    """The batch size with the best tokens/s on `probe`; all sizes' results (OOM is reported).
+
+    Each size is warmed first: on its first batch (cuBLAS, allocator), or with `warm_all` on the
+    whole probe (the paged path also captures a CUDA graph per batch and table-width bucket).
+    """
+    results = {}
+    for size in sizes:
+        try:
+            run_static(model, probe if warm_all else probe[:size], size, device, float("inf"))
+            results[size] = run_static(model, probe, size, device, float("inf"))
+        except torch.OutOfMemoryError as exc:
+            results[size] = dict(error=repr(exc)[:200])
+            gc.collect()
+            torch.cuda.empty_cache()
+        print(f"  batch {size}: {results[size].get('tokens_per_s', float('nan')):.0f} tok/s", flush=True)
+        if time.perf_counter() > deadline:
+            break
+    ok = {size: r for size, r in results.items() if "tokens_per_s" in r}
+    return max(ok, key=lambda size: ok[size]["tokens_per_s"]), results
+
+
+def warm_static_paged(model, items, batch_size: int, device: str) -> None:
+    """Capture the static paged run's decode graphs: per batch-size bucket, input-length tier and
+    output-length tier (the keys of `graphs.DecodeGraphs`)."""
+    rows = {batch_size, len(items) % batch_size or batch_size}
+    max_src = max(len(ids) for ids, _ in items)
+    tiers = sorted({min(n, max_src) for n in (16, 48, 112, 240, 496, 1008, 2000)})
+    news = sorted({min(n, max(n for _, n in items)) for n in (60, 120, 200)})
+    for count in rows:
+        for src in tiers:
+            for new in news:
+                generate_batch(model, [([5] * src, new)] * count, device, stop_after=StopSoon)
+
+
+def run_batch_generator(model, items, device: str, batch_tokens: int, batch_rows: int) -> dict:
+    gen = hp.BatchGenerator(model, max_batch_tokens=batch_tokens, max_batch_rows=batch_rows)
+    requests = [hp.BatchRequest(ids, max_new_tokens=n, min_new_tokens=n) for ids, n in items]
+    sync(device)
+    start = time.perf_counter()
+    tokens = sum(result.num_new_tokens for _, result in gen.as_completed(requests))
+    sync(device)
+    seconds = time.perf_counter() - start
+    assert tokens == sum(n for _, n in items), "BatchGenerator did not produce the forced lengths"
+    return dict(tokens=tokens, inputs=len(items), seconds=seconds, tokens_per_s=tokens / seconds)
+
+
+def stats(values) -> dict:
+    values = sorted(values)
+    pick = lambda q: values[min(int(q * len(values)), len(values) - 1)]  # noqa: E731
+    return dict(min=values[0], median=pick(0.5), p90=pick(0.9), p99=pick(0.99), max=values[-1],
+                mean=sum(values) / len(values))
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="benchmarks/results", help="directory for the JSON")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--shape", default=None, help="model shape (default t5-large; tiny with --quick)")
+    ap.add_argument("--num-inputs", type=int, default=None, help="inputs (default 2000; 40 with --quick)")
+    ap.add_argument("--hf-inputs", type=int, default=None, help="HF's random subset (default 256; 16 --quick)")
+    ap.add_argument("--probe-inputs", type=int, default=None, help="batch-size sweep subset (default 64)")
+    ap.add_argument("--hf-batch-sizes", default=None, help="HF sweep (default 16,32,64)")
+    ap.add_argument("--static-batch-sizes", default=None, help="static paged sweep (default 32,64,128)")
+    ap.add_argument("--batch-tokens", type=int, default=262144, help="BatchGenerator max_batch_tokens")
+    ap.add_argument("--batch-rows", type=int, default=256, help="BatchGenerator max_batch_rows")
+    ap.add_argument("--time-budget", type=float, default=210.0, help="seconds for the whole run, roughly")
+    ap.add_argument("--quick", action="store_true", help="tiny model and workload (a smoke run, CPU is fine)")
+    args = ap.parse_args()
+    quick = args.quick
+    args.shape = args.shape or ("tiny" if quick else "t5-large")
+    args.num_inputs = args.num_inputs or (40 if quick else 2000)
+    args.hf_inputs = args.hf_inputs or (16 if quick else 256)
+    args.probe_inputs = args.probe_inputs or (16 if quick else 64)
+    args.hf_batch_sizes = [int(s) for s in (args.hf_batch_sizes or ("4,8" if quick else "16,32,64")).split(",")]
+    args.static_batch_sizes = [int(s) for s in (args.static_batch_sizes or ("4,8" if quick else "32,64,128")).split(",")]
+    if quick:
+        args.batch_tokens, args.batch_rows = min(args.batch_tokens, 2048), min(args.batch_rows, 16)
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    t0 = time.perf_counter()
+    deadline = t0 + args.time_budget
+    device = args.device
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    if device == "cpu":
+        torch.set_num_threads(1)  # tiny matmuls: OpenMP spin-waits make multi-thread CPU timings erratic
+    gpu = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
+    model = make_model(args.shape, dtype, device)
+    vocab = model.config.vocab_size
+    items = workload(args.num_inputs, vocab, seed=1, quick=args.quick)
+    rng = random.Random(2)
+    probe = rng.sample(items, min(args.probe_inputs, len(items)))
+    hf_items = rng.sample(items, min(args.hf_inputs, len(items)))
+    report = dict(gpu=gpu, date=datetime.date.today().isoformat(), torch=torch.__version__,
+                  transformers=transformers.__version__, model_shape=args.shape, dtype=str(dtype),
+                  num_inputs=len(items), input_tokens=stats([len(ids) for ids, _ in items]),
+                  new_tokens=stats([n for _, n in items]), settings=vars(args).copy())
+
+    hp.patch_model(model)
+    print("warm-up: BatchGenerator", flush=True)
+    longest = (max((ids for ids, _ in items), key=len), max(n for _, n in items))  # the widest graphs early
+    run_batch_generator(model, [longest] + workload(max(len(items) // 8, 8), vocab, 3, args.quick),
+                        device, args.batch_tokens, args.batch_rows)
+    print("BatchGenerator", flush=True)
+    batch_gen = run_batch_generator(model, items, device, args.batch_tokens, args.batch_rows)
+    print(f"  {batch_gen['tokens_per_s']:.0f} tok/s over {batch_gen['seconds']:.1f} s", flush=True)
+
+    print("patched generate(), static batches: sweep", flush=True)
+    static_deadline = time.perf_counter() + 0.4 * max(deadline - time.perf_counter(), 0.0)
+    size, static_sweep = sweep(model, probe, args.static_batch_sizes, device, static_deadline, warm_all=True)
+    warm_static_paged(model, items, size, device)
+    static = run_static(model, items, size, device, static_deadline)
+    print(f"  batch {size}: {static['tokens_per_s']:.0f} tok/s over {static['inputs']} inputs", flush=True)
+
+    hp.unpatch_model(model)
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    print("HF generate(), static batches: sweep", flush=True)
+    hf_size, hf_sweep = sweep(model, probe, args.hf_batch_sizes, device, deadline, warm_all=False)
+    hf = run_static(model, hf_items, hf_size, device, deadline)
+    print(f"  batch {hf_size}: {hf['tokens_per_s']:.0f} tok/s over {hf['inputs']} inputs", flush=True)
+
+    report.update(
+        tokens_per_s=dict(batch_generator=batch_gen["tokens_per_s"], static_paged=static["tokens_per_s"],
+                          hf=hf["tokens_per_s"]),
+        speedup_vs_static_paged=batch_gen["tokens_per_s"] / static["tokens_per_s"],
+        speedup_vs_hf=batch_gen["tokens_per_s"] / hf["tokens_per_s"],
+        runs=dict(batch_generator=batch_gen, static_paged=static, hf=hf),
+        sweeps=dict(static_paged=static_sweep, hf=hf_sweep),
+        hf_subset=(f"HF measured on {hf['inputs']} of {len(items)} inputs (a random subset, whole batches in "
+                   f"random order), the other systems on {batch_gen['inputs']} and {static['inputs']}"),
+        wall_seconds=time.perf_counter() - t0,
+    )
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"batch-{gpu.replace(' ', '_')}-{datetime.date.today():%Y%m%d}.json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    print_table(report)
+    print(f"wrote {path}")
+
+
+def print_table(report: dict) -> None:
+    runs = report["runs"]
+    print(f"\n{'system':<28}{'batch':>7}{'inputs':>8}{'seconds':>9}{'tokens/s':>11}{'BatchGen speedup':>18}")
+    for name, label in (("batch_generator", "BatchGenerator"), ("static_paged", "patched generate, static"),
+                        ("hf", "HF generate, static")):
+        r = runs[name]
+        speedup = report["tokens_per_s"]["batch_generator"] / r["tokens_per_s"]
+        print(f"{label:<28}{r.get('batch_size', '-')!s:>7}{r['inputs']:>8}{r['seconds']:>9.1f}"
+              f"{r['tokens_per_s']:>11.0f}{speedup:>17.1f}x")
+    print(report["hf_subset"])
+
+
+if __name__ == "__main__":
+    main()
