@@ -8,6 +8,8 @@ Measured in one run on one GPU:
   with the causal bias table, vs (a) HF's eager math on contiguous KV with a materialized bias
   (matmul + bias + fp32 softmax + matmul) and (b) SDPA with the bias as attn_mask; achieved
   bandwidth = bytes of K + V read / time, also as % of copy bandwidth;
+- the two attention calls of a batch-1 t5-large decode step (self: 128 keys + bias table,
+  cross: 512 keys), timed per call inside a CUDA graph with cold K/V, as the step runs them;
 - encoder prefill (16 x 512, 4 x 2048, 1 x 8192 tokens) with the bidirectional bias table vs
   SDPA (and HF eager where it fits) with the materialized [1, heads, L, L] bias.
 Baselines get their bias materialized once outside the timed region (HF rebuilds it every
@@ -108,6 +110,54 @@ def decode_case(batch, keys, args, device, copy_gbps):
     return row
 
 
+def graph_us(calls) -> float:
+    """Median µs per call of `calls` replayed back to back in one CUDA graph (NaN without CUDA)."""
+    if not torch.cuda.is_available():
+        return float("nan")
+    for fn in calls[:2]:
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(7):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[3] * 1e3 / len(calls)
+
+
+def step_decode_case(name, keys, capacity, bias, args, device):
+    """One attention call of a batch-1 decode step as the step runs it: in a CUDA graph, cold KV.
+
+    The graph holds many calls, each on its own rows of the pool, together twice the L2 size,
+    so every call reads its K/V from memory as it would between the step's other kernels.
+    """
+    dtype, heads, head_dim, block_size = DTYPES[args.dtype], args.heads, args.head_dim, args.block_size
+    per_row = triton.cdiv(keys, block_size)
+    kv_bytes = 2 * keys * heads * head_dim * torch.finfo(dtype).bits // 8
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 * 2**20) if device.type == "cuda" else 0
+    copies = max(2, min(256, triton.cdiv(2 * l2, kv_bytes)))
+    key_cache = torch.randn(copies * per_row, block_size, heads, head_dim, device=device, dtype=dtype)
+    value_cache = torch.randn_like(key_cache)
+    tables = torch.zeros(copies, 1, triton.cdiv(capacity, block_size), dtype=torch.int32, device=device)
+    tables[:, :, :per_row] = torch.randperm(copies * per_row, device=device).to(torch.int32).view(copies, 1, per_row)
+    seq_lens = torch.full((1,), keys, dtype=torch.int32, device=device)
+    query = torch.randn(1, heads, head_dim, device=device, dtype=dtype)
+    extra = {"bias_table": torch.randn(heads, 129, device=device)} if bias else {}
+    calls = [
+        (lambda i=i: paged_decode(query, key_cache, value_cache, tables[i], seq_lens, scale=1.0, **extra))
+        for i in range(copies)
+    ]
+    us = graph_us(calls)
+    return {"kind": "step", "name": name, "keys": keys, "capacity": capacity, "kv_bytes": kv_bytes, "graph_us": us}
+
+
 def prefill_case(batch, length, args, device):
     """Encoder (bidirectional) prefill of `batch` sequences of `length` tokens."""
     dtype, heads, head_dim = DTYPES[args.dtype], args.heads, args.head_dim
@@ -146,6 +196,9 @@ def print_table(result: dict) -> None:
     print(f"copy bandwidth: {result['copy_gbps']:.0f} GB/s (read + write)")
     print(f"{'case':<22}{'impl':<24}{'ms':>10}{'GB/s':>10}{'% copy':>8}{'TFLOP/s':>9}{'speedup':>9}")
     for row in result["rows"]:
+        if row["kind"] == "step":
+            print(f"{'step ' + row['name']:<22}{'paged_decode in graph':<24}{row['graph_us'] / 1e3:>10.4f}")
+            continue
         case = (
             f"decode {row['batch']}x{row['keys']}" if row["kind"] == "decode" else f"prefill {row['batch']}x{row['length']}"
         )
@@ -156,6 +209,7 @@ def print_table(result: dict) -> None:
             tflops = f"{row['tflops'][name]:.1f}" if "tflops" in row else ""
             print(f"{case:<22}{name:<24}{ms:>10.4f}{gbps:>10}{pct:>8}{tflops:>9}{ms / mine:>8.2f}x")
     print("speedup: how many times faster the Triton kernel (first row of each case) is than that row")
+    print("step rows: per call inside a CUDA graph, K/V cold (how the decode step runs it)")
 
 
 def main() -> None:
@@ -171,15 +225,19 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.quick:
         decode_shapes, prefill_shapes, copy_bytes = [(2, 40), (1, 64)], [(2, 32), (1, 48)], 2**20
+        step_shapes = [("self 1x20", 20, 32, True)]
         if device.type == "cpu":
             args.dtype, args.heads, args.head_dim = "fp32", 2, 16
     else:
         decode_shapes = [(64, 2048), (1, 16384)]
+        # t5-large greedy decode step at batch 1: self keys <= 128 in a 256-key table, 512 cross keys.
+        step_shapes = [("self 1x128", 128, 256, True), ("cross 1x512", 512, 512, False)]
         prefill_shapes = [(16, 512), (4, 2048), (1, 8192)]
         copy_bytes = 2**31
     torch.manual_seed(0)
     copy_gbps = copy_bandwidth(device, copy_bytes)
     rows = [decode_case(b, n, args, device, copy_gbps) for b, n in decode_shapes]
+    rows += [step_decode_case(*shape, args, device) for shape in step_shapes]
     rows += [prefill_case(b, n, args, device) for b, n in prefill_shapes]
     result = {
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (triton interpreter)",
