@@ -65,7 +65,7 @@ class Clock:
 
 
 def bench_ms(fn) -> float:
-    """Median ms of `fn()` called back to back (data hot in L2 for small working sets)."""
+    """Median ms of `fn()` (triton's do_bench: L2 cleared before every call)."""
     if CUDA:
         return triton.testing.do_bench(fn, warmup=5, rep=30, return_mode="median")
     start = time.perf_counter()
@@ -202,8 +202,8 @@ def tune_decode_shape(shape: dict, dtype: torch.dtype, copy_gbps: float, clock: 
             if not row["rel_err"] < TOLERANCE[dtype]:
                 row["error"] = f"wrong result: rel_err {row['rel_err']:.3g}"
                 return row
-            row["hot_us"] = 1e3 * bench_ms(lambda: paged_decode(block_table=tables[0], config=cfg, **args))
-            row["gbps"] = kv_bytes / row["hot_us"] / 1e3
+            row["bench_us"] = 1e3 * bench_ms(lambda: paged_decode(block_table=tables[0], config=cfg, **args))
+            row["gbps"] = kv_bytes / row["bench_us"] / 1e3
             row["pct_of_copy"] = 100 * row["gbps"] / copy_gbps
             if graphed:
                 calls = [
@@ -214,7 +214,7 @@ def tune_decode_shape(shape: dict, dtype: torch.dtype, copy_gbps: float, clock: 
             row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
         return row
 
-    metric = "graph_us" if graphed and CUDA else "hot_us"
+    metric = "graph_us" if graphed and CUDA else "bench_us"
     base = decode_config(batch, HEADS, head_dim, capacity, num_sms())
     result["default"] = measure(base)
     rows = [result["default"]]
@@ -246,7 +246,7 @@ def tune_decode_shape(shape: dict, dtype: torch.dtype, copy_gbps: float, clock: 
     if shape["bias"]:
         distance = (keys - 1 - torch.arange(keys, device=DEVICE)).clamp(max=128)
         mask = data["bias"]["bias_table"][:, distance][None, :, None, :].to(dtype)
-    result["sdpa_hot_us"] = 1e3 * bench_ms(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0))
+    result["sdpa_us"] = 1e3 * bench_ms(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0))
     return result
 
 
@@ -358,8 +358,8 @@ def _fmt(cfg: dict, cls: str) -> str:
 def print_report(result: dict) -> None:
     print(f"\n{result['gpu']}  torch {result['torch']}  triton {result['triton']}  {result['dtype']}")
     print(f"copy bandwidth: {result['copy_gbps']:.0f} GB/s (read + write)")
-    print("\npaged decode (hot: back-to-back calls; graph: per call in a CUDA graph, cold KV)")
-    print(f"{'shape':<18}{'metric':<10}{'default':>10}{'best':>10}{'%copy':>7}{'sdpa hot':>10}  best config")
+    print("\npaged decode, µs (bench_us: do_bench, L2 cleared; graph_us: per call in a CUDA graph, cold KV)")
+    print(f"{'shape':<18}{'metric':<10}{'default':>10}{'best':>10}{'%copy':>7}{'sdpa':>10}  best config")
     for row in result["decode"]:
         best, default, metric = row["best"], row["default"], row["metric"]
         if best is None:
@@ -368,7 +368,7 @@ def print_report(result: dict) -> None:
         d = default.get(metric, float("nan"))
         print(
             f"{row['shape']['name']:<18}{metric:<10}{d:>10.2f}{best[metric]:>10.2f}{best['pct_of_copy']:>7.0f}"
-            f"{row['sdpa_hot_us']:>10.2f}  {_fmt(best['config'], 'DecodeConfig')}"
+            f"{row['sdpa_us']:>10.2f}  {_fmt(best['config'], 'DecodeConfig')}"
         )
     print("\nprefill, bidirectional with the bias table (ms; TFLOP/s)")
     print(f"{'shape':<10}{'default':>9}{'best':>9}{'TFLOP/s':>9}{'sdpa+bias':>11}{'sdpa flash':>11}  best config")
@@ -390,6 +390,8 @@ def print_report(result: dict) -> None:
     ]
     for section, name, cfg, error in failed:
         print(f"failed: {section} {name} {cfg}: {error}")
+    for section, name, error in result.get("failed_shapes", []):
+        print(f"failed shape: {section} {name}: {error}")
     print(f"\n{result['elapsed_s']:.0f} s")
 
 
@@ -403,7 +405,7 @@ def default_out() -> pathlib.Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=pathlib.Path, default=None, help="JSON path (default under benchmarks/results)")
-    parser.add_argument("--budget", type=float, default=220.0, help="seconds for the sweeps (baselines run anyway)")
+    parser.add_argument("--budget", type=float, default=200.0, help="seconds for the sweeps (baselines run anyway)")
     parser.add_argument("--only", choices=("decode", "prefill"), default=None)
     parser.add_argument("--quick", action="store_true", help="tiny shapes, to check the script (CPU ok)")
     args = parser.parse_args()
@@ -430,23 +432,30 @@ def main() -> None:
         "decode": [],
         "prefill": [],
     }
-    if args.only != "prefill":
-        for shape in decode_shapes:
-            print(f"decode {shape['name']} ({decode_clock.left():.0f} s left)", flush=True)
-            result["decode"].append(tune_decode_shape(shape, dtype, copy_gbps, decode_clock, args.quick))
-            if CUDA:
-                torch.cuda.empty_cache()
-    if args.only != "decode":
-        for shape in prefill_shapes:
-            print(f"prefill {shape['name']} ({clock.left():.0f} s left)", flush=True)
-            result["prefill"].append(tune_prefill_shape(shape, dtype, clock, args.quick))
-            if CUDA:
-                torch.cuda.empty_cache()
-    result["elapsed_s"] = time.perf_counter() - clock.start
-    print_report(result)
     out = args.out or default_out()
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    sections = []
+    if args.only != "prefill":
+        sections += [("decode", shape, decode_clock) for shape in decode_shapes]
+    if args.only != "decode":
+        sections += [("prefill", shape, clock) for shape in prefill_shapes]
+    for section, shape, section_clock in sections:
+        print(f"{section} {shape['name']} ({section_clock.left():.0f} s left)", flush=True)
+        try:
+            if section == "decode":
+                row = tune_decode_shape(shape, dtype, copy_gbps, section_clock, args.quick)
+            else:
+                row = tune_prefill_shape(shape, dtype, section_clock, args.quick)
+            result[section].append(row)
+        except Exception as exc:  # e.g. out of memory: keep what was measured so far
+            print(f"  {section} {shape['name']} failed: {type(exc).__name__}: {exc}", flush=True)
+            result.setdefault("failed_shapes", []).append([section, shape["name"], f"{type(exc).__name__}: {exc}"])
+        if CUDA:
+            torch.cuda.empty_cache()
+        # Written after every shape, so a crash later still leaves the results so far.
+        result["elapsed_s"] = time.perf_counter() - clock.start
+        out.write_text(json.dumps(result, indent=2))
+    print_report(result)
     print(f"wrote {out}")
 
 
