@@ -215,7 +215,7 @@ class BatchRun:
             self.graph_fits = fits
         self.cache.prepare_step()
         logits = _decode(gen.runtime, gen.model, self.cache, ids)  # [rows, 1, vocab]
-        logits = logits[:, -1, :].to(copy=True, dtype=torch.float32)  # as HF: a float32 copy
+        logits = logits[:, -1, :].to(copy=True, dtype=torch.float32, device=gen.device)  # as HF: a float32 copy
         if gen.num_beams > 1:
             return self._advance_beams(logits)
         return self._advance_rows(logits)

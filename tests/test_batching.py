@@ -51,13 +51,13 @@ def _frequent_token(model, inputs, new=12):
 
 @pytest.fixture
 def admissions(monkeypatch):
-    """Records, per admission round, (requests admitted, requests running afterwards)."""
+    """Records, per admission round, (requests admitted, requests running afterwards, admitted input lengths)."""
     log = []
     original = BatchRun._admit
 
     def spy(self, pool):
         admitted = original(self, pool)
-        log.append((len(admitted), len(self.running)))
+        log.append((len(admitted), len(self.running), [len(r.ids) for r in admitted]))
         return admitted
 
     monkeypatch.setattr(BatchRun, "_admit", spy)
@@ -81,9 +81,9 @@ def test_greedy_matches_generate_alone_with_small_pool(family, admissions):
     for ids, m, result in zip(inputs, MAX_NEW, results):
         assert result.sequences == alone(model, ids, max_new_tokens=m, eos_token_id=eos)[0]
         assert result.num_input_tokens == len(ids)
-    assert sum(n for n, _ in admissions) == len(inputs)
-    assert max(running for _, running in admissions) <= 3
-    assert sum(1 for n, _ in admissions if n) >= 4, "expected admissions mid-run"
+    assert sum(n for n, _, _ in admissions) == len(inputs)
+    assert max(running for _, running, _ in admissions) <= 3
+    assert sum(1 for n, _, _ in admissions if n) >= 4, "expected admissions mid-run"
     assert any(r.num_new_tokens < m and r.token_ids[-1] in eos for r, m in zip(results, MAX_NEW))
 
 
@@ -93,9 +93,22 @@ def test_pool_not_rows_limits_admission(admissions):
     gen = hp.BatchGenerator(model, max_batch_rows=6, max_new_tokens=10)
     results = list(gen.generate(inputs))
     # each input needs 4 + 3 blocks: three fit in the 23 usable blocks, never six
-    assert max(running for _, running in admissions) == 3
+    assert max(running for _, running, _ in admissions) == 3
     for ids, result in zip(inputs, results):
         assert result.sequences == alone(model, ids, max_new_tokens=10)[0]
+    assert model._hf_paged_t5.pool.is_idle()
+
+
+def test_token_budget_limits_admission_and_a_larger_input_runs_alone(admissions):
+    model = patched(seed=9)
+    inputs = make_inputs([10, 12, 60, 9, 11, 8], seed=8)
+    # worst cases: input + 1 + 6 new tokens, i.e. 15-19 tokens each, and 67 for the long input
+    gen = hp.BatchGenerator(model, max_new_tokens=6, max_batch_tokens=40, max_batch_rows=8)
+    results = list(gen.generate(inputs))
+    for ids, result in zip(inputs, results):
+        assert result.sequences == alone(model, ids, max_new_tokens=6)[0]
+    assert max(running for _, running, _ in admissions) == 2
+    assert (1, 1, [60]) in admissions  # the 60-token input, over the 40-token budget, ran by itself
     assert model._hf_paged_t5.pool.is_idle()
 
 
@@ -104,10 +117,12 @@ def test_beam_search_matches_generate_alone(early_stopping):
     model = patched(seed=3)
     inputs = make_inputs(LENGTHS[:7], seed=2)
     kw = dict(num_beams=3, length_penalty=0.7, early_stopping=early_stopping, num_return_sequences=2)
-    requests = [hp.BatchRequest(ids, max_new_tokens=m) for ids, m in zip(inputs, MAX_NEW)]
-    gen = hp.BatchGenerator(model, max_batch_rows=7, **kw)
-    for ids, m, result in zip(inputs, MAX_NEW, gen.generate(requests)):
-        sequences, scores = alone(model, ids, max_new_tokens=m, **kw)
+    min_new = [0, 5, 0, 2, 9, 0, 4]
+    requests = [hp.BatchRequest(ids, max_new_tokens=m, min_new_tokens=n) for ids, m, n in zip(inputs, MAX_NEW, min_new)]
+    gen = hp.BatchGenerator(model, max_batch_rows=7, eos_token_id=[1, _frequent_token(model, inputs)], **kw)
+    for request, result in zip(requests, gen.generate(requests)):
+        sequences, scores = alone(model, request.inputs, max_new_tokens=request.max_new_tokens,
+                                  min_new_tokens=request.min_new_tokens, eos_token_id=list(gen.eos), **kw)
         assert result.sequences == sequences
         assert result.scores == pytest.approx(scores, rel=1e-5, abs=1e-5)
     assert model._hf_paged_t5.pool.is_idle()
