@@ -64,8 +64,9 @@ class KVPool:
         """True when no generate() holds any block (only the reserved scratch block is used)."""
         return self.manager.num_used == self.num_reserved
 
-    def _allocate(self, num_blocks: int) -> None:
-        old_k, old_v = self.key_caches, self.value_caches
+    def _allocate(self, num_blocks: int, keep: bool = True) -> None:
+        """(Re)allocate every layer's tensors with `num_blocks` blocks, copying the old ones if `keep`."""
+        old_k, old_v = (self.key_caches, self.value_caches) if keep else ([], [])
         self.key_caches, self.value_caches = [], []
         for i, spec in enumerate(self.specs):
             shape = (num_blocks, self.block_size, spec.num_heads, spec.head_dim)
@@ -103,13 +104,18 @@ class KVPool:
                 f"patch_model(model, PagedCacheConfig(num_blocks={target}, ...)) or allow growth with "
                 f"PagedCacheConfig(grow=True, max_num_blocks=None); or lower the batch size / max_new_tokens."
             )
-        new_size = max(target, 2 * self.num_blocks)
+        # Idle: re-make the pool at the size asked for (nothing to copy, no memory held twice).
+        # In use by another call: double it, copying the live blocks.
+        idle = self.is_idle()
+        new_size = target if idle else max(target, 2 * self.num_blocks)
         if cap is not None:
             new_size = min(new_size, cap)
         logger.info("growing the KV pool from %d to %d blocks", self.num_blocks, new_size)
         try:
-            self._allocate(new_size)
+            self._allocate(new_size, keep=not idle)
         except torch.OutOfMemoryError as exc:
+            if idle:  # the old tensors are gone: put back a pool of the old size
+                self._allocate(self.num_blocks, keep=False)
             raise PoolExhaustedError(
                 f"growing the KV pool to {new_size} blocks ({new_size * self.bytes_per_block() / 2**30:.2f} GiB) "
                 f"ran out of device memory; lower the batch size or max_new_tokens, or set "

@@ -18,12 +18,14 @@ class PagedCacheConfig:
 
     Args:
         block_size: tokens per KV block. A power of two between 1 and 256.
-        num_blocks: blocks in each decoder layer's pool. `None` sizes the pool from
-            `max_tokens`.
-        max_tokens: pool capacity in tokens (rounded up to whole blocks); used when
-            `num_blocks` is `None`. Self-attention and cross-attention tokens share it.
+        num_blocks: blocks in each decoder layer's pool at creation. `None` sizes the pool
+            from `max_tokens`.
+        max_tokens: pool capacity in tokens at creation (rounded up to whole blocks); used
+            when `num_blocks` is `None`. Self-attention and cross-attention tokens share it.
+            `None` (the default) starts empty and sizes the pool to the first request.
         grow: when a `generate()` call needs more blocks than the pool has, grow the pool
-            (up to `max_num_blocks`) instead of refusing the call.
+            (up to `max_num_blocks`) instead of refusing the call. An idle pool is re-made at
+            exactly the size needed; a pool in use by another call is enlarged by copying.
         max_num_blocks: upper bound for growth; `None` means no bound other than memory.
         dtype: KV dtype; `None` uses the dtype of each layer's `k` projection weight.
         backend: "triton" (GPU kernels), "torch" (plain PyTorch reference, runs anywhere)
@@ -35,7 +37,7 @@ class PagedCacheConfig:
 
     block_size: int = 16
     num_blocks: Optional[int] = None
-    max_tokens: int = 16384
+    max_tokens: Optional[int] = None
     grow: bool = True
     max_num_blocks: Optional[int] = None
     dtype: Optional[torch.dtype] = None
@@ -49,8 +51,8 @@ class PagedCacheConfig:
             raise ValueError(f"block_size must be a power of two in [1, 256], got {bs!r}")
         if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 1):
             raise ValueError(f"num_blocks must be a positive int or None, got {self.num_blocks!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be a positive int or None, got {self.max_tokens!r}")
         if self.max_num_blocks is not None:
             if not isinstance(self.max_num_blocks, int) or self.max_num_blocks < self.initial_num_blocks:
                 raise ValueError(
@@ -66,9 +68,11 @@ class PagedCacheConfig:
 
     @property
     def initial_num_blocks(self) -> int:
-        """Blocks per layer pool at creation."""
+        """Blocks per layer pool at creation (one, the reserved scratch block, when sized lazily)."""
         if self.num_blocks is not None:
             return self.num_blocks
+        if self.max_tokens is None:
+            return 1
         return -(-self.max_tokens // self.block_size)
 
     def resolve_backend(self, device: torch.device) -> str:

@@ -319,7 +319,8 @@ def _paged_generate(runtime, model, original, inputs, generation_config, gen_con
             pool.reserve(needed)
             cache = PagedEncoderDecoderCache(pool, len(source_lens), expand, max_self_tokens)
             if _lean_loop_serves(gen_config):
-                kwargs = {**kwargs, "custom_generate": _make_sample_loop(runtime, cache)}
+                loop = _make_sample_loop(runtime, cache, kwargs.get("streamer"))
+                kwargs = {**kwargs, "custom_generate": loop}
             return original(inputs, generation_config, **kwargs, **{runtime.cache_kwarg: cache})
         finally:
             runtime.owner = None
@@ -334,13 +335,14 @@ def _lean_loop_serves(gen_config) -> bool:
     return mode in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE) and not gen_config.return_dict_in_generate
 
 
-def _make_sample_loop(runtime: PagedRuntime, cache: PagedEncoderDecoderCache):
-    """A `custom_generate` callable (HF's `_sample` signature) running the paged loop on `cache`."""
+def _make_sample_loop(runtime: PagedRuntime, cache: PagedEncoderDecoderCache, streamer):
+    """A `custom_generate` callable (HF's `_sample` signature) running the paged loop on `cache`.
 
-    def paged_sample(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                     synced_gpus=False, streamer=None, **model_kwargs):
-        if synced_gpus:
-            raise RuntimeError("synced_gpus is served by stock HF; this call should not have reached the paged loop")
+    HF hands a custom callable only the keyword arguments `_sample` lacks, so the streamer
+    comes through this closure. (synced_gpus never gets here: `modes` sends it to stock HF.)
+    """
+
+    def paged_sample(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
 
         def prefill(ids):
             return model(

@@ -256,3 +256,28 @@ def test_triton_backend_end_to_end_matches_torch_backend(family, rows):
         # (torch backend vs stock HF drifts as much); a wrong kernel is off by ~100%.
         tol = 2e-2 if step == 0 else 0.1
         assert torch.isfinite(b).all() and (b.float() - a.float()).norm() / a.float().norm() < tol
+
+
+def test_lean_loop_streams_every_token():
+    """HF gives a custom decoding callable no streamer; the paged loop still streams each token."""
+    from transformers.generation.streamers import BaseStreamer
+
+    class Collect(BaseStreamer):
+        def __init__(self):
+            self.puts, self.ended = [], False
+
+        def put(self, value):
+            self.puts.append(value.tolist())
+
+        def end(self):
+            self.ended = True
+
+    model = make_model("t5")
+    ids, mask = make_batch([11])
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6)
+    hp.patch_model(model)
+    streamer = Collect()
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, streamer=streamer)
+    assert torch.equal(out, ref) and streamer.ended
+    # HF puts the decoder start token first, then one token per step
+    assert [t for put in streamer.puts for t in torch.tensor(put).flatten().tolist()] == ref[0].tolist()
