@@ -76,8 +76,8 @@ def bench_model(name, src_len, new, cases, rows):
                   flush=True)
         if attn == "sdpa":
             wgib = weights_gib(model)
-            hp.patch_model(model)
             for batch, beams in cases:
+                hp.patch_model(model)  # a fresh pool per case: its peak memory is this case's own
                 r = timed(model, batch, src_len, new, beams)
                 results[("paged", batch, beams)] = r
                 hf = [results[(a, batch, beams)] for a in ("eager", "sdpa")]
