@@ -121,13 +121,16 @@ def run_static(model, items, batch_size: int, device: str, deadline: float) -> d
 def sweep(model, probe, sizes, device: str, deadline: float, warm_all: bool) -> tuple[int, dict]:
     """The batch size with the best tokens/s on `probe`; all sizes' results (OOM is reported).
 
-    Each size is warmed first: on its first batch (cuBLAS, allocator), or with `warm_all` on the
-    whole probe (the paged path also captures a CUDA graph per batch and table-width bucket).
+    Each size is warmed first: a two-step call (cuBLAS, allocator), or with `warm_all` a pass over
+    the whole probe (the paged path also captures a CUDA graph per batch and table-width bucket).
     """
     results = {}
     for size in sizes:
         try:
-            run_static(model, probe if warm_all else probe[:size], size, device, float("inf"))
+            if warm_all:
+                run_static(model, probe, size, device, float("inf"))
+            else:
+                generate_batch(model, probe[:size], device, stop_after=StopSoon)
             results[size] = run_static(model, probe, size, device, float("inf"))
         except torch.OutOfMemoryError as exc:
             results[size] = dict(error=repr(exc)[:200])
@@ -141,16 +144,15 @@ def sweep(model, probe, sizes, device: str, deadline: float, warm_all: bool) -> 
 
 
 def warm_static_paged(model, items, batch_size: int, device: str) -> None:
-    """Capture the static paged run's decode graphs: per batch-size bucket, input-length tier and
-    output-length tier (the keys of `graphs.DecodeGraphs`)."""
-    rows = {batch_size, len(items) % batch_size or batch_size}
+    """Capture the static paged run's decode graphs for full batches: per input-length tier and
+    output-length tier (with the batch size, the keys of `graphs.DecodeGraphs`)."""
     max_src = max(len(ids) for ids, _ in items)
-    tiers = sorted({min(n, max_src) for n in (16, 48, 112, 240, 496, 1008, 2000)})
-    news = sorted({min(n, max(n for _, n in items)) for n in (60, 120, 200)})
-    for count in rows:
-        for src in tiers:
-            for new in news:
-                generate_batch(model, [([5] * src, new)] * count, device, stop_after=StopSoon)
+    # largest first: a pool that must grow does so once, before any graph is captured on it
+    tiers = sorted({min(n, max_src) for n in (16, 48, 112, 240, 496, 1008, 2000)}, reverse=True)
+    news = sorted({min(n, max(n for _, n in items)) for n in (60, 120, 200)}, reverse=True)
+    for src in tiers:
+        for new in news:
+            generate_batch(model, [([5] * src, new)] * batch_size, device, stop_after=StopSoon)
 
 
 def run_batch_generator(model, items, device: str, batch_tokens: int, batch_rows: int) -> dict:
@@ -219,9 +221,15 @@ def main() -> None:
                   num_inputs=len(items), input_tokens=stats([len(ids) for ids, _ in items]),
                   new_tokens=stats([n for _, n in items]), settings=vars(args).copy())
 
-    hp.patch_model(model)
+    # One pool, sized up front for the largest need of either paged system, so that no timed run
+    # grows it (growth re-allocates the pool and drops the captured CUDA graphs).
+    max_src, max_new = max(len(ids) for ids, _ in items), max(n for _, n in items)
+    static_need = max(args.static_batch_sizes) * (max_src + max_new + 2 * 16)
+    pool_tokens = max(args.batch_tokens + args.batch_rows * 2 * 16, static_need)
+    hp.patch_model(model, hp.PagedCacheConfig(max_tokens=pool_tokens))
+    print(f"KV pool: {pool_tokens} tokens", flush=True)
     print("warm-up: BatchGenerator", flush=True)
-    longest = (max((ids for ids, _ in items), key=len), max(n for _, n in items))  # the widest graphs early
+    longest = (max((ids for ids, _ in items), key=len), max_new)  # the widest graphs early
     run_batch_generator(model, [longest] + workload(max(len(items) // 8, 8), vocab, 3, args.quick),
                         device, args.batch_tokens, args.batch_rows)
     print("BatchGenerator", flush=True)
