@@ -116,22 +116,30 @@ class BatchRun:
                 break
             if not alone and self.promised_tokens + request.tokens > gen.max_batch_tokens:
                 break
-            try:  # the pool must hold what every running request may still take, plus this one
-                pool.reserve(self.promised_blocks - self.cache.num_held + request.blocks)
-            except PoolExhaustedError as exc:
-                if alone:
-                    raise PoolExhaustedError(
-                        f"input {request.index} ({len(request.ids)} tokens, up to {request.max_new} new, "
-                        f"{request.expand} rows) needs {request.blocks} KV blocks by itself: {exc}"
-                    ) from exc
-                break
+            # the pool must hold what every running request may still take, plus this one
+            if not _pool_allows(pool, self.promised_blocks - self.cache.num_held + request.blocks):
+                if not alone:
+                    break
+                self._refuse(request, pool)  # returns only if the pool found room after all
             self.waiting.popleft()
             self.running.append(request)
             self.live_rows += request.expand
             self.promised_blocks += request.blocks
             self.promised_tokens += request.tokens
             admitted.append(request)
+        if admitted:  # grow once for the whole round (growth re-allocates the pool)
+            pool.reserve(self.promised_blocks - self.cache.num_held)
         return admitted
+
+    def _refuse(self, request: Request, pool: KVPool) -> None:
+        """Raise for an input the pool cannot hold even alone, with the pool's own advice."""
+        try:
+            pool.reserve(request.blocks)
+        except PoolExhaustedError as exc:
+            raise PoolExhaustedError(
+                f"input {request.index} ({len(request.ids)} tokens, up to {request.max_new} new, "
+                f"{request.expand} rows) needs {request.blocks} KV blocks by itself: {exc}"
+            ) from exc
 
     # ---- 2. encoder and cross K/V ---------------------------------------------------------------
     def _encode(self, admitted: list[Request], pool: KVPool) -> None:
@@ -303,6 +311,14 @@ class BatchRun:
         self.promised_blocks -= request.blocks
         self.promised_tokens -= request.tokens
         return self.gen.result(request, sequences, scores)
+
+
+def _pool_allows(pool: KVPool, blocks: int) -> bool:
+    """Whether `pool.reserve(blocks)` would succeed by its config (free blocks, or growth within the cap)."""
+    if blocks <= pool.manager.num_free:
+        return True
+    cap = pool.config.max_num_blocks
+    return pool.config.grow and (cap is None or pool.manager.num_used + blocks <= cap)
 
 
 def _pad_rows(histories: list[list[int]], pad_id: int) -> list[list[int]]:

@@ -112,6 +112,28 @@ def test_token_budget_limits_admission_and_a_larger_input_runs_alone(admissions)
     assert model._hf_paged_t5.pool.is_idle()
 
 
+def test_pool_grows_at_most_once_per_admission_round(monkeypatch):
+    model = patched(num_blocks=4)  # 3 usable blocks: admissions must grow the pool
+    pool = model._hf_paged_t5.get_pool(model.decoder)
+    growth = []  # pool re-allocations per admission round (growth drops captured CUDA graphs: keep it rare)
+    original = BatchRun._admit
+
+    def spy(self, pool):
+        before = pool.generation
+        admitted = original(self, pool)
+        growth.append((len(admitted), pool.generation - before))
+        return admitted
+
+    monkeypatch.setattr(BatchRun, "_admit", spy)
+    generation = pool.generation
+    inputs = make_inputs([10, 12, 9, 11, 8, 13, 7], seed=9)
+    results = list(hp.BatchGenerator(model, max_new_tokens=6, max_batch_rows=3).generate(inputs))
+    assert growth[0] == (3, 1) and all(grew <= 1 for _, grew in growth)
+    assert pool.generation - generation == sum(grew for _, grew in growth)  # none outside admission
+    assert [r.sequences for r in results] == [alone(model, ids, max_new_tokens=6)[0] for ids in inputs]
+    assert pool.is_idle()
+
+
 @pytest.mark.parametrize("early_stopping", [True, False, "never"])
 def test_beam_search_matches_generate_alone(early_stopping):
     model = patched(seed=3)
