@@ -340,17 +340,22 @@ def test_prefill_tile_configs(block_m, block_n, tile_ranges, causal, bias):
     lens = [1, block_n - 1, block_n, block_n + 1, 2 * block_m + 3, 100]
     query, key, value, cu_seqlens = packed(lens, num_heads, head_dim, torch.float32, seed=5)
     kw = dict(scale=0.3, causal=causal, **make_bias(bias, num_heads, len(lens), max(lens), causal, dims=2, seed=2))
-    config = PrefillConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=2, tile_ranges=tile_ranges)
-    out = prefill(query=query, key=key, value=value, cu_seqlens=cu_seqlens, max_seqlen=max(lens), config=config, **kw)
+    config = PrefillConfig(block_m, block_n, num_warps=4, num_stages=2, tile_ranges=tile_ranges)
+    args = dict(query=query, key=key, value=value, cu_seqlens=cu_seqlens, max_seqlen=max(lens))
+    out = prefill(**args, config=config, **kw)
     ref = prefill_reference(query, key, value, cu_seqlens, max(lens), **kw)
     assert rel_err(out, ref) < TOLERANCE[torch.float32]
 
 
 @pytest.mark.parametrize(
     "knobs, words",
-    [(dict(block_m=48, block_n=16, num_warps=4), "block_m"), (dict(block_m=16, block_n=8, num_warps=4), "block_n"),
-     (dict(block_m=16, block_n=16, num_warps=5), "num_warps"), (dict(block_m=16, block_n=16, num_warps=4, num_stages=0), "num_stages")],
-)  # fmt: skip
+    [
+        (dict(block_m=48, block_n=16, num_warps=4), "block_m"),
+        (dict(block_m=16, block_n=8, num_warps=4), "block_n"),
+        (dict(block_m=16, block_n=16, num_warps=5), "num_warps"),
+        (dict(block_m=16, block_n=16, num_warps=4, num_stages=0), "num_stages"),
+    ],
+)
 def test_prefill_config_rejects_bad_knobs(knobs, words):
     with pytest.raises(ValueError, match=words):
         PrefillConfig(**knobs)

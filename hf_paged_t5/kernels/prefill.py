@@ -79,12 +79,9 @@ def _attend_tile(
     # 64-bit scalar tile bases plus 32-bit in-tile offsets: 64-bit offset tiles would cost two
     # registers per element (and spill at BLOCK_D = 128).
     k_start64 = tl.full([], k_start, tl.int64)
-    k_ptrs = (k_base + k_start64 * stride_key_token) + (
-        tl.arange(0, BLOCK_N)[:, None] * stride_key_token + dims[None, :]
-    )  # fmt: skip
-    v_ptrs = (v_base + k_start64 * stride_value_token) + (
-        tl.arange(0, BLOCK_N)[:, None] * stride_value_token + dims[None, :]
-    )  # fmt: skip
+    rows = tl.arange(0, BLOCK_N)
+    k_ptrs = (k_base + k_start64 * stride_key_token) + (rows[:, None] * stride_key_token + dims[None, :])
+    v_ptrs = (v_base + k_start64 * stride_value_token) + (rows[:, None] * stride_value_token + dims[None, :])
     if MASKED or not EVEN_D:
         kv_mask = (k_pos[:, None] < seq_len) & (dims[None, :] < head_dim)
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
@@ -203,7 +200,8 @@ def _prefill_kernel(
             right_start = tl.cdiv(q_start + BLOCK_M - 1 + max_distance, BLOCK_N) * BLOCK_N
             right_start = tl.maximum(tl.minimum(right_start, full_end), left_end)
             left_bias = tl.load(bias_row_ptr).to(tl.float32) * 1.4426950408889634
-            right_bias = tl.load(bias_row_ptr + 2 * max_distance * stride_bias_key).to(tl.float32) * 1.4426950408889634
+            right_bias = tl.load(bias_row_ptr + 2 * max_distance * stride_bias_key).to(tl.float32)
+            right_bias = right_bias * 1.4426950408889634
             for k_start in tl.range(0, left_end, BLOCK_N, num_stages=NUM_STAGES):
                 acc, l_i, m_i = _attend_tile(
                     acc, l_i, m_i, q, k_base, v_base, k_start, left_bias, *tile_args, *bias_args,
@@ -235,7 +233,8 @@ def _prefill_kernel(
 
     out = acc / l_i[:, None]
     out_base = out_ptr + (seq_start + q_start) * stride_out_token + head * stride_out_head
-    tl.store(out_base + rows_m[:, None] * stride_out_token + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    out_ptrs = out_base + rows_m[:, None] * stride_out_token + dims[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
 @dataclasses.dataclass(frozen=True)
