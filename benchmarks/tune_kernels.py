@@ -405,7 +405,7 @@ def default_out() -> pathlib.Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=pathlib.Path, default=None, help="JSON path (default under benchmarks/results)")
-    parser.add_argument("--budget", type=float, default=200.0, help="seconds for the sweeps (baselines run anyway)")
+    parser.add_argument("--budget", type=float, default=180.0, help="seconds for the sweeps (baselines run anyway)")
     parser.add_argument("--only", choices=("decode", "prefill"), default=None)
     parser.add_argument("--quick", action="store_true", help="tiny shapes, to check the script (CPU ok)")
     args = parser.parse_args()
