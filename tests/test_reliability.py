@@ -75,7 +75,7 @@ def _check_against_dense(cache, pool, dense_k, dense_v, cross_k, cross_v):
         k, v = reference.gather_kv(kc, vc, cross_table[row], int(cross_lens[row]))
         assert torch.equal(k, cross_k[src]) and torch.equal(v, cross_v[src]), f"cross K/V of row {row}"
     # Reference counts equal the number of tables holding each block; the scratch block is nobody's.
-    held = Counter(b for blocks in cache.self_blocks + cache.cross_blocks for b in blocks)
+    held = Counter(cache.owned_blocks())
     assert pool.scratch_block not in held
     for block_id in range(pool.num_blocks):
         expected = 1 if block_id == pool.scratch_block else held[block_id]
