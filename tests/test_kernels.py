@@ -16,6 +16,8 @@ if not torch.cuda.is_available():
     # Must precede the first triton import; conftest.py normally does it already.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import triton  # noqa: E402
+
 from hf_paged_t5 import reference  # noqa: E402
 from hf_paged_t5.kernels import paged_decode, prefill, store_kv  # noqa: E402
 from hf_paged_t5.kernels.decode import DecodeConfig, decode_config  # noqa: E402
@@ -214,23 +216,20 @@ def test_decode_config_rejects_bad_knobs(knobs, words):
 
 
 def test_decode_config_heuristic_on_an_h200():
-    """Graph-replayed small batches: one split (no combine launch); few rows over long keys: split."""
+    """The H200 sweep's winners: no split for the 128-key self step and for many rows,
+    ~128-key splits for one row over 512 keys, >= 16 splits for one row over 16K keys."""
     sms = 132
-    for keys in (128, 256, 512):
-        assert decode_config(1, 16, 64, keys, sms).num_splits == 1
-    assert decode_config(64, 16, 64, 2048, sms).num_splits == 1
-    long_row = decode_config(1, 16, 64, 16384, sms)
-    assert 16 <= long_row.num_splits <= 64
-    assert decode_config(1, 16, 128, 16384, sms).block_n * 128 <= 8192
-    for batch, keys in ((1, 128), (16, 512), (64, 2048), (1, 16384)):
+    assert decode_config(1, 16, 64, 128, sms) == DecodeConfig(128, 4, 1, 1)
+    assert decode_config(1, 16, 64, 512, sms).num_splits == 4
+    assert decode_config(16, 16, 64, 512, sms) == DecodeConfig(128, 4, 1, 1)
+    assert decode_config(64, 16, 64, 2048, sms) == DecodeConfig(128, 4, 1, 1)
+    assert decode_config(64, 16, 128, 2048, sms) == DecodeConfig(64, 4, 1, 2)
+    for head_dim in (64, 128):
+        long_row = decode_config(1, 16, head_dim, 16384, sms)
+        assert 16 <= long_row.num_splits <= 64 and long_row.block_n * head_dim <= 4096
+    for batch, keys in ((1, 128), (1, 300), (16, 512), (64, 2048), (1, 16384), (3, 5000)):
         cfg = decode_config(batch, 16, 64, keys, sms)
-        assert cfg.block_n * 64 <= 8192 and cfg.num_splits * _min_split_keys() <= max(keys, _min_split_keys())
-
-
-def _min_split_keys() -> int:
-    from hf_paged_t5.kernels import decode
-
-    return decode._MIN_KEYS_PER_SPLIT
+        assert cfg.block_n * 64 <= 8192 and triton.cdiv(keys, cfg.num_splits) >= 64
 
 
 def test_paged_decode_max_seq_len_hint():
@@ -328,19 +327,21 @@ def test_prefill_head_dims_batch_one(head_dim, causal):
     assert rel_err(out, prefill_reference(*args, causal=causal, bias_table=table)) < TOLERANCE[torch.float32]
 
 
-@pytest.mark.parametrize("block_m, block_n, tile_ranges", [(16, 16, True), (32, 16, True), (16, 32, True),
-                                                      (64, 32, True), (32, 16, False)])  # fmt: skip
+@pytest.mark.parametrize("block_m, block_n, tile_ranges, band_split", [
+    (16, 16, True, True), (32, 16, True, True), (16, 32, True, True), (64, 32, True, True),
+    (32, 16, True, False), (32, 16, False, True)])  # fmt: skip
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("bias", ["none", "table", "dense"])
-def test_prefill_tile_configs(block_m, block_n, tile_ranges, causal, bias):
+def test_prefill_tile_configs(block_m, block_n, tile_ranges, band_split, causal, bias):
     """Sequences ending at tile edges and long enough (vs max_distance 7) for key tiles wholly
-    left of, inside and right of the bias band, where the kernel uses a constant bias; and
-    the single masked loop (tile_ranges off)."""
+    left of, inside and right of the bias band, where the kernel uses a constant bias; the
+    one gathering loop over whole tiles (band_split off) and the single masked loop
+    (tile_ranges off)."""
     num_heads, head_dim = 2, 16
     lens = [1, block_n - 1, block_n, block_n + 1, 2 * block_m + 3, 100]
     query, key, value, cu_seqlens = packed(lens, num_heads, head_dim, torch.float32, seed=5)
     kw = dict(scale=0.3, causal=causal, **make_bias(bias, num_heads, len(lens), max(lens), causal, dims=2, seed=2))
-    config = PrefillConfig(block_m, block_n, num_warps=4, num_stages=2, tile_ranges=tile_ranges)
+    config = PrefillConfig(block_m, block_n, 4, 2, tile_ranges=tile_ranges, band_split=band_split)
     args = dict(query=query, key=key, value=value, cu_seqlens=cu_seqlens, max_seqlen=max(lens))
     out = prefill(**args, config=config, **kw)
     ref = prefill_reference(query, key, value, cu_seqlens, max(lens), **kw)

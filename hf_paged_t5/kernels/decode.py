@@ -86,9 +86,7 @@ def _paged_decode_kernel(
     seq_lens_ptr,  # [batch] int32
     bias_ptr,  # table [num_heads, max_distance + 1] | dense [batch|1, num_heads|1, dense_len] | unused
     out_ptr,  # [batch, num_heads, head_dim], written without SPLIT
-    part_acc_ptr,  # [batch, num_heads, num_splits, BLOCK_D] fp32, written with SPLIT
-    part_max_ptr,  # [batch, num_heads, num_splits] fp32, log2 units
-    part_sum_ptr,  # [batch, num_heads, num_splits] fp32
+    part_ptr,  # [batch, num_heads, num_splits, BLOCK_D + 2] fp32, written with SPLIT (layout: _combine_splits_kernel)
     scale,
     head_dim,
     max_keys,
@@ -177,17 +175,15 @@ def _paged_decode_kernel(
         tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=dim_mask)
     else:
         # A split past seq_len stores max -inf and sum 0: the merge gives it weight 0.
-        part = (row * num_heads + head) * num_splits + split
-        tl.store(part_acc_ptr + part * BLOCK_D + dims, acc)
-        tl.store(part_max_ptr + part, m_i)
-        tl.store(part_sum_ptr + part, l_i)
+        part_row_ptr = part_ptr + ((row * num_heads + head) * num_splits + split) * (BLOCK_D + 2)
+        tl.store(part_row_ptr + dims, acc)
+        tl.store(part_row_ptr + BLOCK_D, m_i)
+        tl.store(part_row_ptr + BLOCK_D + 1, l_i)
 
 
 @triton.jit
 def _combine_splits_kernel(
-    part_acc_ptr,  # [batch, num_heads, num_splits, BLOCK_D] fp32
-    part_max_ptr,  # [batch, num_heads, num_splits] fp32, log2 units
-    part_sum_ptr,  # [batch, num_heads, num_splits] fp32
+    part_ptr,  # [batch, num_heads, num_splits, BLOCK_D + 2] fp32: weighted V sum, running max (log2), sum
     out_ptr,  # [batch, num_heads, head_dim]
     head_dim,
     num_splits,
@@ -202,10 +198,10 @@ def _combine_splits_kernel(
     splits = tl.arange(0, SPLITS_P2)
     split_mask = splits < num_splits
     dims = tl.arange(0, BLOCK_D)
-    part = (row * num_heads + head) * num_splits + splits
-    m = tl.load(part_max_ptr + part, mask=split_mask, other=float("-inf"))
-    l = tl.load(part_sum_ptr + part, mask=split_mask, other=0.0)
-    acc = tl.load(part_acc_ptr + part[:, None] * BLOCK_D + dims[None, :], mask=split_mask[:, None], other=0.0)
+    part_off = ((row * num_heads + head) * num_splits + splits) * (BLOCK_D + 2)  # [SPLITS_P2]
+    m = tl.load(part_ptr + part_off + BLOCK_D, mask=split_mask, other=float("-inf"))
+    l = tl.load(part_ptr + part_off + BLOCK_D + 1, mask=split_mask, other=0.0)
+    acc = tl.load(part_ptr + part_off[:, None] + dims[None, :], mask=split_mask[:, None], other=0.0)
     # Split 0 always holds key 0 (seq_len >= 1), so m_max is finite; empty splits get weight 0.
     m_max = tl.max(m, axis=0)
     weight = tl.exp2(m - m_max)  # [SPLITS_P2]
@@ -250,23 +246,31 @@ class DecodeConfig:
 def decode_config(batch: int, num_heads: int, head_dim: int, max_keys: int, num_sms: int) -> DecodeConfig:
     """Default knobs for one launch shape on a GPU of `num_sms` SMs; `max_keys` bounds seq_lens.
 
-    Reasoning for sm_90 (H200, 132 SMs), to be replaced by `benchmarks/tune_kernels.py` results:
-    - Few (row, head) pairs over short keys (graph-replayed decode at small batch): the time
-      is launch + a few dependent memory round trips, so one split (no combine kernel) and
-      big 8-warp tiles that cover the keys in a few steps.
-    - Many pairs or long keys: bandwidth-bound; ~4K-element tiles on 4 warps (~96 registers,
-      5 programs per SM) with 16-byte loads, and keys are split only when rows x heads cannot
-      fill the GPU, never below _MIN_KEYS_PER_SPLIT keys per split.
+    From the H200 sweep (`benchmarks/tune_kernels.py`, bf16, 16 heads, block_size 16):
+    - Few (row, head) pairs over short keys (graph-replayed decode at small batch): latency
+      of a few dependent memory round trips. 128-key tiles, and up to 4 splits of ~128 keys
+      while they add programs (1 x 512 cross: 6.9 µs with 4 splits vs 7.7 with one, the
+      combine launch included); 4 warps at head_dim 64 with one split, else 8.
+    - Many pairs (64 x 2048): bandwidth; 8K-element tiles (128 keys at d64, 64 at d128) on
+      4 warps: 82% of copy bandwidth at d64; d128 gains from 2 splits of 1024 keys (65% vs 62%),
+      so a split holds at most 128K K elements.
+    - Few rows over long keys (1 x 16384): splits up to _PROGRAMS_PER_SM programs per SM,
+      never below _MIN_KEYS_PER_SPLIT keys, with 4K-element tiles (d128 best: 32 keys, 4 warps,
+      32 splits).
     """
     padded_d = block_d(head_dim)
     programs = batch * num_heads
-    splits = 1
+    if programs < num_sms and max_keys <= 1024:
+        splits = max(1, min(4, triton.cdiv(max_keys, 128), num_sms // programs))
+        warps = 4 if padded_d <= 64 and splits == 1 else 8
+        return DecodeConfig(block_n=max(16, min(128, 16384 // padded_d)), num_warps=warps, num_splits=splits)
+    splits = max(1, triton.cdiv(max_keys * padded_d, 2**17))
     if programs < _PROGRAMS_PER_SM * num_sms:
-        splits = triton.cdiv(_PROGRAMS_PER_SM * num_sms, programs)
-        splits = max(1, min(splits, max_keys // _MIN_KEYS_PER_SPLIT, _MAX_SPLITS))
-    if programs < num_sms and triton.cdiv(max_keys, splits) <= 1024:
-        return DecodeConfig(block_n=max(16, min(128, 8192 // padded_d)), num_warps=8, num_splits=splits)
-    return DecodeConfig(block_n=max(16, min(64, 4096 // padded_d)), num_warps=4, num_splits=splits)
+        splits = max(splits, triton.cdiv(_PROGRAMS_PER_SM * num_sms, programs))
+    splits = max(1, min(splits, max_keys // _MIN_KEYS_PER_SPLIT, _MAX_SPLITS))
+    if splits > 1 and programs * splits < _PROGRAMS_PER_SM * num_sms:
+        return DecodeConfig(block_n=max(16, min(128, 4096 // padded_d)), num_warps=4, num_splits=splits)
+    return DecodeConfig(block_n=max(16, min(128, 8192 // padded_d)), num_warps=4, num_splits=splits)
 
 
 def _check_decode_args(query, key_cache, value_cache, block_table, seq_lens, bias_table, dense_bias) -> int:
@@ -373,14 +377,13 @@ def paged_decode(
     else:
         bias_mode, bias, bias_strides, dense_len = _NO_BIAS, query, [0, 0, 0], 0
 
-    part_acc = part_max = part_sum = out  # unused placeholders when there is one split
+    part = out  # unused placeholder when there is one split
     if splits > 1:
-        part_acc = torch.empty((batch, num_heads, splits, padded_d), dtype=torch.float32, device=query.device)
-        part_max = torch.empty((batch, num_heads, splits), dtype=torch.float32, device=query.device)
-        part_sum = torch.empty((batch, num_heads, splits), dtype=torch.float32, device=query.device)
+        # One buffer for the three partials: one allocation, one pointer argument.
+        part = torch.empty((batch, num_heads, splits, padded_d + 2), dtype=torch.float32, device=query.device)
 
     _paged_decode_kernel[(num_heads, batch, splits)](
-        query, key_cache, value_cache, block_table, seq_lens, bias, out, part_acc, part_max, part_sum,
+        query, key_cache, value_cache, block_table, seq_lens, bias, out, part,
         float(scale), head_dim, max_keys, keys_per_split, max_distance, dense_len,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -392,7 +395,7 @@ def paged_decode(
     )  # fmt: skip
     if splits > 1:
         _combine_splits_kernel[(batch, num_heads)](
-            part_acc, part_max, part_sum, out,
+            part, out,
             head_dim, splits, out.stride(0), out.stride(1),
             SPLITS_P2=triton.next_power_of_2(splits), BLOCK_D=padded_d,
             num_warps=4,
