@@ -10,10 +10,69 @@ dropped (its K/V lands in blocks that `release()` frees), so the returned tokens
 
 from __future__ import annotations
 
-from typing import Callable
+import inspect
+import math
+from typing import Callable, Optional
 
 import torch
 from torch import nn
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+)
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+
+class _MinLength:
+    """HF's MinLength / MinNewTokensLength processors with the EOS mask over the vocabulary built
+    once, not every step, and nothing done once the minimum is reached (same scores either way)."""
+
+    def __init__(self, eos_token_id: torch.Tensor, minimum: int, skip: int) -> None:
+        self.eos_token_id, self.minimum, self.skip = eos_token_id, minimum, skip
+        self.mask: Optional[torch.Tensor] = None  # [vocab] bool
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if input_ids.shape[-1] - self.skip >= self.minimum:
+            return scores
+        if self.mask is None:
+            vocab = torch.arange(scores.shape[-1], device=scores.device)
+            self.mask = torch.isin(vocab, self.eos_token_id.to(scores.device))
+        return torch.where(self.mask, -math.inf, scores)
+
+
+def lean_processors(processors: LogitsProcessorList) -> list[Callable]:
+    """The same processors, in order; the two min-length ones replaced by `_MinLength`.
+
+    `LogitsProcessorList.__call__` inspects every processor's signature every step; here that
+    is done once (a processor that wants more arguments keeps HF's call, and HF's error).
+    """
+    lean: list[Callable] = []
+    for p in processors:
+        if type(p) is MinNewTokensLengthLogitsProcessor:
+            lean.append(_MinLength(p.eos_token_id, p.min_new_tokens, p.prompt_length_to_skip))
+        elif type(p) is MinLengthLogitsProcessor:
+            lean.append(_MinLength(p.eos_token_id, p.min_length, 0))
+        elif len(inspect.signature(p.__call__).parameters) > 2:
+            lean.append(LogitsProcessorList([p]))
+        else:
+            lean.append(p)
+    return lean
+
+
+def lean_criteria(criteria) -> list[Callable]:
+    """Stopping criteria as functions of input_ids -> [rows] bool. `MaxLengthCriteria` is left
+    out: the loop stops at `max_length` on the host. EOS is a comparison instead of `isin`."""
+    lean: list[Callable] = []
+    for c in criteria:
+        if type(c) is MaxLengthCriteria:
+            continue
+        if type(c) is EosTokenCriteria:
+            eos = c.eos_token_id
+            lean.append(lambda ids, eos=eos: (ids[:, -1:, None] == eos.to(ids.device)).any(-1).any(-1))
+        else:
+            lean.append(lambda ids, c=c: c(ids, None))
+    return lean
 
 
 def sample_loop(
@@ -42,10 +101,13 @@ def sample_loop(
         all_done = torch.zeros((), dtype=torch.bool, pin_memory=True)
         copied = torch.cuda.Event()
 
+    processors, criteria = lean_processors(logits_processor), lean_criteria(stopping_criteria)
     logits = prefill(input_ids)
     while True:
         next_token_logits = logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)
-        scores = logits_processor(input_ids, next_token_logits)
+        scores = next_token_logits
+        for processor in processors:
+            scores = processor(input_ids, scores)
         if generation_config.do_sample:
             next_tokens = torch.multinomial(nn.functional.softmax(scores, dim=-1), num_samples=1).squeeze(1)
         else:
@@ -53,7 +115,8 @@ def sample_loop(
         if has_eos_stopping_criteria:
             next_tokens = next_tokens * unfinished + pad_token_id * (1 - unfinished)
         input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
-        unfinished = unfinished & ~stopping_criteria(input_ids, None)
+        for done in criteria:
+            unfinished = unfinished & ~done(input_ids)
         if streamer is not None:
             streamer.put(next_tokens.cpu())
         if max_length is not None and input_ids.shape[1] >= max_length:

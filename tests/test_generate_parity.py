@@ -281,3 +281,15 @@ def test_lean_loop_streams_every_token():
     assert torch.equal(out, ref) and streamer.ended
     # HF puts the decoder start token first, then one token per step
     assert [t for put in streamer.puts for t in torch.tensor(put).flatten().tolist()] == ref[0].tolist()
+
+
+@pytest.mark.parametrize("opts", [dict(min_length=9), dict(min_new_tokens=5), dict(eos_token_id=[1, 7, 11])])
+def test_lean_loop_length_rules_and_eos_match_hf(opts):
+    """The lean loop's twins of HF's min-length processors and EOS criteria give HF's tokens, with
+    rows ending at different steps (several EOS ids make that likely on this tiny model)."""
+    model = make_model("t5", seed=4)
+    ids, mask = make_batch([12, 3, 9, 7, 5])
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=24, **opts)
+    ref = model.generate(**kw)
+    hp.patch_model(model)
+    assert torch.equal(model.generate(**kw), ref)
