@@ -7,7 +7,8 @@ Measured in one run on one GPU:
 - paged decode (batch 64 x 2048 keys, batch 1 x 16k keys; t5-large-like 16 heads x 64, bf16)
   with the causal bias table, vs (a) HF's eager math on contiguous KV with a materialized bias
   (matmul + bias + fp32 softmax + matmul) and (b) SDPA with the bias as attn_mask; achieved
-  bandwidth = bytes of K + V read / time, also as % of copy bandwidth;
+  bandwidth = bytes of K + V read / time, also as % of copy bandwidth; paged decode and SDPA
+  also per call inside a CUDA graph (`*_graph`: no Python launch cost in the time);
 - the two attention calls of a batch-1 t5-large decode step (self: 128 keys + bias table,
   cross: 512 keys), timed per call inside a CUDA graph with cold K/V, as the step runs them;
 - encoder prefill (16 x 512, 4 x 2048, 1 x 8192 tokens) with the bidirectional bias table vs
@@ -104,6 +105,11 @@ def decode_case(batch, keys, args, device, copy_gbps):
         "hf_eager": bench(lambda: hf_eager_attention(q, k, v, bias)),
         "sdpa": bench(lambda: sdpa_attention(q, k, v, bias)),
     }
+    if device.type == "cuda":
+        # do_bench times each call with its Python launch cost (tens of µs with the split's
+        # combine launch), which hides the kernel at 1 x 16k keys; in a graph it does not.
+        timings["paged_decode_graph"] = graph_us([lambda: paged_decode(**decode)] * 3) / 1e3
+        timings["sdpa_graph"] = graph_us([lambda: sdpa_attention(q, k, v, bias)] * 3) / 1e3
     row = {"kind": "decode", "batch": batch, "keys": keys, "kv_bytes": kv_bytes, "ms": timings}
     row["gbps"] = {name: kv_bytes / ms / 1e6 for name, ms in timings.items()}
     row["pct_of_copy"] = {name: 100 * gbps / copy_gbps for name, gbps in row["gbps"].items()}
@@ -210,6 +216,7 @@ def print_table(result: dict) -> None:
             print(f"{case:<22}{name:<24}{ms:>10.4f}{gbps:>10}{pct:>8}{tflops:>9}{ms / mine:>8.2f}x")
     print("speedup: how many times faster the Triton kernel (first row of each case) is than that row")
     print("step rows: per call inside a CUDA graph, K/V cold (how the decode step runs it)")
+    print("*_graph rows: per call inside a CUDA graph (no launch cost), 3 calls on the same K/V")
 
 
 def main() -> None:
