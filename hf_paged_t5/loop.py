@@ -94,7 +94,7 @@ def sample_loop(
         pad_token_id = pad_token_id.to(input_ids.device)
     has_eos_stopping_criteria = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
     max_length = stopping_criteria.max_length
-    unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
+    unfinished = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     # Deferring needs an asynchronous device->host copy; a streamer needs every token now anyway.
     defer = input_ids.device.type == "cuda" and streamer is None
     if defer:
@@ -113,7 +113,8 @@ def sample_loop(
         else:
             next_tokens = torch.argmax(scores, dim=-1)
         if has_eos_stopping_criteria:
-            next_tokens = next_tokens * unfinished + pad_token_id * (1 - unfinished)
+            # HF's `tokens * unfinished + pad * (1 - unfinished)`, in one op
+            next_tokens = torch.where(unfinished, next_tokens, pad_token_id)
         input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
         for done in criteria:
             unfinished = unfinished & ~done(input_ids)
@@ -122,11 +123,11 @@ def sample_loop(
         if max_length is not None and input_ids.shape[1] >= max_length:
             break  # MaxLengthCriteria has just stopped every row: known on the host, no wait
         if not defer:
-            if unfinished.max() == 0:
+            if not unfinished.any():
                 break
             logits = step(next_tokens[:, None])
             continue
-        all_done.copy_(unfinished.max() == 0, non_blocking=True)
+        all_done.copy_(~unfinished.any(), non_blocking=True)
         copied.record()
         logits = step(next_tokens[:, None])  # queued before we wait: it may be dropped below
         copied.synchronize()
