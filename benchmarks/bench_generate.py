@@ -58,11 +58,64 @@ def timed(model, batch, src_len, new, beams):
     return dict(ms_per_step=dt / new * 1e3, peak_gib=torch.cuda.max_memory_allocated() / 2**30, tokens=out)
 
 
+def copy_gbps() -> float:
+    """Device copy bandwidth (bytes read + written per second) / 1e9, measured here."""
+    x = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        y.copy_(x)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * x.numel() * 20 / (start.elapsed_time(end) * 1e-3) / 1e9
+
+
+def launch_us() -> float:
+    """Time per tiny kernel replayed in a CUDA graph: the per-kernel floor of a graphed step."""
+    x = torch.zeros(1, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(500):
+            x.add_(1)
+    graph.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / (20 * 500) * 1e6
+
+
+def step_kernels(model) -> int:
+    """CUDA kernels in one replay of the patched model's most recently used decode graph."""
+    from torch.profiler import ProfilerActivity, profile
+
+    static = list(model._hf_paged_t5.graphs._graphs.values())[-1]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        static.graph.replay()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def floor_ms(model, batch, beams, src_len, new, kernels, gbps, launch) -> dict:
+    """The step's floor: decoder weights + K/V read once per step at copy bandwidth, plus launches."""
+    cfg = model.config
+    weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                       if n.startswith(("decoder.block", "lm_head", "decoder.final")))
+    kv_row = cfg.num_decoder_layers * 2 * cfg.num_heads * cfg.d_kv * 2  # bf16 K+V per token, all layers
+    kv_bytes = batch * src_len * kv_row + batch * beams * (new / 2) * kv_row  # cross once per source; self avg
+    bytes_ms = (weight_bytes + kv_bytes) / (gbps / 2 * 1e9) * 1e3  # read-only traffic: half the copy figure
+    return dict(floor_ms=bytes_ms + kernels * launch * 1e-3, floor_bytes_ms=bytes_ms, kernels_per_step=kernels)
+
+
 def weights_gib(model) -> float:
     return sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
 
 
-def bench_model(name, src_len, new, cases, rows):
+def bench_model(name, src_len, new, cases, rows, gbps, launch):
     results = {}
     for attn in ("eager", "sdpa"):
         model = make(name, attn, torch.bfloat16)
@@ -79,6 +132,7 @@ def bench_model(name, src_len, new, cases, rows):
             for batch, beams in cases:
                 hp.patch_model(model)  # a fresh pool per case: its peak memory is this case's own
                 r = timed(model, batch, src_len, new, beams)
+                r.update(floor_ms(model, batch, beams, src_len, new, step_kernels(model), gbps, launch))
                 results[("paged", batch, beams)] = r
                 hf = [results[(a, batch, beams)] for a in ("eager", "sdpa")]
                 best = min(x["ms_per_step"] for x in hf if "ms_per_step" in x)
@@ -89,6 +143,8 @@ def bench_model(name, src_len, new, cases, rows):
                     paged_ms_per_step=r["ms_per_step"], speedup_vs_best_hf=best / r["ms_per_step"],
                     hf_peak_gib=hf[1].get("peak_gib"), paged_peak_gib=r["peak_gib"], weights_gib=wgib,
                     bf16_tokens_agree=None if ref_tokens is None else float((ref_tokens == r["tokens"]).float().mean()),
+                    floor_ms_per_step=r["floor_ms"], floor_bytes_ms=r["floor_bytes_ms"],
+                    kernels_per_step=r["kernels_per_step"],
                 ))
                 print(f"{name} paged b{batch} beams{beams}: {r['ms_per_step']:.3f} ms/step "
                       f"({best / r['ms_per_step']:.1f}x)", flush=True)
@@ -124,21 +180,24 @@ def main() -> None:
     new = 32 if args.quick else 128
     rows: list[dict] = []
     parity = {name: fp32_parity(name) for name in ("t5-small", "t5-large")}
+    gbps, launch = copy_gbps(), launch_us()
+    print(f"copy bandwidth {gbps:.0f} GB/s; {launch:.2f} us per kernel in a graph", flush=True)
     for name in args.models.split(","):
-        bench_model(name, 512, new, CASES, rows)
+        bench_model(name, 512, new, CASES, rows, gbps, launch)
     report = dict(gpu=gpu, torch=torch.__version__, transformers=transformers.__version__,
                   triton=triton.__version__, date=datetime.date.today().isoformat(),
+                  copy_gbps=gbps, graph_launch_us=launch,
                   fp32_tokens_identical=all(parity.values()), fp32_parity=parity, rows=rows)
     out = args.out or f"benchmarks/results/generate-{gpu.replace(' ', '_')}-{datetime.date.today():%Y%m%d}.json"
     with open(out, "w") as f:
         json.dump(report, f, indent=1)
     print(f"\n{'model':<12}{'batch':>6}{'beams':>6}{'HF eager':>10}{'HF sdpa':>10}{'paged':>9}{'speedup':>9}"
-          f"{'HF peak':>9}{'paged pk':>9}{'weights':>9}")
+          f"{'HF peak':>9}{'paged pk':>9}{'weights':>9}{'floor':>8}{'kernels':>8}")
     for r in rows:
         print(f"{r['model']:<12}{r['batch']:>6}{r['beams']:>6}{r['hf_eager_ms_per_step'] or float('nan'):>10.2f}"
               f"{r['hf_sdpa_ms_per_step'] or float('nan'):>10.2f}{r['paged_ms_per_step']:>9.3f}"
               f"{r['speedup_vs_best_hf']:>8.1f}x{r['hf_peak_gib'] or float('nan'):>9.2f}{r['paged_peak_gib']:>9.2f}"
-              f"{r['weights_gib']:>9.2f}")
+              f"{r['weights_gib']:>9.2f}{r['floor_ms_per_step']:>8.3f}{r['kernels_per_step']:>8}")
     print(f"fp32 greedy tokens identical to HF: {report['fp32_tokens_identical']} {parity}")
     print(f"wrote {out}")
 
