@@ -118,6 +118,20 @@ def run_static(model, items, batch_size: int, device: str, deadline: float) -> d
     return dict(batch_size=batch_size, tokens=tokens, inputs=inputs, seconds=seconds, tokens_per_s=tokens / seconds)
 
 
+def run_static_halving(model, items, batch_size: int, device: str, deadline: float) -> dict:
+    """`run_static`, halving the batch size on out-of-memory (longer inputs than the sweep saw)."""
+    while True:
+        try:
+            return run_static(model, items, batch_size, device, deadline)
+        except torch.OutOfMemoryError:
+            if batch_size == 1:
+                raise
+            print(f"  out of memory at batch {batch_size}: retrying at {batch_size // 2}", flush=True)
+            batch_size //= 2
+            gc.collect()
+            torch.cuda.empty_cache()
+
+
 def sweep(model, probe, sizes, device: str, deadline: float, warm_all: bool) -> tuple[int, dict]:
     """The batch size with the best tokens/s on `probe`; all sizes' results (OOM is reported).
 
@@ -249,7 +263,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     print("HF generate(), static batches: sweep", flush=True)
     hf_size, hf_sweep = sweep(model, probe, args.hf_batch_sizes, device, deadline, warm_all=False)
-    hf = run_static(model, hf_items, hf_size, device, deadline)
+    hf = run_static_halving(model, hf_items, hf_size, device, deadline)
     print(f"  batch {hf_size}: {hf['tokens_per_s']:.0f} tok/s over {hf['inputs']} inputs", flush=True)
 
     report.update(

@@ -278,7 +278,7 @@ class BatchRun:
         # one host sync for every group's reorder indices and unfinished flags
         flat = torch.cat([torch.cat([b.long(), u.long()]) for b, u in steps]).tolist() if steps else []
         finished, start = [], 0
-        for group, (beam_idx, _) in zip(list(self.groups), steps):
+        for group in list(self.groups):  # the order of `steps`
             requests, k = self.group_of[id(group)], group.num_beams
             n = group.batch * k
             sources, unfinished = flat[start : start + n], flat[start + n : start + n + group.batch]
