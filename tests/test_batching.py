@@ -6,6 +6,8 @@ import pytest
 import torch
 from conftest import make_model
 
+from transformers import GenerationConfig
+
 import hf_paged_t5 as hp
 from hf_paged_t5 import tiny
 from hf_paged_t5.batch_run import BatchRun
@@ -166,6 +168,20 @@ def test_per_request_min_new_tokens_and_eos():
     assert results[0].num_new_tokens <= 2 and results[0].token_ids[-1] == eos[0]
     assert results[1].num_new_tokens >= 4 and results[5].num_new_tokens >= 6
     assert model._hf_paged_t5.pool.is_idle()
+
+
+@pytest.mark.parametrize("kwargs, config", [
+    ({}, None), ({"max_length": 12}, None), ({}, GenerationConfig(max_length=9, min_length=6)),
+    ({"min_length": 4, "max_new_tokens": 7}, None),
+])
+def test_length_defaults_follow_hf(kwargs, config):
+    """No max_new_tokens: HF's rules (20 new tokens by default, else max_length - 1 for the start token)."""
+    model, stock = patched(seed=1), make_model("t5", seed=1)  # same weights; stock HF is the reference
+    inputs = make_inputs([5, 9])
+    results = hp.BatchGenerator(model, generation_config=config, **kwargs).generate(inputs)
+    for ids, result in zip(inputs, results):
+        assert result.sequences == stock.generate(input_ids=torch.tensor([ids]), generation_config=config,
+                                                  **kwargs).tolist()
 
 
 def test_history_processors_run_per_length_group():
