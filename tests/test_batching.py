@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_model
-
 from transformers import GenerationConfig
 
 import hf_paged_t5 as hp
