@@ -169,6 +169,7 @@ def test_per_request_min_new_tokens_and_eos():
     assert model._hf_paged_t5.pool.is_idle()
 
 
+@pytest.mark.filterwarnings("ignore:Using the model-agnostic default:UserWarning")  # stock HF, the reference
 @pytest.mark.parametrize("kwargs, config", [
     ({}, None), ({"max_length": 12}, None), ({}, GenerationConfig(max_length=9, min_length=6)),
     ({"min_length": 4, "max_new_tokens": 7}, None),
@@ -294,3 +295,24 @@ def test_refusals():
         gen = hp.BatchGenerator(model, bad_words_ids=[[5]])
         list(gen.generate([hp.BatchRequest([3, 4, 5], eos_token_id=7)]))
     assert model._hf_paged_t5.pool.is_idle()
+
+
+# ---- GPU: Triton kernels and CUDA graphs under BatchGenerator (python -m pytest -m gpu tests/test_batching.py) --
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("num_beams, max_graph_batch", [(1, 256), (1, 4), (3, 256)])
+def test_cuda_graph_steps_match_generate_alone(num_beams, max_graph_batch):
+    """Rows come and go under captured graphs (and, with max_graph_batch=4, switch between graph and
+    eager steps as their count crosses it); each result equals patched generate() alone (fp32)."""
+    model = make_model("t5", seed=10, device="cuda")
+    hp.patch_model(model, hp.PagedCacheConfig(block_size=16, max_graph_batch=max_graph_batch))
+    inputs = make_inputs([5, 40, 3, 17, 90, 30, 2, 64, 8, 33], seed=10)
+    requests = [hp.BatchRequest(ids, max_new_tokens=m) for ids, m in zip(inputs, [7, 40, 3, 21, 25, 4, 33, 9, 1, 18])]
+    gen = hp.BatchGenerator(model, max_batch_rows=6 * num_beams, num_beams=num_beams)
+    for request, result in zip(requests, gen.generate(requests)):
+        ids = torch.tensor([request.inputs], device="cuda")
+        ref = model.generate(input_ids=ids, max_new_tokens=request.max_new_tokens, num_beams=num_beams)
+        assert result.sequences == ref.tolist()
+    runtime = model._hf_paged_t5
+    assert runtime.graphs._graphs, "no decode step ran as a CUDA graph"
+    assert runtime.pool.is_idle()
