@@ -209,7 +209,8 @@ def parse_args() -> argparse.Namespace:
     args.hf_inputs = args.hf_inputs or (16 if quick else 256)
     args.probe_inputs = args.probe_inputs or (16 if quick else 64)
     args.hf_batch_sizes = [int(s) for s in (args.hf_batch_sizes or ("4,8" if quick else "16,32,64")).split(",")]
-    args.static_batch_sizes = [int(s) for s in (args.static_batch_sizes or ("4,8" if quick else "32,64,128")).split(",")]
+    static_sizes = args.static_batch_sizes or ("4,8" if quick else "32,64,128")
+    args.static_batch_sizes = [int(s) for s in static_sizes.split(",")]
     if quick:
         args.batch_tokens, args.batch_rows = min(args.batch_tokens, 2048), min(args.batch_rows, 16)
     return args

@@ -23,15 +23,12 @@ to grow (`KVPool.reserve`), which raises `PoolExhaustedError` where the config f
 
 from __future__ import annotations
 
-import logging
 from typing import Sequence
 
 import numpy as np
 import torch
 
 from .cache import KVPool, StepMetadata
-
-logger = logging.getLogger(__name__)
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:

@@ -15,6 +15,7 @@ for the step, never for the whole job) and:
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import defaultdict, deque
 from collections.abc import Iterable
@@ -32,6 +33,8 @@ from .stacks import encoder_forward, module_device, pack_tokens
 
 if TYPE_CHECKING:
     from .batching import BatchGenerator, BatchResult, Request
+
+logger = logging.getLogger(__name__)
 
 
 class BatchRun:
@@ -129,6 +132,8 @@ class BatchRun:
             admitted.append(request)
         if admitted:  # grow once for the whole round (growth re-allocates the pool)
             pool.reserve(self.promised_blocks - self.cache.num_held)
+            logger.debug("admitted %d inputs: %d running, %d rows, %d KV tokens promised", len(admitted),
+                         len(self.running), self.live_rows, self.promised_tokens)
         return admitted
 
     def _refuse(self, request: Request, pool: KVPool) -> None:
