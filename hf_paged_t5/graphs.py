@@ -81,12 +81,12 @@ class DecodeGraphs:
 
         step_fn(input_ids, meta_for) -> logits runs the whole step on given metadata.
         """
+        rows = input_ids.shape[0]
+        slots = cache.begin_step(1)  # may grow the pool (a cache that allocates per step)
         pool = cache.pool
         if (id(pool), pool.generation) != self._pool_generation:
             self._graphs.clear()  # a new or re-allocated pool: captured addresses are stale
             self._pool_generation = (id(pool), pool.generation)
-        rows = input_ids.shape[0]
-        slots = cache.begin_step(1)
         tables = cache.host_tables()
         key = (bucket(rows), bucket(tables[0].shape[1], 4), bucket(tables[2].shape[1], 4))
         static = self._graphs.get(key)

@@ -275,6 +275,8 @@ def _make_generate(runtime: PagedRuntime, original):
         if inputs is not None:
             model_kwargs["input_ids"] = inputs
         reason = fallback_reason(gen_config, model_kwargs, self.training)
+        if reason is None and any(p.device.type == "meta" for p in self.parameters()):
+            reason = "weights offloaded by accelerate (meta device) are served by stock HF"
         if reason is None and runtime.owner == threading.get_ident():
             reason = "a generate() nested in a running generate() of the same model is served by stock HF"
         if reason is not None:
@@ -307,6 +309,8 @@ def _paged_generate(runtime, model, original, inputs, generation_config, gen_con
     dec_ids = model_kwargs.get("decoder_input_ids")
     start_len = (dec_ids.shape[1] + 1) if dec_ids is not None else 1
     new = gen_config.max_new_tokens if gen_config.max_new_tokens is not None else gen_config.max_length
+    if new is None:  # neither set: HF generates its default max_length (20) new tokens
+        new = _default_max_length()
     max_self_tokens = start_len + new
     if model_kwargs.get("decoder_attention_mask") is not None:
         kwargs = {k: v for k, v in kwargs.items() if k != "decoder_attention_mask"}  # all ones: same as none
@@ -326,6 +330,14 @@ def _paged_generate(runtime, model, original, inputs, generation_config, gen_con
             runtime.owner = None
             if cache is not None:
                 cache.release()
+
+
+def _default_max_length() -> int:
+    """HF's default `max_length` when neither it nor `max_new_tokens` is set (20)."""
+    from transformers import GenerationConfig
+
+    defaults = getattr(GenerationConfig, "_get_default_generation_params", None)
+    return defaults()["max_length"] if defaults is not None else 20
 
 
 def _lean_loop_serves(gen_config) -> bool:

@@ -293,3 +293,12 @@ def test_lean_loop_length_rules_and_eos_match_hf(opts):
     ref = model.generate(**kw)
     hp.patch_model(model)
     assert torch.equal(model.generate(**kw), ref)
+
+
+def test_no_length_given_generates_hf_default():
+    """Neither max_new_tokens nor max_length: HF's default (20 new tokens), same tokens."""
+    model = make_model("t5", seed=2)
+    ids, mask = make_batch([6, 9])
+    ref = model.generate(input_ids=ids, attention_mask=mask)
+    hp.patch_model(model)
+    assert torch.equal(model.generate(input_ids=ids, attention_mask=mask), ref)
