@@ -99,12 +99,6 @@ def test_checkpoint_loaded_with_a_device_map(tmp_path):
     assert_same(ref, out)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library bug (reported): a decoder with offloaded (meta-device) weights makes the patched "
-    "generate() build a KV pool on 'meta' and call the offloaded Linear modules directly instead "
-    "of falling back to stock HF; it raises 'Cannot copy out of meta tensor'",
-)
 def test_offloaded_layers_give_hf_tokens(tmp_path):
     """accelerate offload (disk here; "cpu" with a CUDA main device is the same mechanism): weights
     live on the meta device until a module's own hook loads them. The patched generate() must give
