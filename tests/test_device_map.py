@@ -105,9 +105,10 @@ def test_offloaded_layers_give_hf_tokens(tmp_path):
     stock HF's tokens (by falling back, or by loading the weights itself)."""
     model = make_model("t5v1_1", seed=23, num_layers=2, num_decoder_layers=2)
     device_map = split_device_map(model, "cpu", "cpu")
-    device_map["decoder.block.1"] = "disk"
+    device_map["encoder.block.0"] = device_map["decoder.block.1"] = "disk"
     model = dispatch_model(model, device_map=device_map, main_device="cpu", offload_dir=str(tmp_path))
-    assert any(p.device.type == "meta" for p in model.decoder.block[1].parameters())
+    assert all(p.device.type == "meta" for p in model.decoder.block[1].parameters())
+    assert all(p.device.type == "meta" for p in model.encoder.block[0].parameters())
     ids, mask = make_batch([6, 13, 9], padding_side="right")
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, min_new_tokens=12)
     ref = model.generate(**kw)
