@@ -193,12 +193,23 @@ def test_gpu_cuda_cpu_split_bf16_runs_close_to_hf():
 
 @pytest.mark.gpu
 @requires_gpu
-def test_gpu_from_pretrained_cpu_entries_offload_and_match_hf(tmp_path):
+def test_gpu_from_pretrained_cpu_entries_offload_and_match_hf(tmp_path, caplog):
     """`from_pretrained(device_map=...)` with "cpu" entries: accelerate offloads those layers (weights
-    on meta, run on cuda:0). Patched generate() must still give stock HF's tokens."""
+    on meta, run on cuda:0). The patched generate() falls back to stock HF (one logged warning
+    naming the reason) and gives its tokens."""
     t5_small_shaped(torch.float32).save_pretrained(tmp_path)
     model = AutoModelForSeq2SeqLM.from_pretrained(tmp_path)
     model = AutoModelForSeq2SeqLM.from_pretrained(tmp_path, device_map=split_device_map(model, "cuda:0", "cpu"))
+    assert any(p.device.type == "meta" for p in model.parameters()), "premise: accelerate offloaded weights"
     ids, mask = cuda_batch([40, 9, 25, 60])
-    ref, out, _ = hf_then_paged(model, input_ids=ids, attention_mask=mask, max_new_tokens=32, min_new_tokens=32)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=32, min_new_tokens=32)
+    ref = model.generate(**kw)
+    hp.patch_model(model)
+    try:
+        with caplog.at_level("WARNING", logger="hf_paged_t5"):
+            out = model.generate(**kw)
+        assert model._hf_paged_t5.pool is None, "offloaded weights must not reach the paged path"
+    finally:
+        hp.unpatch_model(model)
+    assert "offloaded" in caplog.text
     assert_same(ref.cpu(), out.cpu())
