@@ -81,7 +81,8 @@ def test_all_cpu_map_through_accelerate_hooks():
                                       min_new_tokens=32)
     assert_same(ref, out)
     assert devices == ["cpu"] * 4
-    beam = dict(input_ids=ids[:3], attention_mask=mask[:3], max_new_tokens=16, num_beams=4, num_return_sequences=2)
+    beam = dict(input_ids=ids[:3], attention_mask=mask[:3], max_new_tokens=16, num_beams=4,
+                num_return_sequences=2)
     ref, out, _ = hf_then_paged(model, config, **beam)
     assert_same(ref, out)
     # unpatch_model gives accelerate's hooked forward back, and stock HF still runs through it.
@@ -160,8 +161,10 @@ def test_gpu_cuda_cpu_split_fp32_tokens_identical(num_beams):
         kw = dict(max_new_tokens=40, min_new_tokens=40, output_logits=True)
     else:
         ids, mask = cuda_batch([40, 120, 7, 63])
-        kw = dict(max_new_tokens=32, num_beams=4, num_return_sequences=2, length_penalty=0.8, output_scores=True)
-    ref, out, devices = hf_then_paged(model, input_ids=ids, attention_mask=mask, return_dict_in_generate=True, **kw)
+        kw = dict(max_new_tokens=32, num_beams=4, num_return_sequences=2, length_penalty=0.8,
+                  output_scores=True)
+    ref, out, devices = hf_then_paged(model, input_ids=ids, attention_mask=mask, return_dict_in_generate=True,
+                                      **kw)
     assert_same(ref.sequences.cpu(), out.sequences.cpu())
     if num_beams == 1:  # tokens alone are weak evidence if a row repeats one token: logits too
         for a, b in zip(ref.logits, out.logits):
@@ -188,7 +191,9 @@ def test_gpu_cuda_cpu_split_bf16_runs_close_to_hf():
     exact = fp32_model.cuda().generate(**{**kw, "max_new_tokens": 1, "min_new_tokens": 1}).logits[0].float()
     hf_err = (ref.logits[0].float() - exact).norm() / exact.norm()  # first step: same inputs everywhere
     paged_err = (out.logits[0].float() - exact).norm() / exact.norm()
-    assert paged_err <= 1.5 * hf_err + 1e-3, f"bf16 error vs fp32: paged {paged_err:.3g}, stock HF {hf_err:.3g}"
+    assert paged_err <= 1.5 * hf_err + 1e-3, (
+        f"bf16 error vs fp32: paged {paged_err:.3g}, stock HF {hf_err:.3g}"
+    )
 
 
 @pytest.mark.gpu
@@ -199,7 +204,8 @@ def test_gpu_from_pretrained_cpu_entries_offload_and_match_hf(tmp_path, caplog):
     naming the reason) and gives its tokens."""
     t5_small_shaped(torch.float32).save_pretrained(tmp_path)
     model = AutoModelForSeq2SeqLM.from_pretrained(tmp_path)
-    model = AutoModelForSeq2SeqLM.from_pretrained(tmp_path, device_map=split_device_map(model, "cuda:0", "cpu"))
+    device_map = split_device_map(model, "cuda:0", "cpu")
+    model = AutoModelForSeq2SeqLM.from_pretrained(tmp_path, device_map=device_map)
     assert any(p.device.type == "meta" for p in model.parameters()), "premise: accelerate offloaded weights"
     ids, mask = cuda_batch([40, 9, 25, 60])
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=32, min_new_tokens=32)

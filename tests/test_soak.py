@@ -143,10 +143,13 @@ def soak(model, ref_model, calls: list[Call], checked: set[int], vocab: int, dev
 
 
 def assert_flat(records: list[Record]) -> None:
-    assert all(r.idle for r in records), f"calls left blocks in use: {[i for i, r in enumerate(records) if not r.idle]}"
+    busy = [i for i, r in enumerate(records) if not r.idle]
+    assert not busy, f"calls left blocks in use: {busy}"
     tail = records[FLAT_FROM - 1:]
-    assert len({r.pool_blocks for r in tail}) == 1, f"pool grew after call {FLAT_FROM}: {[r.pool_blocks for r in tail]}"
-    assert len({r.free_blocks for r in tail}) == 1, f"free blocks drift: {sorted({r.free_blocks for r in tail})}"
+    sizes = [r.pool_blocks for r in tail]
+    assert len(set(sizes)) == 1, f"pool grew after call {FLAT_FROM}: {sizes}"
+    free = sorted({r.free_blocks for r in tail})
+    assert len(free) == 1, f"free blocks drift: {free}"
     drift = [
         (FLAT_FROM - 1 + i, cur.memory - prev.memory)
         for i, (prev, cur) in enumerate(zip(tail, tail[1:]), start=1)
@@ -173,7 +176,8 @@ def test_soak_cpu():
     ref_model = copy.deepcopy(model)
     hp.patch_model(model, hp.PagedCacheConfig(block_size=8, backend="torch", max_tokens=64))
     calls = random_calls(60, sizes, seed=7)
-    records = soak(model, ref_model, calls, checked_calls(60, 12, seed=8), sizes.vocab, "cpu", live_tensor_bytes)
+    checked = checked_calls(60, 12, seed=8)
+    records = soak(model, ref_model, calls, checked, sizes.vocab, "cpu", live_tensor_bytes)
     assert records[0].pool_blocks > 8, "premise: call 0 grew the 8-block pool"
     assert_flat(records)
 
@@ -231,10 +235,12 @@ def test_soak_gpu():
         return torch.cuda.memory_allocated()
 
     calls = random_calls(1000, sizes, seed=11)
-    records = soak(model, ref_model, calls, checked_calls(1000, 30, seed=12), sizes.vocab, "cuda", measure)
+    checked = checked_calls(1000, 30, seed=12)
+    records = soak(model, ref_model, calls, checked, sizes.vocab, "cuda", measure)
     elapsed = time.perf_counter() - start
     late = [i for i in range(FLAT_FROM, len(records)) if records[i].graphs != records[i - 1].graphs]
-    print(f"\nsoak: warm-up {warm:.1f} s, total {elapsed:.1f} s; memory {records[FLAT_FROM - 1].memory / 2**20:.1f} "
-          f"-> {records[-1].memory / 2**20:.1f} MiB; pool {records[-1].pool_blocks} blocks; graphs "
-          f"{records[-1].graphs} (captured during the soak after call {FLAT_FROM}: {late})")
+    first, last = records[FLAT_FROM - 1], records[-1]
+    print(f"\nsoak: warm-up {warm:.1f} s, total {elapsed:.1f} s; memory {first.memory / 2**20:.1f} -> "
+          f"{last.memory / 2**20:.1f} MiB; pool {last.pool_blocks} blocks; graphs {last.graphs} "
+          f"(captured during the soak after call {FLAT_FROM}: {late})")
     assert_flat(records)

@@ -1,0 +1,210 @@
+"""Every script in examples/ and the quickstart notebook, executed against a saved small T5 checkpoint.
+
+A random-weight T5 and its tokenizer are saved to a temporary directory (`tiny.save_demo_checkpoint`,
+with the original T5 task prefixes in its config), and each example runs on it as a user would run
+it, in its own process on the CPU (the scripts start together: most of their time is imports).
+Where a script prints both stock HF's and the patched output, they must be identical (float32).
+No script may fall back to stock HF (that logs a warning naming the reason).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hf_paged_t5 import tiny
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "examples"
+TIMEOUT = 240  # seconds, per process; all of them together normally take ~30-60 s on 2 cores
+FALLBACK = "running this generate() on stock HF"
+NUM_RECORDS = 30
+JOB = ["--task", "summarization", "--max-new-tokens", "12", "--batch-size", "8"]
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
+    # One thread each: the processes run side by side on few cores.
+    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    return env
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return Path(tiny.save_demo_checkpoint(tmp_path_factory.mktemp("checkpoint")))
+
+
+@pytest.fixture(scope="module")
+def job_input(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("job") / "in.jsonl"
+    with open(path, "w", encoding="utf-8") as f:
+        for i in range(NUM_RECORDS):
+            f.write(json.dumps({"id": f"doc-{i}", "text": " ".join(tiny.CORPUS[i : i + 1 + i % 3])}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(checkpoint, job_input, tmp_path_factory):
+    """Start every example process at once; name -> (Popen, output path or None)."""
+    out = tmp_path_factory.mktemp("out")
+    model = ["--model", str(checkpoint), "--device", "cpu"]
+    job = ["--input", str(job_input), *JOB]
+    commands = {
+        "summarize": ([EXAMPLES / "summarize.py", *model, "--compare"], None),
+        "translate": ([EXAMPLES / "translate.py", *model, "--compare", "--max-new-tokens", "40"], None),
+        "long_full": ([EXAMPLES / "long_document.py", *model, "--compare", "--target-tokens", "1500",
+                       "--max-new-tokens", "16"], None),
+        "long_chunked": ([EXAMPLES / "long_document.py", *model, "--mode", "chunked", "--target-tokens",
+                          "1500", "--chunk-tokens", "400", "--max-new-tokens", "16"], None),
+        "batch_jsonl": ([EXAMPLES / "batch_jsonl.py", *model, *job, "--output", out / "batch.jsonl"],
+                        out / "batch.jsonl"),
+        "dp_one": ([EXAMPLES / "data_parallel.py", *model, *job, "--output", out / "dp1.jsonl"],
+                   out / "dp1.jsonl"),
+        # Two CPU processes under torchrun: what `accelerate launch --num_processes 2` does on GPUs.
+        "dp_two": (["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                    EXAMPLES / "data_parallel.py", *model, *job, "--output", out / "dp2.jsonl"],
+                   out / "dp2.jsonl"),
+        "demo": ([EXAMPLES / "demo.py", "--model", checkpoint, "--max-new-tokens", "8", "--repeats", "1"],
+                 None),
+    }
+    procs = {}
+    for name, (args, path) in commands.items():
+        log = open(out / f"{name}.log", "w+")
+        procs[name] = (
+            subprocess.Popen([sys.executable, *map(str, args)], cwd=out, env=_env(), stdout=log,
+                             stderr=subprocess.STDOUT, text=True),
+            log,
+            path,
+        )
+    yield procs
+    for proc, log, _ in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        log.close()
+
+
+def finished(runs, name) -> str:
+    """The combined output of example `name`, which must have exited with status 0 and not fallen back."""
+    proc, log, _ = runs[name]
+    try:
+        proc.wait(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    log.seek(0)
+    text = log.read()
+    assert proc.returncode == 0, f"{name} exited with {proc.returncode}:\n{text[-3000:]}"
+    assert FALLBACK not in text, f"{name} fell back to stock HF:\n{text[-3000:]}"
+    return text
+
+
+def value(text: str, label: str) -> str:
+    """The rest of the first line starting with `label`."""
+    for line in text.splitlines():
+        if line.startswith(label):
+            return line[len(label):].strip()
+    raise AssertionError(f"no line starting with {label!r} in:\n{text[-3000:]}")
+
+
+def read_jsonl(path) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def test_summarize(runs):
+    out = finished(runs, "summarize")
+    assert value(out, "summary:")
+    assert value(out, "identical to stock HF:") == "True"
+
+
+def test_translate(runs):
+    out = finished(runs, "translate")
+    assert sum(line.startswith("  -> ") for line in out.splitlines()) == 5, out
+    assert value(out, "identical to stock HF:") == "True"
+
+
+def test_long_document_whole(runs):
+    out = finished(runs, "long_full")
+    num_tokens = int(value(out, "document:").split()[0])
+    assert num_tokens > 1024, "the document should be well past T5's usual 512 tokens"
+    assert value(out, "summary:")
+    assert value(out, "identical to stock HF:") == "True"
+
+
+def test_long_document_chunked(runs):
+    out = finished(runs, "long_chunked")
+    chunk_lines = [line for line in out.splitlines() if line.startswith("chunk ")]
+    n = len(chunk_lines)
+    assert n >= 3 and chunk_lines[-1].startswith(f"chunk {n}/{n}:"), out
+    assert value(out, "summary:")
+
+
+def test_batch_jsonl_in_input_order_and_equal_to_stock_hf(runs, checkpoint, job_input):
+    finished(runs, "batch_jsonl")
+    records = read_jsonl(runs["batch_jsonl"][2])
+    inputs = read_jsonl(job_input)
+    assert [r["id"] for r in records] == [r["id"] for r in inputs]
+    assert all(r["text"] == i["text"] for r, i in zip(records, inputs))
+    assert all(isinstance(r["output"], str) for r in records)
+    # The same batches on the unpatched model, in this process: the same texts.
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import batch_jsonl
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    model = AutoModelForSeq2SeqLM.from_pretrained(checkpoint).eval()
+    prefix, kwargs = batch_jsonl.task_settings(model, "summarization", None)
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("max_length", "min_length")}
+    texts = [prefix + r["text"] for r in inputs]
+    stock = batch_jsonl.generate_all(model, tokenizer, texts, batch_jsonl.make_batches(tokenizer, texts, 8),
+                                     max_new_tokens=12, **kwargs)
+    assert [r["output"] for r in records] == [stock[i] for i in range(len(texts))]
+
+
+def test_data_parallel_one_process_without_launcher(runs):
+    out = finished(runs, "dp_one")
+    assert "on 1 process(es)" in out
+    finished(runs, "batch_jsonl")
+    assert read_jsonl(runs["dp_one"][2]) == read_jsonl(runs["batch_jsonl"][2])
+
+
+def test_data_parallel_two_processes_match_one(runs):
+    out = finished(runs, "dp_two")
+    assert "on 2 process(es)" in out and "process 0 on" in out and "process 1 on" in out, out
+    finished(runs, "dp_one")
+    assert read_jsonl(runs["dp_two"][2]) == read_jsonl(runs["dp_one"][2])
+
+
+def test_demo_script(runs):
+    out = finished(runs, "demo")
+    assert "(100.0%)" in value(out, "token agreement:")
+
+
+def test_quickstart_notebook(checkpoint, runs, monkeypatch):
+    nbclient = pytest.importorskip("nbclient")
+    nbformat = pytest.importorskip("nbformat")
+    for name, item in _env().items():
+        monkeypatch.setenv(name, item)  # the kernel inherits this environment
+    monkeypatch.setenv("HF_PAGED_T5_MODEL", str(checkpoint))
+    notebook = nbformat.read(EXAMPLES / "quickstart.ipynb", as_version=4)
+    client = nbclient.NotebookClient(notebook, kernel_name="python3", timeout=TIMEOUT,
+                                     resources={"metadata": {"path": str(checkpoint)}})
+    client.execute()
+    printed = "\n".join(
+        output.get("text", "")
+        for cell in notebook.cells if cell.cell_type == "code"
+        for output in cell.outputs
+    )
+    assert "identical: True" in printed, printed
+    assert "stock again: True" in printed, printed
+    assert FALLBACK not in printed, printed
