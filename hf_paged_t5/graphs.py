@@ -68,7 +68,10 @@ class DecodeGraphs:
         self._pool_generation: tuple = ()
 
     def clear(self) -> None:
+        """Drop every captured step, and with them their memory pool: a pool handle whose graphs
+        are all gone is released by PyTorch's allocator and must not be captured into again."""
         self._graphs.clear()
+        self._mempool = None
 
     def run(
         self,
@@ -85,7 +88,7 @@ class DecodeGraphs:
         slots = cache.begin_step(1)  # may grow the pool (a cache that allocates per step)
         pool = cache.pool
         if (id(pool), pool.generation) != self._pool_generation:
-            self._graphs.clear()  # a new or re-allocated pool: captured addresses are stale
+            self.clear()  # a new or re-allocated pool: captured addresses are stale
             self._pool_generation = (id(pool), pool.generation)
         tables = cache.host_tables()
         key = (bucket(rows), bucket(tables[0].shape[1], 4), bucket(tables[2].shape[1], 4))

@@ -127,3 +127,19 @@ def test_deferred_stop_matches_hf_when_rows_end_early():
     finally:
         hp.unpatch_model(model)
     assert torch.equal(ref, out)
+
+
+def test_pool_growth_after_capture_recaptures():
+    """A small call captures graphs on a small pool; a larger call grows (re-makes) the pool, which
+    drops those graphs and their memory pool; capturing again must work and give the same tokens."""
+    model = real_shape_model("t5-small", torch.bfloat16, layers=2)
+    small, small_mask = batch(2, 16)
+    large, large_mask = batch(12, 300)
+    kw = dict(max_new_tokens=20, min_new_tokens=20)
+    hp.patch_model(model)
+    model.generate(input_ids=small, attention_mask=small_mask, **kw)
+    grown = model.generate(input_ids=large, attention_mask=large_mask, **kw)
+    again = model.generate(input_ids=large, attention_mask=large_mask, **kw)
+    hp.patch_model(model, hp.PagedCacheConfig(cuda_graphs=False))
+    eager = model.generate(input_ids=large, attention_mask=large_mask, **kw)
+    assert torch.equal(grown, eager) and torch.equal(again, eager)
