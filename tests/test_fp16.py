@@ -218,12 +218,16 @@ def test_rms_norm_kernel_takes_fp16_values_near_the_limit():
 # ---- on the GPU: compiled kernels and the CUDA-graph decode step -----------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("family", ["t5", "t5v1_1"])
 @pytest.mark.parametrize("variant", ["half", "keep_wo_fp32"])
-def test_gpu_overflowing_fp16_model_stays_finite_and_close_to_hf(variant, tmp_path):
-    fp32_model = overflowing_model("t5v1_1", device="cuda", d_model=256, d_ff=512, d_kv=64, num_heads=4,
-                                   num_layers=4, num_decoder_layers=4)
-    ids, mask = make_batch([40, 77, 13, 64, 5], padding_side="right", device="cuda")
-    assert max_block_output(fp32_model, ids, mask) > 2 * FP16_MAX
-    model = fp16_variant(fp32_model, variant, tmp_path)
-    # auto: Triton kernels + CUDA graphs on cuda; torch: the same paged path with HF's own math
-    check_patched_like_hf(model, ids, mask, ["torch", "auto"])
+def test_gpu_overflowing_fp16_model_stays_finite_and_close_to_hf(family, variant, tmp_path):
+    """The CPU test's models on the GPU: Triton kernels, CUDA graphs; 3 rows (the small-batch GEMV
+    projections) and 5 rows (cuBLAS). Larger random models in fp16 are chaotic near 65504 (4% logit
+    differences between two fp16 orders of summation even before any overflow), so the sizes stay."""
+    fp32_model = overflowing_model(family, device="cuda")
+    batches = [make_batch(n, padding_side="right", device="cuda") for n in ([9, 14, 5], ROW_LENGTHS)]
+    for ids, mask in batches:
+        assert max_block_output(fp32_model, ids, mask) > 1.5 * FP16_MAX
+    model = fp16_variant(fp32_model, variant, tmp_path)  # "half" converts fp32_model itself
+    for ids, mask in batches:
+        check_patched_like_hf(model, ids, mask, ["auto"])  # auto: Triton kernels + CUDA graphs on cuda
