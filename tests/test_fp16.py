@@ -230,4 +230,5 @@ def test_gpu_overflowing_fp16_model_stays_finite_and_close_to_hf(family, variant
         assert max_block_output(fp32_model, ids, mask) > 1.5 * FP16_MAX
     model = fp16_variant(fp32_model, variant, tmp_path)  # "half" converts fp32_model itself
     for ids, mask in batches:
-        check_patched_like_hf(model, ids, mask, ["auto"])  # auto: Triton kernels + CUDA graphs on cuda
+        # auto: Triton kernels + CUDA graphs on cuda; torch: the same paged path with HF's own math
+        check_patched_like_hf(model, ids, mask, ["torch", "auto"])
