@@ -5,19 +5,7 @@
 # limit; all of them together stay under 9 minutes.
 #     OUT=/some/dir bash benchmarks/gpu_session2.sh
 # Logs: $OUT/<step>.log; JSON: $OUT/multi-gpu-*.json, long-*.json, encoder-*.json, tests-*.xml.
-set -u
-cd "$(dirname "$0")/.."
-OUT="${OUT:-benchmarks/results}"
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-status=0
-run() {  # run NAME SECONDS CMD...: tee the output to $OUT/NAME.log, give up after SECONDS
-    local name=$1 limit=$2; shift 2
-    echo "=== $name (limit ${limit}s): $*"
-    timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
-    [ "${PIPESTATUS[0]}" -eq 0 ] || { status=1; echo "=== $name FAILED"; }
-}
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1 || true
+source "$(dirname "$0")/_device_call.sh"
 run test_fp16_device_map 80 python -m pytest tests/test_fp16.py tests/test_device_map.py -m gpu -q \
     -p no:cacheprovider --junitxml "$OUT/tests-fp16-device-map.xml"
 run test_soak 190 python -m pytest tests/test_soak.py -m gpu -q -s -p no:cacheprovider \

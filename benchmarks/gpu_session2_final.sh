@@ -1,18 +1,7 @@
 #!/usr/bin/env bash
 # Session 2, last device call (two H200s): the generate() benchmark on cuda:0, the graph-recapture
 # test, the two-GPU device_map check, the data-parallel example, long inputs.
-set -u
-cd "$(dirname "$0")/.."
-OUT="${OUT:-benchmarks/results}"
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-status=0
-run() {  # run NAME SECONDS CMD...: tee the output to $OUT/NAME.log, give up after SECONDS
-    local name=$1 limit=$2; shift 2
-    echo "=== $name: $*"
-    timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
-    [ "${PIPESTATUS[0]}" -eq 0 ] || { status=1; echo "=== $name FAILED"; }
-}
+source "$(dirname "$0")/_device_call.sh"
 run test_recapture 40 python -m pytest tests/test_gpu_e2e.py -m gpu -q -p no:cacheprovider -k "recapture or deferred"
 run bench_generate 280 python benchmarks/bench_generate.py --models t5-small,t5-large,flan-t5-xl --out "$OUT/generate.json"
 run multi_gpu 100 python benchmarks/multi_gpu_check.py --devices cuda:0,cuda:1 --out "$OUT"

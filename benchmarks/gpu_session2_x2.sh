@@ -1,19 +1,7 @@
 #!/usr/bin/env bash
 # Session 2, device call B (two H200s): GPU tests, multi-GPU device_map check, data-parallel
 # example, long inputs, encoder-only.   OUT=/some/dir bash benchmarks/gpu_session2_x2.sh
-set -u
-cd "$(dirname "$0")/.."
-OUT="${OUT:-benchmarks/results}"
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-status=0
-run() {  # run NAME SECONDS CMD...: tee the output to $OUT/NAME.log, give up after SECONDS
-    local name=$1 limit=$2; shift 2
-    echo "=== $name: $*"
-    timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
-    [ "${PIPESTATUS[0]}" -eq 0 ] || { status=1; echo "=== $name FAILED"; }
-}
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1 || true
+source "$(dirname "$0")/_device_call.sh"
 run test_gpu 230 python -m pytest tests/test_fp16.py tests/test_device_map.py tests/test_soak.py \
     tests/test_gpu_e2e.py -m gpu -q -p no:cacheprovider
 run multi_gpu 150 python benchmarks/multi_gpu_check.py --devices cuda:0,cuda:1 --out "$OUT"

@@ -1,18 +1,7 @@
 #!/usr/bin/env bash
 # One device call for tuning: GPU tests, the attention-kernel and GEMV sweeps, a step profile.
 #     OUT=/some/dir bash benchmarks/gpu_tune.sh
-set -u
-cd "$(dirname "$0")/.."
-OUT="${OUT:-benchmarks/results}"
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-status=0
-run() {  # run NAME SECONDS CMD...: tee the output to $OUT/NAME.log, give up after SECONDS
-    local name=$1 limit=$2; shift 2
-    echo "=== $name: $*"
-    timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
-    [ "${PIPESTATUS[0]}" -eq 0 ] || { status=1; echo "=== $name FAILED"; }
-}
+source "$(dirname "$0")/_device_call.sh"
 run test_gpu 150 python -m pytest tests/test_kernels.py tests/test_gpu_e2e.py -m gpu -q -x -p no:cacheprovider
 run tune_gemv 120 python benchmarks/tune_gemv.py --out "$OUT"
 run profile 70 python benchmarks/profile_step.py --models t5-small,t5-large --batch 1,64

@@ -27,23 +27,10 @@ import hf_paged_t5 as hp
 from hf_paged_t5 import tiny
 
 
-def split_map(model, first: str, second: str) -> dict[str, str]:
-    device_map = {"shared": first, "lm_head": first}
-    for stack_name in ("encoder", "decoder"):
-        stack = getattr(model, stack_name)
-        half = len(stack.block) // 2
-        device_map[f"{stack_name}.embed_tokens"] = first
-        for i in range(len(stack.block)):
-            device_map[f"{stack_name}.block.{i}"] = first if i < half else second
-        device_map[f"{stack_name}.final_layer_norm"] = second
-        device_map[f"{stack_name}.dropout"] = second
-    return device_map
-
-
 def build(shape: str, dtype: torch.dtype, devices: list[str]):
     model = tiny.build_model(shape, family="t5v1_1" if "flan" in shape else "t5", vocab_size=32128, dtype=dtype,
                              device=devices[0], initializer_factor=1.25)  # on the GPU: fast; 1.25: well-conditioned in fp32
-    device_map = split_map(model, *devices)
+    device_map = tiny.split_device_map(model, *devices)
     return dispatch_model(model, device_map=device_map, main_device=devices[-1]), device_map
 
 

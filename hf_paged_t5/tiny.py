@@ -303,3 +303,19 @@ def save_demo_checkpoint(
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def split_device_map(model: PreTrainedModel, first: str, second: str) -> dict[str, str]:
+    """An accelerate device_map with the first half of the encoder's and of the decoder's layers on
+    `first`, the rest on `second`; embeddings (tied to lm_head in T5) on `first`, each final norm
+    with the last layer. For trying models split across devices without a real checkpoint's map."""
+    device_map = {"shared": first, "lm_head": first}
+    for stack_name in ("encoder", "decoder"):
+        stack = getattr(model, stack_name)
+        half = len(stack.block) // 2
+        device_map[f"{stack_name}.embed_tokens"] = first
+        for i in range(len(stack.block)):
+            device_map[f"{stack_name}.block.{i}"] = first if i < half else second
+        device_map[f"{stack_name}.final_layer_norm"] = second
+        device_map[f"{stack_name}.dropout"] = second
+    return device_map

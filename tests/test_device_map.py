@@ -30,23 +30,6 @@ from hf_paged_t5 import tiny
 CUDA = torch.cuda.is_available()
 
 
-def split_device_map(model, first: str, second: str) -> dict[str, str]:
-    """The first half of the encoder's and of the decoder's layers on `first`, the rest on `second`.
-
-    Embeddings (tied to lm_head in T5) stay on `first`; each final norm goes with the last layer.
-    """
-    device_map = {"shared": first, "lm_head": first}
-    for stack_name in ("encoder", "decoder"):
-        stack = getattr(model, stack_name)
-        half = len(stack.block) // 2
-        device_map[f"{stack_name}.embed_tokens"] = first
-        for i in range(len(stack.block)):
-            device_map[f"{stack_name}.block.{i}"] = first if i < half else second
-        device_map[f"{stack_name}.final_layer_norm"] = second
-        device_map[f"{stack_name}.dropout"] = second
-    return device_map
-
-
 def hf_then_paged(model, config=None, **kwargs):
     """(stock HF output, patched output) of one generate() call on the same (dispatched) model."""
     ref = model.generate(**kwargs)
@@ -70,7 +53,7 @@ def assert_same(ref, out):
 def test_all_cpu_map_through_accelerate_hooks():
     """Every module hooked by accelerate (as with a multi-device map); greedy and beam match HF."""
     model = make_model("t5v1_1", seed=21, num_layers=4, num_decoder_layers=4)
-    model = dispatch_model(model, device_map=split_device_map(model, "cpu", "cpu"), main_device="cpu",
+    model = dispatch_model(model, device_map=tiny.split_device_map(model, "cpu", "cpu"), main_device="cpu",
                            force_hooks=True)
     hooked = [name for name, m in model.named_modules() if hasattr(m, "_hf_hook")]
     assert "" in hooked and "decoder.block.3" in hooked, "premise: accelerate hooked the model"
@@ -105,7 +88,7 @@ def test_offloaded_layers_give_hf_tokens(tmp_path):
     live on the meta device until a module's own hook loads them. The patched generate() must give
     stock HF's tokens (by falling back, or by loading the weights itself)."""
     model = make_model("t5v1_1", seed=23, num_layers=2, num_decoder_layers=2)
-    device_map = split_device_map(model, "cpu", "cpu")
+    device_map = tiny.split_device_map(model, "cpu", "cpu")
     device_map["encoder.block.0"] = device_map["decoder.block.1"] = "disk"
     model = dispatch_model(model, device_map=device_map, main_device="cpu", offload_dir=str(tmp_path))
     assert all(p.device.type == "meta" for p in model.decoder.block[1].parameters())
@@ -138,7 +121,7 @@ def t5_small_shaped(dtype):
 
 def split_on_gpu_and_cpu(model):
     """Dispatch `model` with its first layers on cuda:0 and the rest running on the CPU."""
-    device_map = split_device_map(model, "cuda:0", "cpu")
+    device_map = tiny.split_device_map(model, "cuda:0", "cpu")
     return dispatch_model(model, device_map=device_map, main_device="cpu"), device_map
 
 
@@ -204,7 +187,7 @@ def test_gpu_from_pretrained_cpu_entries_offload_and_match_hf(tmp_path, caplog):
     naming the reason) and gives its tokens."""
     t5_small_shaped(torch.float32).save_pretrained(tmp_path)
     model = AutoModelForSeq2SeqLM.from_pretrained(tmp_path)
-    device_map = split_device_map(model, "cuda:0", "cpu")
+    device_map = tiny.split_device_map(model, "cuda:0", "cpu")
     model = AutoModelForSeq2SeqLM.from_pretrained(tmp_path, device_map=device_map)
     assert any(p.device.type == "meta" for p in model.parameters()), "premise: accelerate offloaded weights"
     ids, mask = cuda_batch([40, 9, 25, 60])
