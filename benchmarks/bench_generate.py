@@ -131,6 +131,8 @@ def bench_model(name, src_len, new, cases, rows, gbps, launch):
             wgib = weights_gib(model)
             for batch, beams in cases:
                 hp.patch_model(model)  # a fresh pool per case: its peak memory is this case's own
+                gc.collect()  # the previous case's runtime (pool, graphs) sits in reference cycles
+                torch.cuda.empty_cache()
                 r = timed(model, batch, src_len, new, beams)
                 r.update(floor_ms(model, batch, beams, src_len, new, step_kernels(model), gbps, launch))
                 results[("paged", batch, beams)] = r

@@ -158,6 +158,7 @@ def unpatch_model(model: nn.Module) -> nn.Module:
         else:
             module.__dict__.pop(name, None)
     runtime.pool = None
+    runtime.graphs.clear()  # captured steps and their memory pool go with the pool they read
     del model.__dict__[_ATTR]
     return model
 
