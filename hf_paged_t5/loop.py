@@ -136,3 +136,108 @@ def sample_loop(
     if streamer is not None:
         streamer.end()
     return input_ids
+
+
+def _unflatten(t: torch.Tensor, batch: int, beams: int) -> torch.Tensor:
+    """[batch * beams, ...] -> [batch, beams, ...]"""
+    return t.reshape(batch, beams, *t.shape[1:])
+
+
+def _flatten(t: torch.Tensor) -> torch.Tensor:
+    """[batch, beams, ...] -> [batch * beams, ...]"""
+    return t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])
+
+
+def beam_loop(
+    model,
+    step: Callable[[torch.Tensor], torch.Tensor],
+    prefill: Callable[[torch.Tensor], torch.Tensor],
+    reorder: Callable[[torch.Tensor], None],
+    input_ids: torch.LongTensor,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+) -> torch.LongTensor:
+    """Beam search as HF's `_beam_search` does it, through HF's own beam helpers in HF's order, with
+    the model called directly (no `prepare_inputs_for_generation` / model-kwargs updates per step).
+
+    input_ids: [batch * num_beams, prompt_len] decoder prompt; returns the sequences as HF returns
+    them without `return_dict_in_generate`. reorder(beam_idx [batch * num_beams]) reorders the cache.
+    """
+    cfg = generation_config
+    pad_token_id, eos_token_id = cfg._pad_token_tensor, cfg._eos_token_tensor
+    num_beams, max_length = cfg.num_beams, cfg.max_length
+    flat_rows, cur_len = input_ids.shape[:2]
+    batch_size, decoder_prompt_len, device = flat_rows // num_beams, cur_len, input_ids.device
+    n_eos_tokens = eos_token_id.shape[0] if eos_token_id is not None else 0
+    beams_to_keep = max(2, 1 + n_eos_tokens) * num_beams
+    top_num_beam_mask = torch.zeros(beams_to_keep, dtype=torch.bool, device=device)
+    top_num_beam_mask[:num_beams] = True
+    # HF's fill value, precedence and all: (pad or eos[0]) when there is an EOS, else -1
+    output_fill_value = pad_token_id or eos_token_id[0] if eos_token_id is not None else -1
+    running_sequences = torch.full((batch_size, num_beams, max_length), fill_value=output_fill_value,
+                                   dtype=torch.int64, device=device)
+    running_sequences[:, :, :cur_len] = _unflatten(input_ids, batch_size, num_beams)
+    sequences = running_sequences.clone()
+    running_beam_scores = torch.zeros((batch_size, num_beams), dtype=torch.float, device=device)
+    running_beam_scores[:, 1:] = -1e9
+    beam_scores = torch.full((batch_size, num_beams), fill_value=-1e9, dtype=torch.float, device=device)
+    is_sent_finished = torch.zeros((batch_size, num_beams), dtype=torch.bool, device=device)
+    is_early_stop_heuristic_unsatisfied = torch.ones((batch_size, 1), dtype=torch.bool, device=device)
+    running_beam_indices = torch.full((batch_size, num_beams, max_length - cur_len), fill_value=-1,
+                                      dtype=torch.int32, device=device)
+    beam_indices = running_beam_indices.clone()
+    top_k_args = inspect.signature(model._get_top_k_continuations).parameters
+    processors = lean_processors(logits_processor)
+
+    flat_running_sequences = input_ids
+    logits = prefill(input_ids)
+    while True:
+        log_probs = nn.functional.log_softmax(logits[:, -1, :].to(copy=True, dtype=torch.float32), dim=-1)
+        for processor in processors:
+            log_probs = processor(flat_running_sequences, log_probs)
+        vocab_size = log_probs.shape[-1]
+        log_probs = _unflatten(log_probs, batch_size, num_beams) + running_beam_scores[:, :, None]
+        log_probs = log_probs.reshape(batch_size, num_beams * vocab_size)
+        extra = {"vocab_size": vocab_size} if "vocab_size" in top_k_args else {}
+        topk_log_probs, topk_running_sequences, topk_running_beam_indices = model._get_top_k_continuations(
+            accumulated_log_probs=log_probs, running_sequences=running_sequences,
+            running_beam_indices=running_beam_indices, cur_len=cur_len, decoder_prompt_len=decoder_prompt_len,
+            do_sample=cfg.do_sample, beams_to_keep=beams_to_keep, num_beams=num_beams, batch_size=batch_size,
+            **extra,
+        )
+        hits = stopping_criteria(_flatten(topk_running_sequences[:, :, : cur_len + 1]), None)
+        hits = _unflatten(hits, batch_size, beams_to_keep)
+        running_sequences, running_beam_scores, running_beam_indices = model._get_running_beams_for_next_iteration(
+            topk_log_probs=topk_log_probs, topk_running_sequences=topk_running_sequences,
+            topk_running_beam_indices=topk_running_beam_indices, next_token_hits_stopping_criteria=hits,
+            num_beams=num_beams,
+        )
+        sequences, beam_scores, beam_indices, is_sent_finished = model._update_finished_beams(
+            sequences=sequences, topk_running_sequences=topk_running_sequences, beam_scores=beam_scores,
+            topk_log_probs=topk_log_probs, beam_indices=beam_indices,
+            topk_running_beam_indices=topk_running_beam_indices,
+            is_early_stop_heuristic_unsatisfied=is_early_stop_heuristic_unsatisfied,
+            is_sent_finished=is_sent_finished, next_token_hits_stopping_criteria=hits,
+            top_num_beam_mask=top_num_beam_mask, num_beams=num_beams, cur_len=cur_len,
+            decoder_prompt_len=decoder_prompt_len, length_penalty=cfg.length_penalty,
+            early_stopping=cfg.early_stopping,
+        )
+        reorder(_flatten(running_beam_indices[..., cur_len - decoder_prompt_len]))
+        cur_len += 1
+        is_early_stop_heuristic_unsatisfied = model._check_early_stop_heuristic(
+            is_early_stop_heuristic_unsatisfied=is_early_stop_heuristic_unsatisfied,
+            running_beam_scores=running_beam_scores, beam_scores=beam_scores, is_sent_finished=is_sent_finished,
+            cur_len=cur_len, max_length=max_length, decoder_prompt_len=decoder_prompt_len,
+            early_stopping=cfg.early_stopping, length_penalty=cfg.length_penalty,
+        )
+        if not bool(model._beam_search_has_unfinished_sequences(
+            is_early_stop_heuristic_unsatisfied, is_sent_finished, hits, cfg.early_stopping,
+        )):
+            break
+        flat_running_sequences = _flatten(running_sequences[:, :, :cur_len])
+        logits = step(flat_running_sequences[:, -1:])
+    sequences = _flatten(sequences[:, : cfg.num_return_sequences, :])
+    beam_indices = _flatten(beam_indices[:, : cfg.num_return_sequences, :])
+    max_generated_length = ((beam_indices + 1).bool()).sum(dim=1).max()
+    return sequences[:, : decoder_prompt_len + max_generated_length]

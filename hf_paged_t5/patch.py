@@ -23,7 +23,7 @@ from . import bias as bias_mod
 from .attention import backend_ops, project
 from .cache import KVPool, LayerSpec, PagedEncoderDecoderCache
 from .config import PagedCacheConfig
-from .loop import sample_loop
+from .loop import beam_loop, sample_loop
 from .modes import fallback_reason
 from .graphs import DecodeGraphs, graphable
 from .stacks import decoder_layers, encoder_forward, module_device, store_cross
@@ -323,8 +323,8 @@ def _paged_generate(runtime, model, original, inputs, generation_config, gen_con
             needed = PagedEncoderDecoderCache.blocks_needed(source_lens, expand, max_self_tokens, pool.block_size)
             pool.reserve(needed)
             cache = PagedEncoderDecoderCache(pool, len(source_lens), expand, max_self_tokens)
-            if _lean_loop_serves(gen_config):
-                loop = _make_sample_loop(runtime, cache, kwargs.get("streamer"))
+            loop = _lean_loop(runtime, cache, gen_config, kwargs.get("streamer"))
+            if loop is not None:
                 kwargs = {**kwargs, "custom_generate": loop}
             return original(inputs, generation_config, **kwargs, **{runtime.cache_kwarg: cache})
         finally:
@@ -341,22 +341,23 @@ def _default_max_length() -> int:
     return defaults()["max_length"] if defaults is not None else 20
 
 
-def _lean_loop_serves(gen_config) -> bool:
-    """Greedy and sampling calls that return plain sequences run `loop.sample_loop`; the rest
-    (beam search, return_dict_in_generate) run HF's own loop over the same paged forward."""
-    mode = gen_config.get_generation_mode()
-    return mode in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE) and not gen_config.return_dict_in_generate
-
-
-def _make_sample_loop(runtime: PagedRuntime, cache: PagedEncoderDecoderCache, streamer):
-    """A `custom_generate` callable (HF's `_sample` signature) running the paged loop on `cache`.
+def _lean_loop(runtime: PagedRuntime, cache: PagedEncoderDecoderCache, gen_config, streamer):
+    """A `custom_generate` callable (HF's `_sample` signature) running `loop.sample_loop` or
+    `loop.beam_loop` on `cache`, or None where HF's own loop runs over the paged forward
+    (`return_dict_in_generate`, `low_memory`).
 
     HF hands a custom callable only the keyword arguments `_sample` lacks, so the streamer
     comes through this closure. (synced_gpus never gets here: `modes` sends it to stock HF.)
     """
+    mode = gen_config.get_generation_mode()
+    if gen_config.return_dict_in_generate or gen_config.low_memory:
+        return None
+    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.BEAM_SEARCH,
+                    GenerationMode.BEAM_SAMPLE):
+        return None
+    beams = mode in (GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE)
 
-    def paged_sample(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
-
+    def paged_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
         def prefill(ids):
             return model(
                 decoder_input_ids=ids, encoder_outputs=model_kwargs["encoder_outputs"],
@@ -368,9 +369,12 @@ def _make_sample_loop(runtime: PagedRuntime, cache: PagedEncoderDecoderCache, st
             with torch.no_grad():
                 return _decode(runtime, model, cache, ids)
 
+        if beams:
+            return beam_loop(model, step, prefill, cache.reorder_cache, input_ids, logits_processor,
+                             stopping_criteria, generation_config)
         return sample_loop(step, prefill, input_ids, logits_processor, stopping_criteria, generation_config, streamer)
 
-    return paged_sample
+    return paged_loop
 
 
 def _check_devices(model: nn.Module, source: torch.Tensor, mask: Optional[torch.Tensor]) -> None:

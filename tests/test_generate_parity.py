@@ -302,3 +302,34 @@ def test_no_length_given_generates_hf_default():
     ref = model.generate(input_ids=ids, attention_mask=mask)
     hp.patch_model(model)
     assert torch.equal(model.generate(input_ids=ids, attention_mask=mask), ref)
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        dict(num_beams=3),
+        dict(num_beams=4, num_return_sequences=2, length_penalty=0.6, early_stopping=True),
+        dict(num_beams=3, early_stopping="never", length_penalty=1.4),
+        dict(num_beams=2, eos_token_id=[1, 7, 11], min_new_tokens=3),
+        dict(num_beams=3, do_sample=True, top_k=20),
+    ],
+    ids=["plain", "nrs-lp-early", "never", "eos-min", "beam-sample"],
+)
+def test_lean_beam_loop_matches_hf(monkeypatch, opts):
+    """Beam search runs loop.beam_loop (HF's beam helpers, the model called directly) and gives
+    HF's sequences, rows ending at different steps included."""
+    import hf_paged_t5.patch as patch_mod
+
+    calls = []
+    real = patch_mod.beam_loop
+    monkeypatch.setattr(patch_mod, "beam_loop", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = make_model("t5", seed=5)
+    ids, mask = make_batch([12, 3, 9, 7], padding_side="left")
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=18, **opts)
+    torch.manual_seed(0)
+    ref = model.generate(**kw)
+    hp.patch_model(model)
+    torch.manual_seed(0)
+    out = model.generate(**kw)
+    assert calls == [1] and model._hf_paged_t5.pool.is_idle()
+    assert torch.equal(out, ref)
