@@ -21,6 +21,7 @@ import triton
 from transformers import T5Config, T5ForConditionalGeneration
 
 import hf_paged_t5 as hp
+from bench_kernels import copy_bandwidth  # benchmarks/ is on sys.path
 from hf_paged_t5.tiny import SHAPES
 
 CASES = [(1, 1), (16, 1), (64, 1), (8, 4)]  # (batch, num_beams)
@@ -56,21 +57,6 @@ def timed(model, batch, src_len, new, beams):
         torch.cuda.synchronize()
         dt = time.perf_counter() - t0
     return dict(ms_per_step=dt / new * 1e3, peak_gib=torch.cuda.max_memory_allocated() / 2**30, tokens=out)
-
-
-def copy_gbps() -> float:
-    """Device copy bandwidth (bytes read + written per second) / 1e9, measured here."""
-    x = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        y.copy_(x)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * x.numel() * 20 / (start.elapsed_time(end) * 1e-3) / 1e9
 
 
 def launch_us() -> float:
@@ -182,7 +168,7 @@ def main() -> None:
     new = 32 if args.quick else 128
     rows: list[dict] = []
     parity = {name: fp32_parity(name) for name in ("t5-small", "t5-large")}
-    gbps, launch = copy_gbps(), launch_us()
+    gbps, launch = copy_bandwidth(torch.device("cuda"), 1 << 30), launch_us()
     print(f"copy bandwidth {gbps:.0f} GB/s; {launch:.2f} us per kernel in a graph", flush=True)
     for name in args.models.split(","):
         bench_model(name, 512, new, CASES, rows, gbps, launch)

@@ -117,16 +117,25 @@ def decode_case(batch, keys, args, device, copy_gbps):
 
 
 def graph_us(calls) -> float:
-    """Median µs per call of `calls` replayed back to back in one CUDA graph (NaN without CUDA)."""
+    """Median µs per call of `calls` replayed back to back in one CUDA graph (NaN without CUDA).
+
+    Also used by tune_kernels.py and tune_gemv.py.
+    """
     if not torch.cuda.is_available():
         return float("nan")
-    for fn in calls[:2]:
-        fn()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (Triton compiles, cuBLAS picks) outside the capture
+        for fn in calls[:2]:
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for fn in calls:
             fn()
+    graph.replay()
+    torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(7):
@@ -135,6 +144,7 @@ def graph_us(calls) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
+    del graph
     return sorted(times)[3] * 1e3 / len(calls)
 
 

@@ -3,7 +3,8 @@
     python benchmarks/tune_gemv.py [--out DIR]
 
 Each candidate is checked against F.linear first, then timed as 20 back-to-back calls replayed
-in a CUDA graph (how the decode step runs them). Prints the best config per shape and writes JSON.
+in a CUDA graph (`bench_kernels.graph_us`: how the decode step runs them). Prints the best config per
+shape and writes JSON.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from bench_kernels import graph_us  # benchmarks/ is on sys.path
+
 from hf_paged_t5.kernels.gemv import gemv, gemv_config
 
 # (N, K) of q/k/v/o, wi, wo, lm_head for t5-small, t5-large, flan-t5-xl
@@ -25,24 +28,6 @@ SHAPES = [
     (2048, 2048), (5120, 2048), (2048, 5120), (32128, 2048),
 ]
 CALLS = 20
-
-
-def graph_time_us(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (20 * CALLS)
 
 
 def main() -> None:
@@ -55,7 +40,7 @@ def main() -> None:
         x = torch.randn(rows, k, device="cuda", dtype=dtype)
         w = torch.randn(n, k, device="cuda", dtype=dtype) / k**0.5
         ref = F.linear(x, w).float()
-        torch_us = graph_time_us(lambda: F.linear(x, w))
+        torch_us = graph_us([lambda: F.linear(x, w)] * CALLS)
         best = None
         for bn, bk, warps in itertools.product((1, 2, 4, 8), (256, 512, 1024), (2, 4, 8)):
             if bk > max(256, triton_pow2(k)):
@@ -65,10 +50,10 @@ def main() -> None:
             if not torch.allclose(out, ref, rtol=2e-2, atol=2e-2):
                 print(f"MISMATCH {n}x{k} rows {rows} cfg {cfg}", flush=True)
                 continue
-            us = graph_time_us(lambda: gemv(x, w, cfg))
+            us = graph_us([lambda: gemv(x, w, cfg)] * CALLS)
             if best is None or us < best[1]:
                 best = (cfg, us)
-        default_us = graph_time_us(lambda: gemv(x, w))
+        default_us = graph_us([lambda: gemv(x, w)] * CALLS)
         gbps = n * k * 2 / (best[1] * 1e-6) / 1e9
         row = dict(N=n, K=k, rows=rows, torch_us=torch_us, default_cfg=gemv_config(rows, n, k), default_us=default_us,
                    best_cfg=best[0], best_us=best[1], best_gbps=gbps)

@@ -36,7 +36,6 @@ import json
 import os
 import pathlib
 import platform
-import statistics
 import time
 
 import torch
@@ -46,6 +45,8 @@ if not torch.cuda.is_available():
 
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
+
+from bench_kernels import copy_bandwidth, graph_us  # noqa: E402  (benchmarks/ is on sys.path)
 
 from hf_paged_t5 import reference  # noqa: E402
 from hf_paged_t5.kernels import paged_decode, prefill  # noqa: E402
@@ -80,45 +81,8 @@ def bench_ms(fn) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
-def graph_us(calls) -> float:
-    """Median µs per call when `calls` replay back to back in one CUDA graph (as in the decode step)."""
-    if not CUDA:
-        return float("nan")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for fn in calls[:2]:
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in calls:
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(7):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    del graph
-    return statistics.median(times) * 1e3 / len(calls)
-
-
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
-def copy_bandwidth(nbytes: int) -> float:
-    """GB/s of a device-to-device copy, counting bytes read plus bytes written."""
-    src = torch.empty(nbytes // 4, dtype=torch.float32, device=DEVICE).uniform_()
-    dst = torch.empty_like(src)
-    ms = bench_ms(lambda: dst.copy_(src))
-    return 2 * src.numel() * 4 / ms / 1e6
 
 
 def l2_bytes() -> int:
@@ -454,7 +418,7 @@ def main() -> None:
     dtype = torch.bfloat16 if CUDA else torch.float32
     torch.manual_seed(0)
     clock = Clock(args.budget)
-    copy_gbps = copy_bandwidth(2**20 if args.quick else 2**31)
+    copy_gbps = copy_bandwidth(DEVICE, 2**20 if args.quick else 2**31)
     decode_shapes = QUICK_DECODE_SHAPES if args.quick else DECODE_SHAPES
     prefill_shapes = QUICK_PREFILL_SHAPES if args.quick else PREFILL_SHAPES
     # Decode gets ~55% of the budget, prefill the rest (its compiles are slower).

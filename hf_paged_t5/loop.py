@@ -60,16 +60,16 @@ def lean_processors(processors: LogitsProcessorList) -> list[Callable]:
     return lean
 
 
-def lean_criteria(criteria) -> list[Callable]:
-    """Stopping criteria as functions of input_ids -> [rows] bool. `MaxLengthCriteria` is left
-    out: the loop stops at `max_length` on the host. EOS is a comparison instead of `isin`."""
+def lean_criteria(criteria, device: torch.device) -> list[Callable]:
+    """Stopping criteria as functions of input_ids (on `device`) -> [rows] bool. `MaxLengthCriteria`
+    is left out: the loop stops at `max_length` on the host. EOS is a comparison instead of `isin`."""
     lean: list[Callable] = []
     for c in criteria:
         if type(c) is MaxLengthCriteria:
             continue
         if type(c) is EosTokenCriteria:
-            eos = c.eos_token_id
-            lean.append(lambda ids, eos=eos: (ids[:, -1:, None] == eos.to(ids.device)).any(-1).any(-1))
+            eos = c.eos_token_id.to(device)  # once, not every step
+            lean.append(lambda ids, eos=eos: (ids[:, -1:, None] == eos).any(-1).any(-1))
         else:
             lean.append(lambda ids, c=c: c(ids, None))
     return lean
@@ -101,7 +101,7 @@ def sample_loop(
         all_done = torch.zeros((), dtype=torch.bool, pin_memory=True)
         copied = torch.cuda.Event()
 
-    processors, criteria = lean_processors(logits_processor), lean_criteria(stopping_criteria)
+    processors, criteria = lean_processors(logits_processor), lean_criteria(stopping_criteria, input_ids.device)
     logits = prefill(input_ids)
     while True:
         next_token_logits = logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)
