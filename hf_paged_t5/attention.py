@@ -28,6 +28,35 @@ def backend_ops(name: str) -> ModuleType:
     return kernels
 
 
+class OnDevice:
+    """A kernel namespace whose calls run with `device` as the current CUDA device.
+
+    Triton launches on the *current* device's current stream, not on the device of the tensors
+    it is given. With a model split across GPUs (accelerate's device_map), a layer on cuda:1
+    called while cuda:0 is current would run on cuda:0, reading cuda:1's memory over the link
+    and unordered with cuda:1's stream: wrong answers, not an error. Every kernel call of such a
+    layer goes through this wrapper.
+    """
+
+    def __init__(self, ops: ModuleType, device: torch.device) -> None:
+        self._ops, self._device = ops, device
+        self._wrapped: dict[str, object] = {}
+
+    def __getattr__(self, name: str):
+        fn = self._wrapped.get(name)
+        if fn is None:
+            inner, device = getattr(self._ops, name), self._device
+            if not callable(inner):
+                return inner
+
+            def fn(*args, **kwargs):
+                with torch.cuda.device(device):
+                    return inner(*args, **kwargs)
+
+            self._wrapped[name] = fn
+        return fn
+
+
 def project(ops: ModuleType, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """`layer(x)`, on the backend's few-row GEMV kernel when it serves this product.
 

@@ -20,7 +20,7 @@ from transformers.generation import GenerationMode
 from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
 
 from . import bias as bias_mod
-from .attention import backend_ops, project
+from .attention import OnDevice, backend_ops, project
 from .cache import KVPool, LayerSpec, PagedEncoderDecoderCache
 from .config import PagedCacheConfig
 from .loop import beam_loop, sample_loop
@@ -64,12 +64,21 @@ class PagedRuntime:
         self.owner: Optional[int] = None
         self.warned: set[str] = set()
         self._tables: dict[str, tuple[tuple, list[torch.Tensor]]] = {}
+        self._device_ops: dict[tuple[str, torch.device], OnDevice] = {}
         sig = inspect.signature(type(model).forward).parameters if self.is_seq2seq else {}
         self.cache_kwarg = "cache" if "cache" in sig else "past_key_values"
 
     # ---- per-layer resources ------------------------------------------------------------
     def ops_for(self, device: torch.device):
-        return backend_ops(self.config.resolve_backend(device))
+        """The kernel namespace for a layer on `device`; with several GPUs, one that makes `device`
+        current around each call (see `attention.OnDevice`)."""
+        ops = backend_ops(self.config.resolve_backend(device))
+        if device.type == "cuda" and torch.cuda.device_count() > 1:
+            key = (ops.__name__, device)
+            if key not in self._device_ops:
+                self._device_ops[key] = OnDevice(ops, device)
+            return self._device_ops[key]
+        return ops
 
     def bias_tables(self, stack: nn.Module, causal: bool) -> list[torch.Tensor]:
         """One table per layer (T5 shares layer 0's; UMT5 has its own), rebuilt when weights move."""

@@ -134,6 +134,34 @@ def expected_pool_devices(device_map, num_layers=6):
     return [str(torch.device(device_map[f"decoder.block.{i}"])) for i in range(num_layers)]
 
 
+def test_kernels_of_a_layer_on_another_gpu_run_with_that_gpu_current(monkeypatch):
+    """Triton launches on the current CUDA device, not the tensors' device: with several GPUs every
+    kernel call of a layer must make the layer's GPU current (else cuda:1's layers run on cuda:0,
+    unordered with cuda:1's stream). Checked on CPU by recording which device is made current."""
+    import contextlib
+
+    from hf_paged_t5.attention import OnDevice, backend_ops
+
+    entered = []
+
+    @contextlib.contextmanager
+    def fake_device(device):
+        entered.append(torch.device(device))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "device", fake_device)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    model = hp.patch_model(make_model(), hp.PagedCacheConfig(backend="torch"))
+    runtime = model._hf_paged_t5
+    ops = runtime.ops_for(torch.device("cuda:1"))
+    assert isinstance(ops, OnDevice) and runtime.ops_for(torch.device("cuda:1")) is ops
+    assert runtime.ops_for(torch.device("cpu")) is backend_ops("torch")  # CPU: nothing to guard
+    x, w = torch.randn(3, 8), torch.rand(8)
+    normed, _ = ops.rms_norm(hidden=x, weight=w, eps=1e-6)
+    assert entered == [torch.device("cuda:1")]
+    torch.testing.assert_close(normed, backend_ops("torch").rms_norm(hidden=x, weight=w, eps=1e-6)[0])
+
+
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("num_beams", [1, 4])
