@@ -64,6 +64,8 @@ class PagedEncoderDecoderCache(Cache):
         self._tables_dirty = True
         self._host: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
         self._device_state: dict[torch.device, dict[str, torch.Tensor]] = {}
+        self._device_table: Optional[torch.Tensor] = None  # see `_reorder_on_device`
+        self._device_owned: Optional[torch.Tensor] = None
 
     # ---- the transformers.Cache contract -------------------------------------------------
     def get_seq_length(self, layer_idx: Optional[int] = 0) -> int:
@@ -109,11 +111,17 @@ class PagedEncoderDecoderCache(Cache):
         raise NotImplementedError("PagedEncoderDecoderCache cannot be cropped")
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Row `r` continues from row `beam_idx[r]`: gather table rows, copy only partial blocks."""
+        """Row `r` continues from row `beam_idx[r]`: gather table rows, copy only partial blocks.
+
+        With `beam_idx` on a CUDA device this happens there (`_reorder_on_device`): no host sync.
+        """
         self._check_live()
-        src_rows = np.asarray(beam_idx.tolist(), dtype=np.int64)
-        if src_rows.shape != (self.num_rows,):
+        if beam_idx.shape != (self.num_rows,):
             raise ValueError(f"beam_idx has shape {tuple(beam_idx.shape)}, expected ({self.num_rows},)")
+        if beam_idx.device.type == "cuda" or self._device_table is not None:
+            self._reorder_on_device(beam_idx)
+            return
+        src_rows = np.asarray(beam_idx.tolist(), dtype=np.int64)
         table = self._self_table[src_rows]
         current = self.length // self.block_size  # the block the next token goes into
         if self.length % self.block_size:
@@ -124,6 +132,26 @@ class PagedEncoderDecoderCache(Cache):
         table[:, current:] = self._owned[:, current:]
         self._self_table = table
         self._tables_dirty = True
+
+    def _reorder_on_device(self, beam_idx: torch.Tensor) -> None:
+        """`reorder_cache` on the device: the self table lives there from the first such reorder on
+        (`device_self_table`), and the partial block is copied for every row (a row continuing
+        from itself copies its block onto itself), so no value of `beam_idx` reaches the host."""
+        if self._device_table is None:
+            device = beam_idx.device
+            self._device_table = torch.from_numpy(self._self_table).to(device)
+            self._device_owned = torch.from_numpy(self._owned).to(device)
+        table = self._device_table.index_select(0, beam_idx.to(self._device_table.device, torch.long))
+        current = self.length // self.block_size
+        if self.length % self.block_size:
+            self.pool.copy_blocks(table[:, current], self._device_owned[:, current])
+        table[:, current:] = self._device_owned[:, current:]
+        self._device_table = table
+
+    def device_self_table(self) -> Optional[torch.Tensor]:
+        """[rows, max_self_blocks] int32 on the device once beams were reordered there (the host
+        copy is stale from then on), else None."""
+        return self._device_table
 
     # ---- bookkeeping --------------------------------------------------------------------
     def _check_live(self) -> None:
@@ -205,10 +233,11 @@ class PagedEncoderDecoderCache(Cache):
                 "cross_seq_lens": cross_lens.to(device),
             }
             self._device_state[device] = state
+        device_table = self._device_table
         return StepMetadata(
             num_new=num_new,
             slot_mapping=slot_mapping.to(device, non_blocking=True),
-            self_block_table=state["self_block_table"],
+            self_block_table=state["self_block_table"] if device_table is None else device_table.to(device),
             self_seq_lens=self_lens.to(device, non_blocking=True),
             cross_block_table=state["cross_block_table"],
             cross_seq_lens=state["cross_seq_lens"],

@@ -97,6 +97,9 @@ class DecodeGraphs:
             static = self._capture(step_fn, pool, key, device)
             self._graphs[key] = static
         self._fill(static, pool, key, rows, slots, tables)
+        device_table = cache.device_self_table()
+        if device_table is not None:  # beams reordered on the device: the host table is stale
+            static.meta.self_block_table[:rows, : device_table.shape[1]].copy_(device_table)
         static.input_ids[:rows].copy_(input_ids)
         static.graph.replay()
         return static.logits[:rows].clone()

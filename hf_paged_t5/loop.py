@@ -190,6 +190,14 @@ def beam_loop(
     top_k_args = inspect.signature(model._get_top_k_continuations).parameters
     processors = lean_processors(logits_processor)
 
+    # As in `sample_loop`, the "go on" flag is read one step late on a GPU: the host queues the next
+    # step (cache reorder included, done on the device) before it waits for this one's flag.
+    defer = device.type == "cuda"
+    if defer:
+        go_on = torch.ones((), dtype=torch.bool, pin_memory=True)
+        copied = torch.cuda.Event()
+    stop_length = getattr(stopping_criteria, "max_length", None)
+
     flat_running_sequences = input_ids
     logits = prefill(input_ids)
     while True:
@@ -231,12 +239,24 @@ def beam_loop(
             cur_len=cur_len, max_length=max_length, decoder_prompt_len=decoder_prompt_len,
             early_stopping=cfg.early_stopping, length_penalty=cfg.length_penalty,
         )
-        if not bool(model._beam_search_has_unfinished_sequences(
+        unfinished = model._beam_search_has_unfinished_sequences(
             is_early_stop_heuristic_unsatisfied, is_sent_finished, hits, cfg.early_stopping,
-        )):
-            break
+        )
+        if stop_length is not None and cur_len >= stop_length:
+            break  # MaxLengthCriteria has just hit every candidate: HF stops here too, no wait
+        if not defer:
+            if not bool(unfinished):
+                break
+            flat_running_sequences = _flatten(running_sequences[:, :, :cur_len])
+            logits = step(flat_running_sequences[:, -1:])
+            continue
+        go_on.copy_(unfinished, non_blocking=True)
+        copied.record()
         flat_running_sequences = _flatten(running_sequences[:, :, :cur_len])
-        logits = step(flat_running_sequences[:, -1:])
+        logits = step(flat_running_sequences[:, -1:])  # queued before we wait: dropped if we stop
+        copied.synchronize()
+        if not bool(go_on):
+            break
     sequences = _flatten(sequences[:, : cfg.num_return_sequences, :])
     beam_indices = _flatten(beam_indices[:, : cfg.num_return_sequences, :])
     max_generated_length = ((beam_indices + 1).bool()).sum(dim=1).max()

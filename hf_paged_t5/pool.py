@@ -119,13 +119,16 @@ class KVPool:
             ) from exc
         self.manager.grow(new_size)
 
-    def copy_blocks(self, src: Sequence[int], dst: Sequence[int]) -> None:
+    def copy_blocks(self, src: Sequence[int] | torch.Tensor, dst: Sequence[int] | torch.Tensor) -> None:
         """Copy whole blocks `src[i] -> dst[i]` in every layer; all sources are read before any
         destination is written, so a block may be both (beams swapping places)."""
         if len(src) == 0:
             return
-        src_ids = torch.as_tensor(np.asarray(src, dtype=np.int64))
-        dst_ids = torch.as_tensor(np.asarray(dst, dtype=np.int64))
+        if isinstance(src, torch.Tensor):  # ids already on a device: no host round trip
+            src_ids, dst_ids = src.long(), dst.long()
+        else:
+            src_ids = torch.as_tensor(np.asarray(src, dtype=np.int64))
+            dst_ids = torch.as_tensor(np.asarray(dst, dtype=np.int64))
         for group in self.groups:  # [layers, 2, num_blocks, block_size, num_heads, head_dim]
             s, d = src_ids.to(group.device, non_blocking=True), dst_ids.to(group.device, non_blocking=True)
             group.index_copy_(2, d, group.index_select(2, s))

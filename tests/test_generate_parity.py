@@ -10,6 +10,7 @@ from conftest import make_batch, make_model
 from transformers import TextStreamer
 
 import hf_paged_t5 as hp
+from hf_paged_t5.cache import PagedEncoderDecoderCache
 
 CONFIG = hp.PagedCacheConfig(block_size=8, backend="torch")
 
@@ -332,4 +333,32 @@ def test_lean_beam_loop_matches_hf(monkeypatch, opts):
     torch.manual_seed(0)
     out = model.generate(**kw)
     assert calls == [1] and model._hf_paged_t5.pool.is_idle()
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("opts", [dict(num_beams=4, num_return_sequences=2), dict(num_beams=3, do_sample=True)],
+                         ids=["beams", "beam-sample"])
+def test_beam_reorder_on_the_device_matches_hf(monkeypatch, opts):
+    """On a GPU, beams reorder the cache on the device (`_reorder_on_device`: table rows gathered
+    there, the partial block copied for every row, no host sync). Forced here on CPU for every
+    reorder: HF's sequences, the pool idle afterwards, the device table actually used."""
+    used = []
+    real = PagedEncoderDecoderCache._reorder_on_device
+
+    def on_device(self, beam_idx):
+        used.append(beam_idx.shape[0])
+        real(self, beam_idx)
+
+    monkeypatch.setattr(PagedEncoderDecoderCache, "_reorder_on_device", on_device)
+    monkeypatch.setattr(PagedEncoderDecoderCache, "reorder_cache",
+                        lambda self, idx: (self._check_live(), self._reorder_on_device(idx)) and None)
+    model = make_model("t5", seed=6)
+    ids, mask = make_batch([14, 5, 9], padding_side="left")
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=21, min_new_tokens=19, **opts)
+    torch.manual_seed(0)
+    ref = model.generate(**kw)
+    hp.patch_model(model, hp.PagedCacheConfig(block_size=4))
+    torch.manual_seed(0)
+    out = model.generate(**kw)
+    assert used and model._hf_paged_t5.pool.is_idle()
     assert torch.equal(out, ref)
