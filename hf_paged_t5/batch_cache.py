@@ -35,6 +35,15 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`host` (a CPU tensor) on `device` without waiting for the device: a plain `.to(cuda)` from
+    pageable memory synchronizes the stream, i.e. waits for every queued step. The pinned copy is
+    held by PyTorch's host allocator until the transfer has read it."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 class BatchCache:
     """Rows (decoder sequences) and sources (encoder outputs) over a persistent `KVPool`.
 
@@ -199,11 +208,11 @@ class BatchCache:
         )
 
     def metadata(self, slot_mapping: torch.Tensor, num_new: int, device: torch.device) -> StepMetadata:
-        """Device tensors for the step `begin_step` just planned."""
-        self_table, self_lens, cross_table, cross_lens = (t.to(device) for t in self.host_tables())
+        """Device tensors for the step `begin_step` just planned (the eager path; graphs copy their own)."""
+        self_table, self_lens, cross_table, cross_lens = (upload(t, device) for t in self.host_tables())
         return StepMetadata(
             num_new=num_new,
-            slot_mapping=slot_mapping.to(device),
+            slot_mapping=upload(slot_mapping, device),
             self_block_table=self_table,
             self_seq_lens=self_lens,
             cross_block_table=cross_table,

@@ -26,6 +26,8 @@ import torch
 from torch import nn
 from transformers import GenerationConfig, LogitsProcessorList
 
+from .batch_cache import upload
+
 # Processors that read the scores only, never `input_ids`: they run on all rows at once.
 SCORES_ONLY = frozenset(
     {
@@ -69,7 +71,7 @@ class RowLimits:
               eos: Sequence[Sequence[int]], device: torch.device) -> "RowLimits":
         width = max(len(e) for e in eos)
         rows = [[g, lo, hi, *e, *[e[0]] * (width - len(e))] for g, lo, hi, e in zip(generated, min_new, max_new, eos)]
-        packed = torch.tensor(rows, dtype=torch.long).to(device)  # [rows, 3 + num_eos], one transfer
+        packed = upload(torch.tensor(rows, dtype=torch.long), device)  # [rows, 3 + num_eos], one transfer
         return RowLimits(packed[:, 0], packed[:, 1], packed[:, 2], packed[:, 3:])
 
     def select(self, index: torch.Tensor) -> "RowLimits":
@@ -149,13 +151,17 @@ class BeamGroup:
     running_beam_indices / beam_indices: [batch, num_beams, max_length - 1] int32
     is_sent_finished, next_token_hits: [batch, num_beams | beams_to_keep] bool
     is_early_stop_heuristic_unsatisfied: [batch, 1] bool
+    limits: `RowLimits` of the batch * num_beams rows, built once (`generated` is set each step)
     """
 
-    def __init__(self, model: nn.Module, config: GenerationConfig, batch: int, max_length: int,
+    def __init__(self, model: nn.Module, config: GenerationConfig, min_new: Sequence[int], max_length: int,
                  eos: Sequence[int], start_id: int, pad_id: Optional[int], device: torch.device) -> None:
         self.model, self.config = model, config
         self.num_beams = k = config.num_beams
         self.max_length, self.cur_len = max_length, 1
+        batch, rows = len(min_new), len(min_new) * k
+        self.limits = RowLimits.build([0] * rows, [m for m in min_new for _ in range(k)], [max_length - 1] * rows,
+                                      [eos] * rows, device)
         self.eos = torch.tensor(list(eos), dtype=torch.long, device=device)
         self.beams_to_keep = max(2, 1 + len(eos)) * k
         self.top_num_beam_mask = torch.zeros(self.beams_to_keep, dtype=torch.bool, device=device)
@@ -185,7 +191,7 @@ class BeamGroup:
         """[batch * num_beams, cur_len] the running beams, as HF's processors see them."""
         return self.running_sequences[:, :, : self.cur_len].reshape(self.batch * self.num_beams, -1)
 
-    def advance(self, logits: torch.Tensor, rules: LogitsRules, limits: RowLimits) -> tuple[torch.Tensor, torch.Tensor]:
+    def advance(self, logits: torch.Tensor, rules: LogitsRules) -> tuple[torch.Tensor, torch.Tensor]:
         """One beam-search step from logits [batch * num_beams, vocab] float32.
 
         Returns (beam_idx [batch * num_beams] int32: the group row each row continues from, as HF's
@@ -193,7 +199,8 @@ class BeamGroup:
         """
         m, cfg, b, k = self.model, self.config, self.batch, self.num_beams
         cur_len, vocab = self.cur_len, logits.shape[-1]
-        log_probs = rules(self.history(), nn.functional.log_softmax(logits, dim=-1), limits)
+        self.limits.generated.fill_(cur_len - 1)
+        log_probs = rules(self.history(), nn.functional.log_softmax(logits, dim=-1), self.limits)
         log_probs = (log_probs.view(b, k, vocab) + self.running_beam_scores[:, :, None]).reshape(b, k * vocab)
         topk_log_probs, topk_sequences, topk_beam_indices = m._get_top_k_continuations(
             accumulated_log_probs=log_probs, running_sequences=self.running_sequences,
@@ -245,6 +252,8 @@ class BeamGroup:
     def keep(self, positions: Sequence[int]) -> None:
         """Drop every request but those at `positions` (in that order)."""
         index = torch.tensor(list(positions), dtype=torch.long, device=self.running_sequences.device)
+        k = self.num_beams
+        self.limits = self.limits.select((index[:, None] * k + torch.arange(k, device=index.device)).reshape(-1))
         for name in ("running_sequences", "sequences", "running_beam_scores", "beam_scores", "is_sent_finished",
                      "is_early_stop_heuristic_unsatisfied", "next_token_hits", "running_beam_indices",
                      "beam_indices"):

@@ -9,8 +9,12 @@ for the step, never for the whole job) and:
    stores each source's cross-attention K/V once in freshly allocated blocks;
 3. runs one decode step (`patch._decode`, a CUDA graph on the GPU) for every live row, each at its
    own position;
-4. picks the next tokens (greedy, sampling, or HF's beam-search steps per `BeamGroup`) and retires
-   finished rows and requests, whose blocks go back to the pool at once.
+4. picks the next tokens and retires finished rows and requests, whose blocks go back to the pool.
+   Greedy and sampling (`DecodeRows`) keep the tokens on the device as the next step's input and read
+   them back one step late, so the host never waits for the step it has just queued: a finished row
+   is found, and its blocks freed, after it has run one more step, whose token is dropped. Beam
+   search (HF's steps per `BeamGroup`) reads each step's beam choices back before the next step,
+   since they decide which blocks the next step's rows hold.
 """
 
 from __future__ import annotations
@@ -21,15 +25,17 @@ from collections import defaultdict, deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Optional
 
+import numpy as np
 import torch
 
 from . import attention as attn_ops
-from .batch_cache import BatchCache, blocks_for
-from .batch_decoding import BeamGroup, RowLimits
+from .batch_cache import BatchCache, blocks_for, upload
+from .batch_decoding import BeamGroup
+from .batch_rows import DecodeRows
 from .block_manager import PoolExhaustedError
 from .cache import KVPool
 from .patch import _decode
-from .stacks import encoder_forward, module_device, pack_tokens
+from .stacks import encoder_forward, module_device
 
 if TYPE_CHECKING:
     from .batching import BatchGenerator, BatchResult, Request
@@ -52,7 +58,7 @@ class BatchRun:
         self.live_rows = 0
         self.promised_blocks = 0
         self.promised_tokens = 0
-        self.row_refs: list[tuple[Request, int]] = []  # greedy/sampling: (request, row position) per step row
+        self.rows: Optional[DecodeRows] = None  # greedy/sampling
         self.order_dirty = True
         self.graph_fits: Optional[bool] = None
 
@@ -80,7 +86,10 @@ class BatchRun:
     def _step(self) -> Optional[list[BatchResult]]:
         pool = self.gen.runtime.get_pool(self.gen.model.decoder)
         if self.cache is None:
-            self.cache = BatchCache(pool, self.gen.max_batch_rows)
+            gen = self.gen
+            self.cache = BatchCache(pool, gen.max_batch_rows)
+            if gen.num_beams == 1:
+                self.rows = DecodeRows(gen.max_batch_rows, gen.rules, gen.config.do_sample, gen.start_id, gen.device)
         elif self.cache.pool is not pool:
             raise RuntimeError("the model's KV pool was re-created during the batch job (device or dtype changed)")
         admitted = self._admit(pool)
@@ -100,6 +109,9 @@ class BatchRun:
                 return None
             request = self.gen.make_request(index, item)
             bs = self.cache.block_size
+            # per row: the K/V of the start token and of max_new - 1 tokens, and one more position for
+            # the step a greedy/sampling row runs before the host reads that it finished (DecodeRows);
+            # beam search: one block more, for a copy-on-write of a shared last block
             rows_blocks = blocks_for(1 + request.max_new, bs) + (1 if request.expand > 1 else 0)
             request.blocks = blocks_for(len(request.ids), bs) + request.expand * rows_blocks
             request.tokens = len(request.ids) + request.expand * (1 + request.max_new)
@@ -159,8 +171,11 @@ class BatchRun:
         gen, cache = self.gen, self.cache
         for request in admitted:
             request.rows = [cache.add_row(request.source) for _ in range(request.expand)]
-            request.histories = [[gen.start_id] for _ in range(request.expand)]
+            request.histories = [[] for _ in range(request.expand)]
             request.live = list(range(request.expand))
+            if self.rows is not None:
+                for slot in request.rows:
+                    self.rows.join(slot, request.min_new, request.max_new, request.eos)
         if gen.num_beams > 1:
             self._form_groups(admitted)
         self.order_dirty = True
@@ -169,26 +184,29 @@ class BatchRun:
         """Encoder over `chunk` (longest first), then each source's cross K/V into new blocks."""
         model, runtime, device = self.gen.model, self.gen.runtime, self.gen.device
         encoder = model.get_encoder()
-        ids = torch.full((len(chunk), len(chunk[0].ids)), self.gen.pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, request in enumerate(chunk):
-            ids[row, : len(request.ids)] = torch.tensor(request.ids)
-            mask[row, : len(request.ids)] = 1
-        ids, mask = ids.to(device), mask.to(device)
+        lengths = np.array([len(r.ids) for r in chunk])
+        real = np.arange(lengths[0]) < lengths[:, None]  # [n, L] bool, the real tokens, row-major as packed
+        ids = np.full(real.shape, self.gen.pad_id, dtype=np.int64)
+        ids[real] = np.concatenate([r.ids for r in chunk])
+        ids, mask = upload(torch.from_numpy(ids), device), upload(torch.from_numpy(real.astype(np.int64)), device)
         tables = runtime.bias_tables(encoder, causal=False)
         hidden = encoder_forward(encoder, runtime.ops_for, tables, encoder.embed_tokens(ids), mask)  # [n, L, d]
-        index, _, _, _ = pack_tokens(mask)
-        packed = hidden.reshape(-1, hidden.shape[-1])[index.to(hidden.device)]  # [total_tokens, d_model]
+        index = upload(torch.from_numpy(np.flatnonzero(real)), hidden.device)
+        packed = hidden.reshape(-1, hidden.shape[-1])[index]  # [total_tokens, d_model]
         slots = []
         for request in chunk:
             request.source, source_slots = self.cache.add_source(len(request.ids))
             slots.append(source_slots)
         slot_mapping = torch.cat(slots)  # [total_tokens] int64, source by source as packed
+        on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # one transfer per device
         for i, block in enumerate(model.decoder.block):
             layer_device = module_device(block)
+            if layer_device not in on_device:
+                on_device[layer_device] = (packed.to(layer_device), upload(slot_mapping, layer_device))
+            tokens, layer_slots = on_device[layer_device]
             attn_ops.store_cross_kv(
-                runtime.ops_for(layer_device), block.layer[1].EncDecAttention, packed.to(layer_device),
-                pool.key_caches[i], pool.value_caches[i], slot_mapping.to(layer_device),
+                runtime.ops_for(layer_device), block.layer[1].EncDecAttention, tokens,
+                pool.key_caches[i], pool.value_caches[i], layer_slots,
             )
 
     def _form_groups(self, admitted: list[Request]) -> None:
@@ -198,19 +216,19 @@ class BatchRun:
             by_key[(request.max_new, request.eos)].append(request)
         gen = self.gen
         for (max_new, eos), requests in by_key.items():
-            group = BeamGroup(gen.model, gen.config, len(requests), 1 + max_new, eos, gen.start_id, gen.pad_id,
-                              gen.device)
+            group = BeamGroup(gen.model, gen.config, [r.min_new for r in requests], 1 + max_new, eos, gen.start_id,
+                              gen.pad_id, gen.device)
             self.groups.append(group)
             self.group_of[id(group)] = requests
 
     # ---- 3. one decode step ---------------------------------------------------------------------
     def _rebuild_order(self) -> None:
         if self.gen.num_beams > 1:
-            rows = [slot for g in self.groups for r in self.group_of[id(g)] for slot in r.rows]
+            self.cache.set_order([slot for g in self.groups for r in self.group_of[id(g)] for slot in r.rows])
         else:
-            self.row_refs = [(r, j) for r in self.running for j in r.live]
-            rows = [r.rows[j] for r, j in self.row_refs]
-        self.cache.set_order(rows)
+            refs = [(r, j) for r in self.running for j in r.live]
+            self.cache.set_order([r.rows[j] for r, j in refs])
+            self.rows.set_order(self.cache.order, refs)
         self.order_dirty = False
 
     def _decode_step(self) -> list[BatchResult]:
@@ -218,10 +236,9 @@ class BatchRun:
         if self.order_dirty:
             self._rebuild_order()
         if gen.num_beams > 1:
-            ids = torch.cat([g.next_ids() for g in self.groups])
+            ids = torch.cat([g.next_ids() for g in self.groups]).view(-1, 1)  # [rows, 1]
         else:
-            ids = torch.tensor([r.histories[j][-1] for r, j in self.row_refs])
-        ids = ids.to(gen.device).view(-1, 1)  # [rows, 1]
+            ids = self.rows.next_input()  # [rows, 1], the last step's tokens, still on the device
         fits = ids.shape[0] <= gen.runtime.config.max_graph_batch
         if fits != self.graph_fits:  # _decode decides graph use once per cache, from the row count
             self.cache.__dict__.pop("_decode_plan", None)
@@ -235,52 +252,30 @@ class BatchRun:
 
     # ---- 4. next tokens, retirement -------------------------------------------------------------
     def _advance_rows(self, logits: torch.Tensor) -> list[BatchResult]:
-        """Greedy or sampling over rows at any lengths; logits [rows, vocab] float32."""
-        gen, refs = self.gen, self.row_refs
-        limits = RowLimits.build(
-            [len(r.histories[j]) - 1 for r, j in refs], [r.min_new for r, _ in refs],
-            [r.max_new for r, _ in refs], [r.eos for r, _ in refs], logits.device,
-        )
-        if gen.rules.needs_history:  # HF's processors see the rows of one length together
-            by_length: dict[int, list[int]] = defaultdict(list)
-            for pos, (r, j) in enumerate(refs):
-                by_length[len(r.histories[j])].append(pos)
-            for positions in by_length.values():
-                index = torch.tensor(positions, device=logits.device)
-                history = torch.tensor([refs[p][0].histories[refs[p][1]] for p in positions], device=logits.device)
-                logits[index] = gen.rules(history, logits[index], limits.select(index))
-        else:
-            logits = gen.rules(None, logits, limits)
-        if gen.config.do_sample:
-            next_tokens = torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1).squeeze(1)
-        else:
-            next_tokens = torch.argmax(logits, dim=-1)
+        """Greedy or sampling over rows at any lengths; logits [rows, vocab] float32. Retires the rows
+        that finished at the step before (this step is queued by now: reading that one back waits for
+        the device only until it has finished the step before)."""
+        self.rows.choose(logits)
         finished = []
-        for (request, j), token in zip(refs, next_tokens.tolist()):
-            history = request.histories[j]
-            history.append(token)
-            if token in request.eos or len(history) - 1 >= request.max_new:
-                self.cache.free_row(request.rows[j])
-                request.live.remove(j)
-                self.live_rows -= 1
-                self.order_dirty = True
-                if not request.live:
-                    finished.append(self._retire(request, _pad_rows(request.histories, gen.pad_id), None))
+        for (request, j), history in self.rows.collect():
+            request.histories[j] = history
+            self.cache.free_row(request.rows[j])
+            request.live.remove(j)
+            self.live_rows -= 1
+            self.order_dirty = True
+            if not request.live:
+                finished.append(self._retire(request, _pad_rows(request.histories, self.gen.pad_id), None))
         return finished
 
     def _advance_beams(self, logits: torch.Tensor) -> list[BatchResult]:
         """One HF beam-search step per group; logits [rows, vocab] float32 in group order."""
         gen, offset, steps = self.gen, 0, []
         for group in self.groups:
-            requests, k = self.group_of[id(group)], group.num_beams
-            n = group.batch * k
-            limits = RowLimits.build(
-                [group.cur_len - 1] * n, [r.min_new for r in requests for _ in range(k)],
-                [group.max_length - 1] * n, [r.eos for r in requests for _ in range(k)], logits.device,
-            )
-            steps.append(group.advance(logits[offset : offset + n], gen.rules, limits))
+            n = group.batch * group.num_beams
+            steps.append(group.advance(logits[offset : offset + n], gen.rules))
             offset += n
-        # one host sync for every group's reorder indices and unfinished flags
+        # One host sync for every group's reorder indices and unfinished flags: the next step cannot be
+        # queued before them, since they decide which blocks its rows read and write.
         flat = torch.cat([torch.cat([b.long(), u.long()]) for b, u in steps]).tolist() if steps else []
         finished, start = [], 0
         for group in list(self.groups):  # the order of `steps`
@@ -291,7 +286,9 @@ class BatchRun:
             keep = []
             for b, request in enumerate(requests):
                 if unfinished[b]:
-                    self.cache.reorder(request.rows, [s - b * k for s in sources[b * k : (b + 1) * k]])
+                    beams = [s - b * k for s in sources[b * k : (b + 1) * k]]
+                    if beams != list(range(k)):  # every beam continuing itself: nothing to move
+                        self.cache.reorder(request.rows, beams)
                     keep.append(b)
                 else:
                     sequences, scores = group.output(b)

@@ -91,7 +91,7 @@ class Request:
     tokens: int = 0  # KV tokens promised at admission (worst case)
     source: int = -1  # cache source slot
     rows: list[int] = dataclasses.field(default_factory=list)  # cache row slots, one per decoder row
-    histories: list[list[int]] = dataclasses.field(default_factory=list)  # greedy/sampling: tokens per row
+    histories: list[list[int]] = dataclasses.field(default_factory=list)  # greedy/sampling: finished rows
     live: list[int] = dataclasses.field(default_factory=list)  # greedy/sampling: positions of unfinished rows
 
 

@@ -9,6 +9,8 @@ from transformers import GenerationConfig
 
 import hf_paged_t5 as hp
 from hf_paged_t5 import tiny
+from hf_paged_t5.batch_cache import BatchCache, blocks_for
+from hf_paged_t5.batch_rows import DecodeRows
 from hf_paged_t5.batch_run import BatchRun
 
 # Lengths crossing the 4-token block boundaries; limits that make rows finish at different steps.
@@ -212,6 +214,102 @@ def test_sampling_warpers_and_return_sequences():
         assert len(rows) == 3 and len({len(row) for row in rows}) == 1 and len(rows[0]) <= 11
     assert len({tuple(row) for rows in first for row in rows}) > len(inputs), "samples should differ"
     assert model._hf_paged_t5.pool.is_idle()
+
+
+# ---- tokens read back one step late (batch_rows.DecodeRows) -----------------------------------------
+@pytest.fixture
+def late_steps(monkeypatch):
+    """Checks at every step that each row writes K/V only into the blocks its request was promised at
+    admission; records how far each row got: [(max_new, decoder tokens stored)], one entry per row."""
+    rows = []
+    of_slot = {}  # slot -> (blocks promised to the row, its entry in `rows`)
+
+    def encode(self, admitted, pool):
+        original_encode(self, admitted, pool)
+        for request in admitted:
+            promised = (request.blocks - blocks_for(len(request.ids), self.cache.block_size)) // request.expand
+            for slot in request.rows:
+                rows.append([request.max_new, 0])
+                of_slot[slot] = (promised, rows[-1])
+
+    def begin_step(self, num_new):
+        slots = original_begin(self, num_new)
+        for slot in self.order.tolist():
+            promised, row = of_slot[slot]
+            assert self._num_self[slot] <= promised, "a row outgrew the blocks promised to it"
+            row[1] = int(self._self_lens[slot])
+        return slots
+
+    original_encode, original_begin = BatchRun._encode, BatchCache.begin_step
+    monkeypatch.setattr(BatchRun, "_encode", encode)
+    monkeypatch.setattr(BatchCache, "begin_step", begin_step)
+    return rows
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_rows_ending_together_at_block_boundaries_and_on_the_first_token(late_steps, admissions, do_sample):
+    """A row that ends at step n runs step n+1 before the host knows: that step stays in the row's
+    promised blocks (max_new at a 4-token block boundary: the late step opens a block) and its token is
+    dropped. Rows ending on the same step; an EOS that is the first token; with top_k=1 sampling too."""
+    model = patched(seed=11, num_blocks=48, grow=False)
+    inputs = make_inputs([6, 9, 4, 13, 7, 5, 11, 8], seed=11)
+    eos = alone(model, inputs[0], max_new_tokens=4)[0][0][1]  # input 0's first token: it ends at once
+    max_new = [9, 4, 4, 4, 8, 3, 8, 7]  # 4 and 8: the last token fills a block
+    kw = dict(do_sample=True, top_k=1) if do_sample else {}
+    gen = hp.BatchGenerator(model, max_batch_rows=8, eos_token_id=[1, eos], **kw)
+    requests = [hp.BatchRequest(ids, max_new_tokens=m) for ids, m in zip(inputs, max_new)]
+    results = list(gen.generate(requests))
+    for ids, m, result in zip(inputs, max_new, results):
+        assert result.sequences == alone(model, ids, max_new_tokens=m, eos_token_id=[1, eos])[0]
+    assert admissions[0][0] == len(inputs)  # all start together: equal lengths end on the same step
+    assert results[0].num_new_tokens == 1
+    lengths = [r.num_new_tokens for r in results]
+    assert len(lengths) > len(set(lengths)), "expected rows ending on the same step"
+    # every row ran exactly one step past its last token (its K/V up to position max_new at most)
+    assert sorted(stored for _, stored in late_steps) == sorted(n + 1 for n in lengths)
+    assert any(stored == 1 + m and m % 4 == 0 for m, stored in late_steps), "no late step opened a block"
+    assert model._hf_paged_t5.pool.is_idle()
+
+
+def test_decode_steps_read_no_device_values(monkeypatch):
+    """The host learns a step's tokens only from the read-back of `DecodeRows.collect`, a step late:
+    nothing else on the greedy/sampling step path turns a tensor into host values (on a GPU each would
+    wait for the step just queued). Greedy, a history rule, sampling with a warper."""
+    calls = []
+    watching = [False]
+
+    def watch(name):
+        original = getattr(torch.Tensor, name)
+
+        def spy(self, *args, **kwargs):
+            if watching[0]:
+                calls.append(name)
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, spy)
+
+    def watched(method):
+        original = getattr(DecodeRows, method)
+
+        def run(self, *args, **kwargs):
+            watching[0] = True
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                watching[0] = False
+
+        monkeypatch.setattr(DecodeRows, method, run)
+
+    for name in ("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "cpu"):
+        watch(name)
+    for method in ("set_order", "next_input", "choose", "collect"):
+        watched(method)
+    model = patched(seed=12)
+    inputs = make_inputs(LENGTHS[:6], seed=12)
+    for kw in ({}, dict(repetition_penalty=1.5), dict(do_sample=True, top_k=3)):
+        gen = hp.BatchGenerator(model, max_new_tokens=6, max_batch_rows=4, **kw)
+        assert len(list(gen.generate(inputs))) == len(inputs)
+    assert not calls
 
 
 # ---- order, texts -----------------------------------------------------------------------------------
