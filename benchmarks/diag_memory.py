@@ -4,7 +4,7 @@ Records PyTorch's CUDA allocation history during one generate() call (after a wa
 it to find the peak, and prints the live bytes at that moment grouped by the innermost frame in
 hf_paged_t5 / transformers (plus what was allocated before the call: weights, pool, graph pools).
 
-    python benchmarks/diag_memory.py [--models t5-small] [--cases 8x4,16x1] [--hf]
+    python benchmarks/diag_memory.py [--models t5-small] [--cases 1x1,16x1,64x1,8x4] [--hf]
 """
 
 from __future__ import annotations
@@ -45,37 +45,59 @@ def peak_breakdown(trace) -> tuple[int, collections.Counter]:
     return peak, by
 
 
-def run(name: str, batch: int, beams: int, patched: bool, src: int = 512, new: int = 128) -> None:
+def held_by_caller() -> collections.Counter:
+    """Bytes of every live allocation now, by the caller recorded when it was made."""
+    by = collections.Counter()
+    for seg in torch.cuda.memory._snapshot()["segments"]:
+        for block in seg["blocks"]:
+            if block["state"] == "active_allocated":
+                by[caller(block.get("frames", []))] += block["size"]
+    return by
+
+
+def run(name: str, cases: list[tuple[int, int]], patched: bool, src: int = 512, new: int = 128) -> None:
+    """The cases in order on one model, as bench_generate runs them (re-patched per case, a short
+    warm-up call, then the measured shape); the last case is broken down."""
+    torch.cuda.memory._record_memory_history(max_entries=400_000, stacks="python")
     model = make(name, "sdpa", torch.bfloat16)
-    if patched:
-        hp.patch_model(model)
-    ids, mask = inputs(batch, src)
-    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, num_beams=beams)
     weights = torch.cuda.memory_allocated()
-    with torch.inference_mode():
-        model.generate(**kw)
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        torch.cuda.memory._record_memory_history(max_entries=200_000)
-        model.generate(**kw)
-        torch.cuda.synchronize()
-        snap = torch.cuda.memory._snapshot()
-        torch.cuda.memory._record_memory_history(enabled=None)
-    peak = torch.cuda.max_memory_allocated()
-    trace_peak, by = peak_breakdown(snap["device_traces"][torch.cuda.current_device()])
     gib = 2**30
-    print(f"\n== {name} b{batch} beams{beams} {'patched' if patched else 'HF sdpa'}: weights {weights / gib:.3f} GiB, "
-          f"held before the call {(before - weights) / gib:.3f}, peak - weights {(peak - weights) / gib:.3f}, "
-          f"allocated in the call at its peak {trace_peak / gib:.3f}")
-    if patched:
-        rt = model._hf_paged_t5
-        pool = rt.pool
-        print(f"  pool: {pool.num_blocks if pool is not None else 0} blocks, "
-              f"{(pool.num_blocks * pool.bytes_per_block() if pool is not None else 0) / gib:.3f} GiB")
-        print("  graphs:", list(rt.graphs._graphs.keys()))
-    for where, size in by.most_common(12):
-        print(f"  {size / 2**20:9.1f} MiB  {where}")
+    for i, (batch, beams) in enumerate(cases):
+        if patched:
+            hp.patch_model(model)
+        gc.collect()
+        torch.cuda.empty_cache()
+        ids, mask = inputs(batch, src)
+        kw = dict(max_new_tokens=new, min_new_tokens=new, num_beams=beams)
+        with torch.inference_mode():
+            model.generate(input_ids=ids[:, :32], attention_mask=mask[:, :32], max_new_tokens=4, min_new_tokens=4,
+                           num_beams=beams)
+            model.generate(input_ids=ids, attention_mask=mask, **kw)
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            held = held_by_caller()
+            torch.cuda.reset_peak_memory_stats()
+            torch.cuda.memory._record_memory_history(enabled=None)  # the trace from here: this call only
+            torch.cuda.memory._record_memory_history(max_entries=400_000, stacks="python")
+            model.generate(input_ids=ids, attention_mask=mask, **kw)
+            torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        print(f"== {name} b{batch} beams{beams} {'patched' if patched else 'HF sdpa'} (case {i + 1}/{len(cases)}): "
+              f"peak - weights {(peak - weights) / gib:.3f} GiB, held before the call {(before - weights) / gib:.3f}")
+        if i + 1 < len(cases):
+            continue
+        for where, size in held.most_common(10):
+            print(f"  held {size / 2**20:9.1f} MiB  {where}")
+        trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+        trace_peak, by = peak_breakdown(trace)
+        print(f"  allocated in the call at its peak {trace_peak / gib:.3f} GiB")
+        for where, size in by.most_common(10):
+            print(f"  call {size / 2**20:9.1f} MiB  {where}")
+        if patched:
+            pool = model._hf_paged_t5.pool
+            print(f"  pool: {pool.num_blocks} blocks, {pool.num_blocks * pool.bytes_per_block() / gib:.3f} GiB; "
+                  f"graphs {list(model._hf_paged_t5.graphs._graphs)}")
+    torch.cuda.memory._record_memory_history(enabled=None)
     del model
     gc.collect()
     torch.cuda.empty_cache()
@@ -84,15 +106,14 @@ def run(name: str, batch: int, beams: int, patched: bool, src: int = 512, new: i
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="t5-small")
-    ap.add_argument("--cases", default="8x4")
+    ap.add_argument("--cases", default="8x4", help="run in order on one model; the last is broken down")
     ap.add_argument("--hf", action="store_true", help="also break down unpatched HF")
     args = ap.parse_args()
+    cases = [tuple(map(int, c.split("x"))) for c in args.cases.split(",")]
     for name in args.models.split(","):
-        for case in args.cases.split(","):
-            b, k = map(int, case.split("x"))
-            if args.hf:
-                run(name, b, k, False)
-            run(name, b, k, True)
+        if args.hf:
+            run(name, cases, False)
+        run(name, cases, True)
 
 
 if __name__ == "__main__":

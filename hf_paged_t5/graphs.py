@@ -141,7 +141,7 @@ class DecodeGraphs:
         )
         static_ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
         meta_for = lambda _device: meta  # noqa: E731  (one device: checked by the caller)
-        side = torch.cuda.Stream(device)
+        side = _warmup_stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for _ in range(2):  # warm up: Triton compiles, cuBLAS picks algorithms, outside the capture
@@ -155,6 +155,18 @@ class DecodeGraphs:
         copied = torch.cuda.Event()
         copied.record()
         return _StaticStep(static_ids, packed, host, copied, meta, graph, logits)
+
+
+_WARMUP_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _warmup_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream captures warm up on: one per device for the process, because cuBLAS keeps a
+    workspace (tens of MiB) for every stream it has run on, and a new stream per capture adds one."""
+    device = torch.device(device)
+    if device not in _WARMUP_STREAMS:
+        _WARMUP_STREAMS[device] = torch.cuda.Stream(device)
+    return _WARMUP_STREAMS[device]
 
 
 def graphable(decoder: nn.Module) -> bool:
