@@ -3,7 +3,7 @@
 Unlike `PagedEncoderDecoderCache` (one `generate()` call, a fixed batch), a `BatchCache` lives for a
 whole batch job. Requests join it when admitted and leave it the moment they finish, returning their
 blocks to the pool at once. It offers what `patch._decode` and `graphs.DecodeGraphs.run` need of a
-cache: `pool`, `begin_step`, `host_tables` and `metadata`.
+cache: `pool`, `begin_step`, `host_tables`, `device_self_table` and `metadata`.
 
 Bookkeeping is in numpy over fixed row and source *slots* (a slot is reused after its row leaves):
     _self_table: [max_rows, self_width] int32, block ids of each row's decoder tokens
@@ -206,6 +206,10 @@ class BatchCache:
             torch.from_numpy(self._cross_table[sources, : self.cross_width]),
             torch.from_numpy(self._cross_lens[sources]),
         )
+
+    def device_self_table(self) -> None:
+        """None: a `BatchCache`'s block tables live on the host (its beam reorders are made there)."""
+        return None
 
     def metadata(self, slot_mapping: torch.Tensor, num_new: int, device: torch.device) -> StepMetadata:
         """Device tensors for the step `begin_step` just planned (the eager path; graphs copy their own)."""
