@@ -197,6 +197,10 @@ def beam_loop(
         go_on = torch.ones((), dtype=torch.bool, pin_memory=True)
         copied = torch.cuda.Event()
     stop_length = getattr(stopping_criteria, "max_length", None)
+    # HF's criteria over the 2 * num_beams candidates, with the max-length check done on the host
+    criteria = lean_criteria(stopping_criteria, device)
+    no_hit = torch.zeros(batch_size * beams_to_keep, dtype=torch.bool, device=device)
+    all_hit = torch.ones_like(no_hit)
 
     flat_running_sequences = input_ids
     logits = prefill(input_ids)
@@ -214,7 +218,13 @@ def beam_loop(
             do_sample=cfg.do_sample, beams_to_keep=beams_to_keep, num_beams=num_beams, batch_size=batch_size,
             **extra,
         )
-        hits = stopping_criteria(_flatten(topk_running_sequences[:, :, : cur_len + 1]), None)
+        if stop_length is not None and cur_len + 1 >= stop_length:
+            hits = all_hit  # MaxLengthCriteria: every candidate, known on the host
+        else:
+            candidates = _flatten(topk_running_sequences[:, :, : cur_len + 1])
+            hits = no_hit
+            for done in criteria:
+                hits = hits | done(candidates)
         hits = _unflatten(hits, batch_size, beams_to_keep)
         running_sequences, running_beam_scores, running_beam_indices = model._get_running_beams_for_next_iteration(
             topk_log_probs=topk_log_probs, topk_running_sequences=topk_running_sequences,

@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 from conftest import make_batch, make_model
-from transformers import TextStreamer
+from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer
 
 import hf_paged_t5 as hp
 from hf_paged_t5.cache import PagedEncoderDecoderCache
@@ -305,6 +305,17 @@ def test_no_length_given_generates_hf_default():
     assert torch.equal(model.generate(input_ids=ids, attention_mask=mask), ref)
 
 
+class _TokenSeen(StoppingCriteria):
+    """A user's stopping criterion: a row is done once `token` was generated (61 changes the
+    beams of the "custom-criteria" case below: checked against the run without it)."""
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return (input_ids[:, 1:] == self.token).any(-1)
+
+
 @pytest.mark.parametrize(
     "opts",
     [
@@ -313,8 +324,9 @@ def test_no_length_given_generates_hf_default():
         dict(num_beams=3, early_stopping="never", length_penalty=1.4),
         dict(num_beams=2, eos_token_id=[1, 7, 11], min_new_tokens=3),
         dict(num_beams=3, do_sample=True, top_k=20),
+        dict(num_beams=3, stopping_criteria=StoppingCriteriaList([_TokenSeen(61)])),
     ],
-    ids=["plain", "nrs-lp-early", "never", "eos-min", "beam-sample"],
+    ids=["plain", "nrs-lp-early", "never", "eos-min", "beam-sample", "custom-criteria"],
 )
 def test_lean_beam_loop_matches_hf(monkeypatch, opts):
     """Beam search runs loop.beam_loop (HF's beam helpers, the model called directly) and gives
