@@ -414,3 +414,34 @@ def test_cuda_graph_steps_match_generate_alone(num_beams, max_graph_batch):
     runtime = model._hf_paged_t5
     assert runtime.graphs._graphs, "no decode step ran as a CUDA graph"
     assert runtime.pool.is_idle()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("max_graph_batch, kw", [
+    (256, {}), (4, {}), (256, dict(do_sample=True, top_k=4, repetition_penalty=1.3)),
+])
+def test_decode_steps_never_wait_for_the_gpu(monkeypatch, max_graph_batch, kw):
+    """Once the graphs are captured and the pool sized (a first run of the same job), a greedy or
+    sampling decode step, graph or eager, with its token choice, late read-back and retirements, makes
+    no synchronizing CUDA call: torch's sync debug mode raises on one. The results do not change."""
+    model = make_model("t5", seed=10, device="cuda")
+    hp.patch_model(model, hp.PagedCacheConfig(block_size=16, max_graph_batch=max_graph_batch))
+    inputs = make_inputs([5, 40, 3, 17, 90, 30, 2, 64, 8, 33], seed=10)
+    requests = [hp.BatchRequest(ids, max_new_tokens=m) for ids, m in zip(inputs, [7, 40, 3, 21, 25, 4, 33, 9, 1, 18])]
+    gen = hp.BatchGenerator(model, max_batch_rows=6, **kw)
+    torch.manual_seed(0)
+    first = [r.sequences for r in gen.generate(requests)]
+    original = BatchRun._decode_step
+
+    def strict(self):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return original(self)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    monkeypatch.setattr(BatchRun, "_decode_step", strict)
+    torch.manual_seed(0)
+    assert [r.sequences for r in gen.generate(requests)] == first
+    assert model._hf_paged_t5.pool.is_idle()
