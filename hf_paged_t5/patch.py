@@ -19,6 +19,7 @@ from torch import nn
 from transformers.generation import GenerationMode
 from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
 
+from . import beam_graph
 from . import bias as bias_mod
 from .attention import OnDevice, backend_ops, project
 from .cache import KVPool, LayerSpec, PagedEncoderDecoderCache
@@ -378,6 +379,9 @@ def _lean_loop(runtime: PagedRuntime, cache: PagedEncoderDecoderCache, gen_confi
             with torch.no_grad():
                 return _decode(runtime, model, cache, ids)
 
+        if beams and beam_graph.supported(generation_config, logits_processor, stopping_criteria):
+            return beam_graph.graph_beam_loop(step, prefill, cache.reorder_cache, input_ids, logits_processor,
+                                              stopping_criteria, generation_config)
         if beams:
             return beam_loop(model, step, prefill, cache.reorder_cache, input_ids, logits_processor,
                              stopping_criteria, generation_config)

@@ -328,14 +328,21 @@ class _TokenSeen(StoppingCriteria):
     ],
     ids=["plain", "nrs-lp-early", "never", "eos-min", "beam-sample", "custom-criteria"],
 )
-def test_lean_beam_loop_matches_hf(monkeypatch, opts):
-    """Beam search runs loop.beam_loop (HF's beam helpers, the model called directly) and gives
-    HF's sequences, rows ending at different steps included."""
+@pytest.mark.parametrize("path", ["helpers", "beam_step"])
+def test_lean_beam_loop_matches_hf(monkeypatch, opts, path):
+    """Beam search gives HF's sequences, rows ending at different steps included, on both paths:
+    loop.beam_loop (HF's beam helpers, the model called directly) and beam_graph's BeamStep (HF's
+    arithmetic on static tensors, captured as a graph on CUDA; eager here), which takes what it
+    supports (no sampling, min-length processors, max-length/EOS criteria) when allowed."""
     import hf_paged_t5.patch as patch_mod
+    from hf_paged_t5 import beam_graph
 
     calls = []
-    real = patch_mod.beam_loop
-    monkeypatch.setattr(patch_mod, "beam_loop", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for name, module in (("beam_loop", patch_mod), ("graph_beam_loop", beam_graph)):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _n=name, _r=real, **k: calls.append(_n) or _r(*a, **k))
+    if path == "helpers":
+        monkeypatch.setattr(beam_graph, "supported", lambda *a: False)
     model = make_model("t5", seed=5)
     ids, mask = make_batch([12, 3, 9, 7], padding_side="left")
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=18, **opts)
@@ -344,7 +351,9 @@ def test_lean_beam_loop_matches_hf(monkeypatch, opts):
     hp.patch_model(model)
     torch.manual_seed(0)
     out = model.generate(**kw)
-    assert calls == [1] and model._hf_paged_t5.pool.is_idle()
+    graphable = not opts.get("do_sample") and "stopping_criteria" not in opts
+    expected = "graph_beam_loop" if path == "beam_step" and graphable else "beam_loop"
+    assert calls == [expected] and model._hf_paged_t5.pool.is_idle()
     assert torch.equal(out, ref)
 
 
