@@ -21,6 +21,7 @@ processors none or min-length, stopping criteria max length and EOS. Anything el
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Optional
 
@@ -29,6 +30,8 @@ import torch
 from torch import nn
 
 from .loop import _MinLength, lean_processors
+
+logger = logging.getLogger(__name__)
 
 
 def supported(generation_config, logits_processor, stopping_criteria) -> bool:
@@ -164,8 +167,8 @@ class BeamStep:
         )
         # stopping criteria on the candidates: EOS as the last token, max length from the host
         hits = at_max.expand(batch, keep)
-        if self.eos is not None:
-            hits = hits | torch.isin(topk_ids, self.eos)
+        if self.eos is not None:  # HF: isin(last token, eos)
+            hits = hits | (topk_ids[:, :, None] == self.eos).any(-1)
         # _get_running_beams_for_next_iteration
         topk_running_log_probs = topk_log_probs + hits.to(torch.float32) * -1.0e9
         next_topk_indices = torch.topk(topk_running_log_probs, k=beams)[1]
@@ -206,8 +209,8 @@ class BeamStep:
         self.unfinished.copy_(improvement_possible & exists_open_beam & valid_continuations)
 
     def capture(self) -> None:
-        """Record `update` as a CUDA graph (after a warm-up on a side stream; the state is saved
-        and restored around both, so the capture leaves it as it was)."""
+        """Record `update` as a CUDA graph (after a warm-up run on a side stream, whose effect on
+        the state is undone; the capture itself runs nothing)."""
         from .graphs import _warmup_stream
 
         saved = [t.clone() for t in self._state()]
@@ -218,11 +221,17 @@ class BeamStep:
         torch.cuda.current_stream(self.device).wait_stream(side)
         for t, s in zip(self._state(), saved):
             t.copy_(s)
+        # capture_begin/end rather than `torch.cuda.graph`, whose entry runs gc.collect() and
+        # empty_cache(): this capture happens once per generate() call
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self.update()
-        for t, s in zip(self._state(), saved):
-            t.copy_(s)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            graph.capture_begin()
+            try:
+                self.update()
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream(self.device).wait_stream(side)
         self._graph = graph
 
     def _state(self) -> list[torch.Tensor]:
@@ -256,7 +265,12 @@ def graph_beam_loop(step, prefill, reorder, input_ids, logits_processor, stoppin
     state.load_logits(logits)
     state.set_step(cur_len)
     if cuda:
-        state.capture()
+        try:
+            state.capture()
+        except RuntimeError as exc:  # the same update then runs eagerly: slower, same values
+            logger.warning("hf_paged_t5: beam-search bookkeeping could not be captured as a CUDA graph (%s); "
+                           "running it eagerly", exc)
+            torch.cuda.synchronize(state.device)
     while True:
         state.run()
         reorder(state.beam_idx)
