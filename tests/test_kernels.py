@@ -7,6 +7,7 @@ tests add realistic shapes, a pool past 2^31 elements and CUDA-graph capture.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -21,7 +22,7 @@ import triton  # noqa: E402
 from hf_paged_t5 import reference  # noqa: E402
 from hf_paged_t5.kernels import paged_decode, prefill, store_kv  # noqa: E402
 from hf_paged_t5.kernels.decode import DecodeConfig, decode_config  # noqa: E402
-from hf_paged_t5.kernels.prefill import PrefillConfig  # noqa: E402
+from hf_paged_t5.kernels.prefill import PrefillConfig, _wide_table, prefill_config  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -191,6 +192,36 @@ def test_paged_decode_tile_configs(block_size, block_n, num_splits):
     assert rel_err(out, ref) < TOLERANCE[torch.float32]
 
 
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("block_n", [16, 32])
+@pytest.mark.parametrize("prefetch", ["tile", "table", "async"])
+@pytest.mark.parametrize("fused_combine", [False, True])
+def test_paged_decode_prefetch_and_fused_combine(block_size, block_n, prefetch, fused_combine):
+    """Block ids read a tile ahead, the pipeliner's async copies, and the merge done by the
+    last split (atomic ticket): rows ending at tile edges, one split past every row's end."""
+    lens = [block_n - 1, block_n + 1, 3 * block_n + 5, 1]
+    key_cache, value_cache, block_table, seq_lens = make_paged_kv(lens, block_size, 2, 16, torch.float32, seed=4)
+    query = torch.randn(len(lens), 2, 16, device=DEVICE)
+    table = torch.randn(2, 40, device=DEVICE)
+    args = (query, key_cache, value_cache, block_table, seq_lens)
+    stages = 3 if prefetch == "async" else 1
+    config = DecodeConfig(block_n, 4, stages, 5, fused_combine=fused_combine, prefetch=prefetch)
+    out = paged_decode(*args, scale=0.5, bias_table=table, config=config)
+    assert rel_err(out, decode_reference(*args, scale=0.5, bias_table=table)) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("num_splits", [2, 7, 64])
+def test_paged_decode_fused_combine_split_counts(num_splits):
+    """The ticket reaches num_splits exactly once per (row, head), empty splits included."""
+    lens = [1, 20, 40]
+    key_cache, value_cache, block_table, seq_lens = make_paged_kv(lens, 4, 3, 16, torch.float16, extra_cols=3)
+    query = torch.randn(3, 3, 16, device=DEVICE).half()
+    args = (query, key_cache, value_cache, block_table, seq_lens)
+    config = DecodeConfig(16, 4, 1, num_splits, fused_combine=True)
+    out = paged_decode(*args, config=config)
+    assert rel_err(out, decode_reference(*args)) < TOLERANCE[torch.float16]
+
+
 def test_paged_decode_num_splits_overrides_config():
     lens = [70, 3]
     key_cache, value_cache, block_table, seq_lens = make_paged_kv(lens, 8, 2, 16, torch.float32)
@@ -208,6 +239,7 @@ def test_paged_decode_num_splits_overrides_config():
         (dict(block_n=8, num_warps=4), "power of two"),
         (dict(block_n=32, num_warps=3), "num_warps"),
         (dict(block_n=32, num_warps=4, num_splits=0), "num_splits"),
+        (dict(block_n=32, num_warps=4, prefetch="tma"), "prefetch"),
     ],
 )
 def test_decode_config_rejects_bad_knobs(knobs, words):
@@ -348,6 +380,38 @@ def test_prefill_tile_configs(block_m, block_n, tile_ranges, band_split, causal,
     assert rel_err(out, ref) < TOLERANCE[torch.float32]
 
 
+@pytest.mark.parametrize("block_m, block_n, tile_ranges, band_split", [
+    (16, 16, True, True), (32, 16, True, False), (16, 32, True, True), (64, 32, True, True),
+    (16, 64, False, True)])  # fmt: skip
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_prefill_toeplitz_table(block_m, block_n, tile_ranges, band_split, causal, dtype):
+    """The widened table (bias loaded at k - q in 4-key vectors, no clamp) in every tile range."""
+    num_heads, head_dim = 2, 16
+    lens = [1, block_n - 1, block_n + 1, 2 * block_m + 3, 100]
+    query, key, value, cu_seqlens = packed(lens, num_heads, head_dim, dtype, seed=6)
+    kw = dict(scale=0.3, causal=causal, **make_bias("table", num_heads, len(lens), max(lens), causal, seed=3))
+    config = PrefillConfig(block_m, block_n, 4, 2, tile_ranges=tile_ranges, band_split=band_split, toeplitz=True)
+    out = prefill(query=query, key=key, value=value, cu_seqlens=cu_seqlens, max_seqlen=max(lens), config=config, **kw)
+    ref = prefill_reference(query, key, value, cu_seqlens, max(lens), **kw)
+    assert rel_err(out, ref) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_prefill_wide_table_layout(causal):
+    """[h, reach + d, e] holds head h's bias at distance d + e (clamped as T5 does), in log2 units."""
+    max_distance, reach = 3, 6
+    table = torch.randn(2, max_distance + 1 if causal else 2 * max_distance + 1, device=DEVICE)
+    wide = _wide_table(table, max_distance, reach, causal)
+    assert wide.shape == (2, 2 * reach + 1, 4)
+    distance = torch.arange(-reach, reach + 1)[:, None] + torch.arange(4)[None, :]  # [2 * reach + 1, 4]
+    if causal:
+        index = (-distance).clamp(0, max_distance)
+    else:
+        index = distance.clamp(-max_distance, max_distance) + max_distance
+    assert torch.allclose(wide.cpu(), table.cpu()[:, index] * 1.4426950408889634)
+
+
 @pytest.mark.parametrize(
     "knobs, words",
     [
@@ -433,6 +497,44 @@ def test_gpu_prefill_realistic(dtype, head_dim, causal):
     assert rel_err(out, prefill_reference(*args, causal=causal, bias_table=table)) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@gpu_test
+def test_gpu_prefill_toeplitz_configs(head_dim, causal):
+    """The tuner's new prefill variants, compiled, on sequences up to 2K (bf16)."""
+    num_heads, dtype = 16, torch.bfloat16
+    lens = [2048, 1000, 129, 1]
+    query, key, value, cu_seqlens = packed(lens, num_heads, head_dim, dtype)
+    table = torch.randn(num_heads, 129 if causal else 257, device=DEVICE)
+    args = (query, key, value, cu_seqlens, max(lens))
+    ref = prefill_reference(*args, causal=causal, bias_table=table)
+    default = prefill_config(head_dim, dtype, max(lens))
+    for config in (dataclasses.replace(default, toeplitz=True), PrefillConfig(128, 64, 8, 2, toeplitz=True)):
+        out = prefill(*args, causal=causal, bias_table=table, config=config)
+        assert rel_err(out, ref) < TOLERANCE[dtype], config
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@gpu_test
+def test_gpu_paged_decode_prefetch_and_fused_combine(head_dim):
+    """The tuner's new decode variants, compiled: one row over 16K keys, a batch of mixed rows."""
+    num_heads, block_size, dtype = 16, 16, torch.bfloat16
+    table = torch.randn(num_heads, 129, device=DEVICE)
+    for lens in ([16384], [2048, 5, 700, 1999]):
+        key_cache, value_cache, block_table, seq_lens = make_paged_kv(lens, block_size, num_heads, head_dim, dtype)
+        query = torch.randn(len(lens), num_heads, head_dim, device=DEVICE).to(dtype)
+        args = (query, key_cache, value_cache, block_table, seq_lens)
+        ref = decode_reference(*args, bias_table=table)
+        for config in (
+            DecodeConfig(64, 4, 1, 32, fused_combine=True),
+            DecodeConfig(64, 4, 1, 32, prefetch="table"),
+            DecodeConfig(64, 4, 3, 16, fused_combine=True, prefetch="async"),
+            DecodeConfig(128, 8, 2, 1, prefetch="async"),
+        ):
+            out = paged_decode(*args, bias_table=table, config=config)
+            assert rel_err(out, ref) < TOLERANCE[dtype], config
+
+
 @gpu_test
 def test_gpu_pool_past_int32_offsets():
     """A bf16 pool of > 2^31 elements per cache: offsets of the last blocks need int64."""
@@ -474,15 +576,23 @@ def test_gpu_paged_decode_replays_in_cuda_graph():
     query = torch.randn(3, 4, 64, device=DEVICE).bfloat16()
     table = torch.randn(4, 129, device=DEVICE)
     args = (query, key_cache, value_cache, block_table, seq_lens)
+    # The fused merge's tickets are zeroed by a memset captured with the kernel: every replay
+    # starts from zero again.
+    fused = DecodeConfig(64, 4, 1, 8, fused_combine=True)
     paged_decode(*args, bias_table=table)  # compile outside the capture
+    paged_decode(*args, bias_table=table, config=fused)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = paged_decode(*args, bias_table=table)
-    seq_lens.copy_(torch.tensor([1, 16, 1500], dtype=torch.int32))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert rel_err(out, decode_reference(*args, bias_table=table)) < TOLERANCE[torch.bfloat16]
+        out_fused = paged_decode(*args, bias_table=table, config=fused)
+    for lens in ([1, 16, 1500], [700, 3, 2048]):
+        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = decode_reference(*args, bias_table=table)
+        assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
+        assert rel_err(out_fused, ref) < TOLERANCE[torch.bfloat16]
 
 
 # ---- gemv (few-row projections) ----------------------------------------------------------

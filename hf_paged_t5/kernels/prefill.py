@@ -7,7 +7,11 @@ table, from a dense [batch|1, heads|1, L, L] tensor, or is absent. With the bidi
 table only the key tiles within max_distance of the query block gather per (query, key);
 tiles wholly left or right of that band add one scalar (every distance there clamps to the
 table's first or last entry). Whole tiles skip the key mask; only the ragged end (and, when
-causal, the diagonal) is masked. Launch knobs are a `PrefillConfig`, picked by `prefill_config`.
+causal, the diagonal) is masked. With `PrefillConfig.toeplitz` the wrapper first widens the
+table (`_wide_table_kernel`: every distance a tile can meet, in log2 units, each entry with its
+next three), so a gathering tile loads its bias at k - q as 16-byte vectors with no clamp and
+no scaling: a Toeplitz tile whose offsets are the same in every tile. Launch knobs are a
+`PrefillConfig`, picked by `prefill_config`.
 """
 
 from __future__ import annotations
@@ -32,6 +36,31 @@ from ._checks import (
 
 # BIAS_MODE values.
 _NO_BIAS, _TABLE_BIAS, _DENSE_BIAS = 0, 1, 2
+# Entries of the widened table written per program of `_wide_table_kernel`.
+_WIDE_BLOCK = 1024
+
+
+@triton.jit
+def _wide_table_kernel(
+    bias_ptr,  # [num_heads, entries] distance table
+    wide_ptr,  # [num_heads, 2 * reach + 1, 4] fp32, layout: `_wide_table`
+    max_distance,
+    reach,
+    stride_bias_head,
+    stride_bias_key,
+    CAUSAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    head = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # flat index into one head's [2 * reach + 1, 4]
+    distance = cols // 4 + cols % 4 - reach  # k_pos - q_pos
+    if CAUSAL:
+        index = tl.minimum(tl.maximum(-distance, 0), max_distance)
+    else:
+        index = tl.minimum(tl.maximum(distance, -max_distance), max_distance) + max_distance
+    live = cols < 4 * (2 * reach + 1)
+    bias = tl.load(bias_ptr + head * stride_bias_head + index * stride_bias_key, mask=live, other=0.0)
+    tl.store(wide_ptr + head * (4 * (2 * reach + 1)) + cols, bias.to(tl.float32) * 1.4426950408889634, mask=live)
 
 
 @triton.jit
@@ -59,9 +88,12 @@ def _attend_tile(
     stride_bias_head,
     stride_bias_query,
     stride_bias_key,
+    diag_ptr,
     CAUSAL: tl.constexpr,
     TILE_BIAS: tl.constexpr,
     MASKED: tl.constexpr,
+    TOEPLITZ: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr,
@@ -72,7 +104,8 @@ def _attend_tile(
     MASKED: the tile may hold keys past seq_len (or, when CAUSAL, after a query); unmasked
     tiles skip every comparison. TILE_BIAS: 0 none, 1 a gather from the distance table, 2 a
     dense bias tile (these two match BIAS_MODE), 3 one scalar `const_bias` for the whole tile
-    (far from the diagonal every distance clamps to the same table entry).
+    (far from the diagonal every distance clamps to the same table entry). TOEPLITZ: the
+    gather reads the widened table at `diag_ptr` (its entry for k_pos - q_pos = -q_start).
     """
     k_pos = k_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     dims = tl.arange(0, BLOCK_D)
@@ -92,7 +125,16 @@ def _attend_tile(
     s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N] fp32
     if TILE_BIAS == 3:
         s += const_bias
-    if TILE_BIAS == 1:
+    if TILE_BIAS == 1 and TOEPLITZ:
+        # Keys c = 4 * g + e of query row r are at distance d + e with d = k_start - q_start
+        # + 4 * g - r, and the widened table holds those four as one 16-byte entry. One scalar
+        # base per tile plus offsets that are the same in every tile: no clamp, mask or scaling,
+        # and a quarter of the loads (or async copies) of one per element.
+        group = tl.arange(0, BLOCK_N // 4)
+        lane = tl.arange(0, 4)
+        diagonal = 4 * (4 * group[None, :, None] - tl.arange(0, BLOCK_M)[:, None, None]) + lane[None, None, :]
+        s += tl.reshape(tl.load(diag_ptr + 4 * k_start + diagonal), [BLOCK_M, BLOCK_N])
+    if TILE_BIAS == 1 and not TOEPLITZ:
         # The clamp keeps every index inside the table, so the gather needs no mask.
         if CAUSAL:
             index = tl.minimum(tl.maximum(q_pos[:, None] - k_pos[None, :], 0), max_distance)
@@ -126,11 +168,13 @@ def _prefill_kernel(
     value_ptr,  # [total_tokens, num_heads, head_dim]
     cu_seqlens_ptr,  # [batch + 1] int32
     bias_ptr,  # table [num_heads, entries] | dense [batch|1, num_heads|1, L, L] | unused
+    wide_ptr,  # [num_heads, 2 * reach + 1, 4] fp32 widened table (TOEPLITZ, layout: `_wide_table`) | unused
     out_ptr,  # [total_tokens, num_heads, head_dim]
     scale,
     head_dim,
     max_seqlen,
     max_distance,
+    reach,
     stride_query_token,
     stride_query_head,
     stride_key_token,
@@ -152,6 +196,7 @@ def _prefill_kernel(
     NUM_STAGES: tl.constexpr,
     TILE_RANGES: tl.constexpr,
     BAND_SPLIT: tl.constexpr,
+    TOEPLITZ: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
     q_start = tl.program_id(0) * BLOCK_M
@@ -174,6 +219,8 @@ def _prefill_kernel(
     qk_scale = scale * 1.4426950408889634
     k_base = key_ptr + seq_start * stride_key_token + head * stride_key_head
     bias_row_ptr = bias_ptr + head * stride_bias_head  # this head's distance table row
+    # This head's widened entry for k_pos - q_pos = -q_start (TOEPLITZ; |k_pos - q_pos| < reach).
+    diag_ptr = wide_ptr + head * (4 * (2 * reach + 1)) + 4 * (reach - q_start)
     v_base = value_ptr + seq_start * stride_value_token + head * stride_value_head
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -184,7 +231,9 @@ def _prefill_kernel(
         kv_end = tl.minimum(seq_len, q_start + BLOCK_M)
     # Loop arguments shared by every tile kind.
     tile_args = (q_pos, seq_len, seq, head, qk_scale, max_distance, head_dim, stride_key_token, stride_value_token)
-    bias_args = (bias_ptr, bias_row_ptr, stride_bias_batch, stride_bias_head, stride_bias_query, stride_bias_key)
+    bias_args = (
+        bias_ptr, bias_row_ptr, stride_bias_batch, stride_bias_head, stride_bias_query, stride_bias_key, diag_ptr,
+    )  # fmt: skip
     tail_start = 0
     if TILE_RANGES:
         # Keys [0, full_end) come in whole tiles that need no key mask (nor, when causal, a
@@ -206,30 +255,30 @@ def _prefill_kernel(
             for k_start in tl.range(0, left_end, BLOCK_N, num_stages=NUM_STAGES):
                 acc, l_i, m_i = _attend_tile(
                     acc, l_i, m_i, q, k_base, v_base, k_start, left_bias, *tile_args, *bias_args,
-                    CAUSAL, 3, False, BLOCK_N, BLOCK_D, EVEN_D, INPUT_PRECISION,
+                    CAUSAL, 3, False, TOEPLITZ, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_D, INPUT_PRECISION,
                 )  # fmt: skip
             for k_start in tl.range(left_end, right_start, BLOCK_N, num_stages=NUM_STAGES):
                 acc, l_i, m_i = _attend_tile(
                     acc, l_i, m_i, q, k_base, v_base, k_start, 0.0, *tile_args, *bias_args,
-                    CAUSAL, 1, False, BLOCK_N, BLOCK_D, EVEN_D, INPUT_PRECISION,
+                    CAUSAL, 1, False, TOEPLITZ, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_D, INPUT_PRECISION,
                 )  # fmt: skip
             for k_start in tl.range(right_start, full_end, BLOCK_N, num_stages=NUM_STAGES):
                 acc, l_i, m_i = _attend_tile(
                     acc, l_i, m_i, q, k_base, v_base, k_start, right_bias, *tile_args, *bias_args,
-                    CAUSAL, 3, False, BLOCK_N, BLOCK_D, EVEN_D, INPUT_PRECISION,
+                    CAUSAL, 3, False, TOEPLITZ, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_D, INPUT_PRECISION,
                 )  # fmt: skip
         else:
             for k_start in tl.range(0, full_end, BLOCK_N, num_stages=NUM_STAGES):
                 acc, l_i, m_i = _attend_tile(
                     acc, l_i, m_i, q, k_base, v_base, k_start, 0.0, *tile_args, *bias_args,
-                    CAUSAL, BIAS_MODE, False, BLOCK_N, BLOCK_D, EVEN_D, INPUT_PRECISION,
+                    CAUSAL, BIAS_MODE, False, TOEPLITZ, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_D, INPUT_PRECISION,
                 )  # fmt: skip
         tail_start = full_end
     # The ragged end (the last partial tile; with CAUSAL the diagonal), or every key.
     for k_start in tl.range(tail_start, kv_end, BLOCK_N, num_stages=NUM_STAGES):
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, k_base, v_base, k_start, 0.0, *tile_args, *bias_args,
-            CAUSAL, BIAS_MODE, True, BLOCK_N, BLOCK_D, EVEN_D, INPUT_PRECISION,
+            CAUSAL, BIAS_MODE, True, TOEPLITZ, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_D, INPUT_PRECISION,
         )  # fmt: skip
 
     out = acc / l_i[:, None]
@@ -251,6 +300,10 @@ class PrefillConfig:
         T5 distance band add one constant (three loops, for long sequences); off: every whole
         tile gathers in one loop (short sequences, where the band covers most keys and each
         extra loop adds a pipeline prologue and drain)
+    toeplitz: with a bias table, widen it first (one small launch; [num_heads, 2 * (max_seqlen
+        + max(block_m, block_n)) + 1, 4] fp32, O(L) memory) so gathering tiles load their bias
+        at k - q in 16-byte vectors, with no per-element clamp or log2(e) scaling; off: gather
+        one element at a time from T5's table
     """
 
     block_m: int
@@ -259,6 +312,7 @@ class PrefillConfig:
     num_stages: int = 2
     tile_ranges: bool = True
     band_split: bool = True
+    toeplitz: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -330,6 +384,23 @@ def _check_prefill_args(query, key, value, cu_seqlens, max_seqlen, causal, bias_
     return max_distance
 
 
+def _wide_table(bias_table: torch.Tensor, max_distance: int, reach: int, causal: bool) -> torch.Tensor:
+    """The distance table at every k_pos - q_pos = d in (-reach, reach), times log2(e).
+
+    bias_table: [num_heads, entries] (see `prefill`); reach: > every |k_pos - q_pos| a tile
+        meets, masked key and query rows included (max_seqlen + the larger tile side)
+    returns: [num_heads, 2 * reach + 1, 4] fp32; [h, reach + d, e] is head h's bias at
+        distance d + e (the entries for d .. d + 3, so a tile loads four keys at once)
+    """
+    num_heads = bias_table.shape[0]
+    wide = torch.empty((num_heads, 2 * reach + 1, 4), dtype=torch.float32, device=bias_table.device)
+    _wide_table_kernel[(num_heads, triton.cdiv(4 * (2 * reach + 1), _WIDE_BLOCK))](
+        bias_table, wide, max_distance, reach, bias_table.stride(0), bias_table.stride(1),
+        CAUSAL=bool(causal), BLOCK=_WIDE_BLOCK, num_warps=4,
+    )  # fmt: skip
+    return wide
+
+
 def prefill(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -363,29 +434,34 @@ def prefill(
     if total_tokens == 0 or batch == 0 or max_seqlen == 0 or num_heads == 0:
         return out
 
+    if config is None and interpreting():
+        # Small tiles: cheap in the interpreter and they exercise tile edges on tiny shapes.
+        config = PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+    if config is None:
+        config = prefill_config(head_dim, query.dtype, max_seqlen)
     if bias_table is not None:
         bias_mode, bias, bias_strides = _TABLE_BIAS, bias_table, [0, bias_table.stride(0), 0, bias_table.stride(1)]
     elif dense_bias is not None:
         bias_mode, bias, bias_strides = _DENSE_BIAS, dense_bias, broadcast_strides(dense_bias)
     else:
         bias_mode, bias, bias_strides = _NO_BIAS, query, [0, 0, 0, 0]
-    if config is None and interpreting():
-        # Small tiles: cheap in the interpreter and they exercise tile edges on tiny shapes.
-        config = PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
-    if config is None:
-        config = prefill_config(head_dim, query.dtype, max_seqlen)
+    toeplitz = config.toeplitz and bias_table is not None
+    wide, reach = bias, 0  # unused placeholders without the widened table
+    if toeplitz:
+        reach = max_seqlen + max(config.block_m, config.block_n)
+        wide = _wide_table(bias_table, max_distance, reach, causal)
     # fp32 callers expect fp32 matmuls (HF parity); TF32 would cost ~3 decimal digits.
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     grid = (triton.cdiv(max_seqlen, config.block_m), batch, num_heads)
     _prefill_kernel[grid](
-        query, key, value, cu_seqlens, bias, out,
-        float(scale), head_dim, max_seqlen, max_distance,
+        query, key, value, cu_seqlens, bias, wide, out,
+        float(scale), head_dim, max_seqlen, max_distance, reach,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         *bias_strides,
         out.stride(0), out.stride(1),
         CAUSAL=bool(causal), BIAS_MODE=bias_mode, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_D=block_d(head_dim), EVEN_D=block_d(head_dim) == head_dim, NUM_STAGES=config.num_stages,
-        TILE_RANGES=config.tile_ranges, BAND_SPLIT=config.band_split, INPUT_PRECISION=precision,
+        TILE_RANGES=config.tile_ranges, BAND_SPLIT=config.band_split, TOEPLITZ=toeplitz, INPUT_PRECISION=precision,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out
