@@ -1,6 +1,6 @@
 """Benchmark the Triton kernels against HF's eager T5 attention math and torch SDPA.
 
-    python benchmarks/bench_kernels.py [--out benchmarks/results/kernels-<gpu>-<yyyymmdd>.json]
+    python benchmarks/bench_kernels.py [--out benchmarks/results/kernels-<gpu>-<yyyymmdd>.json] [--tuned TUNE.json]
 
 Measured in one run on one GPU:
 - copy bandwidth: a large device-to-device copy, (bytes read + written) / time;
@@ -12,7 +12,12 @@ Measured in one run on one GPU:
 - the two attention calls of a batch-1 t5-large decode step (self: 128 keys + bias table,
   cross: 512 keys), timed per call inside a CUDA graph with cold K/V, as the step runs them;
 - encoder prefill (16 x 512, 4 x 2048, 1 x 8192 tokens) with the bidirectional bias table vs
-  SDPA (and HF eager where it fits) with the materialized [1, heads, L, L] bias.
+  SDPA (and HF eager where it fits) with the materialized [1, heads, L, L] bias; prefill and
+  SDPA also per call inside a CUDA graph (`*_graph`), so neither pays a Python launch cost;
+- the host cost of one `prefill` / `paged_decode` call (argument checks and launch, measured
+  on tiny inputs: what do_bench adds when the GPU outruns the host).
+With `--tuned` (a tune_kernels.py JSON), the best configs it found for the same shapes (batch,
+length, head_dim) run too (`*_tuned` rows), next to the defaults.
 Baselines get their bias materialized once outside the timed region (HF rebuilds it every
 forward, so they are timed at their best). Times are medians of `triton.testing.do_bench`.
 `--quick` runs tiny shapes (on CPU through the Triton interpreter) to check the script itself.
@@ -37,6 +42,8 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
 from hf_paged_t5.kernels import paged_decode, prefill  # noqa: E402
+from hf_paged_t5.kernels.decode import DecodeConfig  # noqa: E402
+from hf_paged_t5.kernels.prefill import PrefillConfig  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -72,6 +79,39 @@ def hf_eager_attention(q, k, v, bias):
 
 def sdpa_attention(q, k, v, bias):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0)
+
+
+def host_us(fn, calls: int = 200) -> float:
+    """Host µs per call of `fn` whose GPU work is tiny (so the launch queue never fills)."""
+    if not torch.cuda.is_available():
+        return float("nan")
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def tuned_configs(path) -> dict:
+    """The best configs in a tune_kernels JSON: {("decode", batch, keys, head_dim, bias table?)
+    or ("prefill", batch, length, head_dim, True): config}."""
+    if path is None:
+        return {}
+    if not path.exists():
+        print(f"--tuned {path} does not exist (did the sweep fail?): defaults only", flush=True)
+        return {}
+    result = json.loads(path.read_text())
+    configs = {}
+    for section, cls, length in (("decode", DecodeConfig, "keys"), ("prefill", PrefillConfig, "length")):
+        for row in result.get(section, []):
+            shape = row["shape"]
+            if row.get("best"):
+                key = (section, shape["batch"], shape[length], shape["head_dim"], shape.get("bias", True))
+                configs[key] = cls(**row["best"]["config"])
+    return configs
 
 
 def decode_case(batch, keys, args, device, copy_gbps):
@@ -110,6 +150,9 @@ def decode_case(batch, keys, args, device, copy_gbps):
         # combine launch), which hides the kernel at 1 x 16k keys; in a graph it does not.
         timings["paged_decode_graph"] = graph_us([lambda: paged_decode(**decode)] * 3) / 1e3
         timings["sdpa_graph"] = graph_us([lambda: sdpa_attention(q, k, v, bias)] * 3) / 1e3
+        tuned = args.tuned.get(("decode", batch, keys, head_dim, True))
+        if tuned is not None:
+            timings["paged_decode_tuned_graph"] = graph_us([lambda: paged_decode(**decode, config=tuned)] * 3) / 1e3
     row = {"kind": "decode", "batch": batch, "keys": keys, "kv_bytes": kv_bytes, "ms": timings}
     row["gbps"] = {name: kv_bytes / ms / 1e6 for name, ms in timings.items()}
     row["pct_of_copy"] = {name: 100 * gbps / copy_gbps for name, gbps in row["gbps"].items()}
@@ -167,11 +210,15 @@ def step_decode_case(name, keys, capacity, bias, args, device):
     query = torch.randn(1, heads, head_dim, device=device, dtype=dtype)
     extra = {"bias_table": torch.randn(heads, 129, device=device)} if bias else {}
     calls = [
-        (lambda i=i: paged_decode(query, key_cache, value_cache, tables[i], seq_lens, scale=1.0, **extra))
+        (lambda i=i, **kw: paged_decode(query, key_cache, value_cache, tables[i], seq_lens, scale=1.0, **extra, **kw))
         for i in range(copies)
     ]
-    us = graph_us(calls)
-    return {"kind": "step", "name": name, "keys": keys, "capacity": capacity, "kv_bytes": kv_bytes, "graph_us": us}
+    row = {"kind": "step", "name": name, "keys": keys, "capacity": capacity, "kv_bytes": kv_bytes}
+    row["graph_us"] = graph_us(calls)
+    tuned = args.tuned.get(("decode", 1, keys, head_dim, bias))
+    if tuned is not None:
+        row["tuned_graph_us"] = graph_us([(lambda call=call: call(config=tuned)) for call in calls])
+    return row
 
 
 def prefill_case(batch, length, args, device):
@@ -187,10 +234,20 @@ def prefill_case(batch, length, args, device):
     index = (pos[None, :] - pos[:, None]).clamp(-128, 128) + 128
     bias = table[:, index][None].to(dtype)  # [1, heads, L, L] as HF builds it
 
+    ours = dict(query=query, key=key, value=value, cu_seqlens=cu_seqlens, max_seqlen=length, bias_table=table)
     timings = {
-        "prefill": bench(lambda: prefill(query, key, value, cu_seqlens, length, 1.0, False, table)),
+        "prefill": bench(lambda: prefill(**ours)),
         "sdpa": bench(lambda: sdpa_attention(q, k, v, bias)),
     }
+    tuned = args.tuned.get(("prefill", batch, length, head_dim, True))
+    if tuned is not None:
+        timings["prefill_tuned"] = bench(lambda: prefill(**ours, config=tuned))
+    if device.type == "cuda":
+        # Both per call in a CUDA graph (no Python launch cost in either number).
+        timings["prefill_graph"] = graph_us([lambda: prefill(**ours)] * 3) / 1e3
+        timings["sdpa_graph"] = graph_us([lambda: sdpa_attention(q, k, v, bias)] * 3) / 1e3
+        if tuned is not None:
+            timings["prefill_tuned_graph"] = graph_us([lambda: prefill(**ours, config=tuned)] * 3) / 1e3
     # HF eager materializes [batch, heads, L, L] fp32 scores; skip it where that passes ~8 GB.
     if batch * heads * length * length * 4 <= 8 * 2**30:
         timings["hf_eager"] = bench(lambda: hf_eager_attention(q, k, v, bias))
@@ -198,6 +255,27 @@ def prefill_case(batch, length, args, device):
     row = {"kind": "prefill", "batch": batch, "length": length, "ms": timings}
     row["tflops"] = {name: flops / ms / 1e9 for name, ms in timings.items()}
     return row
+
+
+def host_case(args, device):
+    """Host µs of one `prefill` and one `paged_decode` call on tiny inputs (checks + launch)."""
+    dtype, heads, head_dim = DTYPES[args.dtype], args.heads, args.head_dim
+    qkv = [torch.randn(16, heads, head_dim, device=device, dtype=dtype) for _ in range(3)]
+    cu_seqlens = torch.tensor([0, 16], dtype=torch.int32, device=device)
+    table = torch.randn(heads, 257, device=device)
+    cache = torch.randn(2, args.block_size, heads, head_dim, device=device, dtype=dtype)
+    block_table = torch.zeros(1, 1, dtype=torch.int32, device=device)
+    seq_lens = torch.ones(1, dtype=torch.int32, device=device)
+    causal_table = torch.randn(heads, 129, device=device)
+    return {
+        "kind": "host",
+        "us": {
+            "prefill": host_us(lambda: prefill(*qkv, cu_seqlens, 16, bias_table=table)),
+            "paged_decode": host_us(
+                lambda: paged_decode(qkv[0][:1], cache, cache, block_table, seq_lens, bias_table=causal_table)
+            ),
+        },
+    }
 
 
 def default_out(device: torch.device) -> pathlib.Path:
@@ -212,8 +290,14 @@ def print_table(result: dict) -> None:
     print(f"copy bandwidth: {result['copy_gbps']:.0f} GB/s (read + write)")
     print(f"{'case':<22}{'impl':<24}{'ms':>10}{'GB/s':>10}{'% copy':>8}{'TFLOP/s':>9}{'speedup':>9}")
     for row in result["rows"]:
+        if row["kind"] == "host":
+            for name, us in row["us"].items():
+                print(f"{'host ' + name:<22}{'wrapper (host time)':<24}{us / 1e3:>10.4f}")
+            continue
         if row["kind"] == "step":
             print(f"{'step ' + row['name']:<22}{'paged_decode in graph':<24}{row['graph_us'] / 1e3:>10.4f}")
+            if "tuned_graph_us" in row:
+                print(f"{'step ' + row['name']:<22}{'tuned, in graph':<24}{row['tuned_graph_us'] / 1e3:>10.4f}")
             continue
         case = (
             f"decode {row['batch']}x{row['keys']}" if row["kind"] == "decode" else f"prefill {row['batch']}x{row['length']}"
@@ -226,7 +310,8 @@ def print_table(result: dict) -> None:
             print(f"{case:<22}{name:<24}{ms:>10.4f}{gbps:>10}{pct:>8}{tflops:>9}{ms / mine:>8.2f}x")
     print("speedup: how many times faster the Triton kernel (first row of each case) is than that row")
     print("step rows: per call inside a CUDA graph, K/V cold (how the decode step runs it)")
-    print("*_graph rows: per call inside a CUDA graph (no launch cost), 3 calls on the same K/V")
+    print("*_graph rows: per call inside a CUDA graph (no launch cost), 3 calls on the same inputs")
+    print("host rows: host time of one wrapper call (checks + launch) on tiny inputs")
 
 
 def main() -> None:
@@ -237,7 +322,9 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--quick", action="store_true", help="tiny shapes, to check the script (CPU ok)")
+    parser.add_argument("--tuned", type=pathlib.Path, default=None, help="a tune_kernels.py JSON: time its winners too")
     args = parser.parse_args()
+    args.tuned = tuned_configs(args.tuned)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.quick:
@@ -256,6 +343,7 @@ def main() -> None:
     rows = [decode_case(b, n, args, device, copy_gbps) for b, n in decode_shapes]
     rows += [step_decode_case(*shape, args, device) for shape in step_shapes]
     rows += [prefill_case(b, n, args, device) for b, n in prefill_shapes]
+    rows.append(host_case(args, device))
     result = {
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (triton interpreter)",
         "torch": torch.__version__,
@@ -267,6 +355,7 @@ def main() -> None:
         "head_dim": args.head_dim,
         "block_size": args.block_size,
         "copy_gbps": copy_gbps,
+        "tuned": [[*key, cfg.__dict__] for key, cfg in args.tuned.items()],
         "rows": rows,
     }
     print_table(result)
