@@ -4,7 +4,7 @@ Random weights with the real shapes of t5-small, t5-base, t5-large and flan-t5-x
 512-token inputs; 128 new tokens forced (min_new_tokens). Also an fp32 parity pass: greedy
 tokens of the patched model identical to HF's (t5-small and t5-large shapes, batch 16).
 
-    python benchmarks/bench_generate.py [--out PATH] [--models t5-small,t5-large] [--quick]
+    python benchmarks/bench_generate.py [--out PATH] [--models t5-small,t5-large] [--quick] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from bench_kernels import copy_bandwidth  # benchmarks/ is on sys.path
 from hf_paged_t5.tiny import SHAPES
 
 CASES = [(1, 1), (16, 1), (64, 1), (8, 4)]  # (batch, num_beams)
+REPEATS = 3  # timed calls per case (--repeats); the median is reported
 
 
 def make(name: str, attn: str, dtype: torch.dtype) -> T5ForConditionalGeneration:
@@ -52,10 +53,13 @@ def timed(model, batch, src_len, new, beams):
         model.generate(input_ids=ids, attention_mask=mask, **kw)  # warm: graphs, autotune, allocator
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        out = model.generate(input_ids=ids, attention_mask=mask, **kw)
-        torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
+        times = []
+        for _ in range(REPEATS):  # the median: one host hiccup (a GC pass, a busy core) skews one call
+            t0 = time.perf_counter()
+            out = model.generate(input_ids=ids, attention_mask=mask, **kw)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+    dt = sorted(times)[len(times) // 2]
     return dict(ms_per_step=dt / new * 1e3, peak_gib=torch.cuda.max_memory_allocated() / 2**30, tokens=out)
 
 
@@ -163,7 +167,10 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--models", default="t5-small,t5-base,t5-large,flan-t5-xl")
     ap.add_argument("--quick", action="store_true", help="fewer new tokens (smoke run)")
+    ap.add_argument("--repeats", type=int, default=REPEATS, help="timed calls per case; the median is reported")
     args = ap.parse_args()
+    global REPEATS
+    REPEATS = max(1, args.repeats)
     gpu = torch.cuda.get_device_name()
     new = 32 if args.quick else 128
     rows: list[dict] = []
