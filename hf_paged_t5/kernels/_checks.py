@@ -95,3 +95,89 @@ def broadcast_strides(tensor: torch.Tensor) -> list[int]:
 def block_d(head_dim: int) -> int:
     """Head dim padded to a power of two >= 16 (tl.dot and tl.arange need both)."""
     return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def check_decode_args(query, key_cache, value_cache, block_table, seq_lens, bias_table, dense_bias) -> int:
+    """Validate `paged_decode` arguments; returns the bias table's max_distance (0 if none)."""
+    check_float("query", query, 3)
+    check_float("key_cache", key_cache, 4)
+    check_float("value_cache", value_cache, 4)
+    check_int32("block_table", block_table, 2)
+    check_int32("seq_lens", seq_lens, 1)
+    device = query.device
+    for name, tensor in (
+        ("query", query),
+        ("key_cache", key_cache),
+        ("value_cache", value_cache),
+        ("block_table", block_table),
+        ("seq_lens", seq_lens),
+    ):
+        check_device(name, tensor, device)
+    check_same_dtype("key_cache", key_cache, query)
+    check_same_dtype("value_cache", value_cache, query)
+    batch, num_heads, head_dim = query.shape
+    if key_cache.shape != value_cache.shape or key_cache.stride() != value_cache.stride():
+        raise ValueError("key_cache and value_cache must have the same shape and strides")
+    if tuple(key_cache.shape[2:]) != (num_heads, head_dim):
+        raise ValueError(
+            f"query has [num_heads, head_dim] = {[num_heads, head_dim]} but the cache has {list(key_cache.shape[2:])}"
+        )
+    if block_table.shape[0] != batch or seq_lens.shape[0] != batch:
+        raise ValueError(
+            f"block_table {tuple(block_table.shape)} and seq_lens {tuple(seq_lens.shape)} must have "
+            f"batch = {batch} rows like the query"
+        )
+    if bias_table is not None and dense_bias is not None:
+        raise ValueError("pass at most one of bias_table / dense_bias")
+    max_distance = check_bias_table(bias_table, num_heads, device, causal=True)
+    if dense_bias is not None:
+        if not isinstance(dense_bias, torch.Tensor) or not dense_bias.is_floating_point():
+            raise TypeError("dense_bias must be a floating-point tensor")
+        check_device("dense_bias", dense_bias, device)
+        if dense_bias.dim() != 3 or dense_bias.shape[0] not in (1, batch) or dense_bias.shape[1] not in (1, num_heads):
+            raise ValueError(
+                f"dense_bias must be [batch|1, num_heads|1, max_keys] = [{batch}|1, {num_heads}|1, L], "
+                f"got {tuple(dense_bias.shape)}"
+            )
+    return max_distance
+
+
+def check_prefill_args(query, key, value, cu_seqlens, max_seqlen, causal, bias_table, dense_bias) -> int:
+    """Validate `prefill` arguments; returns the bias table's max_distance (0 if none)."""
+    check_float("query", query, 3)
+    check_float("key", key, 3)
+    check_float("value", value, 3)
+    check_int32("cu_seqlens", cu_seqlens, 1)
+    device = query.device
+    for name, tensor in (("query", query), ("key", key), ("value", value), ("cu_seqlens", cu_seqlens)):
+        check_device(name, tensor, device)
+    check_same_dtype("key", key, query)
+    check_same_dtype("value", value, query)
+    if key.shape != query.shape or value.shape != query.shape:
+        raise ValueError(
+            f"query {tuple(query.shape)}, key {tuple(key.shape)} and value {tuple(value.shape)} "
+            "must all be [total_tokens, num_heads, head_dim]"
+        )
+    if cu_seqlens.shape[0] < 1:
+        raise ValueError("cu_seqlens must be [batch + 1] with batch >= 0")
+    if isinstance(max_seqlen, torch.Tensor) or not hasattr(max_seqlen, "__index__") or max_seqlen < 0:
+        raise TypeError(f"max_seqlen must be a non-negative host int, got {max_seqlen!r}")
+    if bias_table is not None and dense_bias is not None:
+        raise ValueError("pass at most one of bias_table / dense_bias")
+    batch, num_heads = cu_seqlens.shape[0] - 1, query.shape[1]
+    max_distance = check_bias_table(bias_table, num_heads, device, causal=bool(causal))
+    if dense_bias is not None:
+        if not isinstance(dense_bias, torch.Tensor) or not dense_bias.is_floating_point():
+            raise TypeError("dense_bias must be a floating-point tensor")
+        check_device("dense_bias", dense_bias, device)
+        if (
+            dense_bias.dim() != 4
+            or dense_bias.shape[0] not in (1, batch)
+            or dense_bias.shape[1] not in (1, num_heads)
+            or min(dense_bias.shape[2:]) < max_seqlen
+        ):
+            raise ValueError(
+                f"dense_bias must be [batch|1, num_heads|1, >=max_seqlen, >=max_seqlen] = "
+                f"[{batch}|1, {num_heads}|1, >={max_seqlen}, >={max_seqlen}], got {tuple(dense_bias.shape)}"
+            )
+    return max_distance

@@ -15,33 +15,17 @@ no host-device sync, so the wrapper can be captured in a CUDA graph; programs pa
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from ._checks import (
-    block_d,
-    broadcast_strides,
-    check_bias_table,
-    check_device,
-    check_float,
-    check_int32,
-    check_same_dtype,
-    interpreting,
-)
+from ._checks import block_d, broadcast_strides, check_decode_args, interpreting
+from .launch import _PREFETCH, DecodeConfig, _num_sms, decode_config
 
 # BIAS_MODE values.
 _NO_BIAS, _TABLE_BIAS, _DENSE_BIAS = 0, 1, 2
-# A split shorter than this costs more (partials, the combine launch) than it wins in parallelism.
-_MIN_KEYS_PER_SPLIT = 512
-_MAX_SPLITS = 128
-# Enough resident programs per SM to hide memory latency on a bandwidth-bound kernel.
-_PROGRAMS_PER_SM = 4
-# DecodeConfig.prefetch -> the kernel's PREFETCH.
-_PREFETCH = {"tile": 0, "table": 1, "async": 2}
 
 
 @triton.jit
@@ -296,128 +280,6 @@ def _combine_splits_kernel(
     )  # fmt: skip
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodeConfig:
-    """Launch knobs of `paged_decode` (see `decode_config` for how defaults are picked).
-
-    block_n: keys per tile, a power of two >= 16 (any multiple or fraction of block_size)
-    num_warps: warps per program
-    num_stages: software-pipelining depth of the key loop (1 = only the kernel's own one-tile prefetch)
-    num_splits: key splits per (row, head); > 1 adds the combine kernel (or the fused merge)
-    fused_combine: with splits, the last split of each (row, head) to finish (an atomic ticket)
-        merges the partials instead of a second kernel; costs a [batch, num_heads] int32 memset
-    prefetch: how K/V of the coming tiles are requested while one is used: "tile" (the next
-        tile into registers, its block ids read just before), "table" (likewise, with the block
-        ids one tile further ahead, so no K/V load waits on a table round trip) or "async" (a
-        plain loop that Triton's pipeliner turns into async copies of the next num_stages - 1
-        tiles into shared memory)
-    """
-
-    block_n: int
-    num_warps: int
-    num_stages: int = 1
-    num_splits: int = 1
-    fused_combine: bool = False
-    prefetch: str = "tile"
-
-    def __post_init__(self) -> None:
-        if self.block_n < 16 or self.block_n & (self.block_n - 1):
-            raise ValueError(f"block_n must be a power of two >= 16, got {self.block_n}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
-        if self.num_stages < 1 or self.num_splits < 1:
-            raise ValueError(f"num_stages and num_splits must be >= 1, got {self.num_stages}, {self.num_splits}")
-        if self.prefetch not in _PREFETCH:
-            raise ValueError(f"prefetch must be one of {', '.join(_PREFETCH)}, got {self.prefetch!r}")
-
-
-def decode_config(batch: int, num_heads: int, head_dim: int, max_keys: int, num_sms: int) -> DecodeConfig:
-    """Default knobs for one launch shape on a GPU of `num_sms` SMs; `max_keys` bounds seq_lens.
-
-    From the H200 sweep (`benchmarks/tune_kernels.py`, bf16, 16 heads, block_size 16):
-    - Few (row, head) pairs over short keys (graph-replayed decode at small batch): latency
-      of a few dependent memory round trips. 128-key tiles, and up to 4 splits of ~128 keys
-      while they add programs (1 x 512 cross: 6.9 µs with 4 splits vs 7.7 with one, the
-      combine launch included); 4 warps at head_dim 64 with one split, else 8.
-    - Many pairs (64 x 2048): bandwidth; 8K-element tiles (128 keys at d64, 64 at d128) on
-      4 warps: 82% of copy bandwidth at d64; d128 gains from 2 splits of 1024 keys (65% vs 62%),
-      so a split holds at most 128K K elements.
-    - Few rows over long keys (1 x 16384): splits up to _PROGRAMS_PER_SM programs per SM,
-      never below _MIN_KEYS_PER_SPLIT keys, with 4K-element tiles (d128 best: 32 keys, 4 warps,
-      32 splits); at d64 twice those splits on one-warp 32-key tiles, pipelined ("async").
-    """
-    padded_d = block_d(head_dim)
-    programs = batch * num_heads
-    if programs < num_sms and max_keys <= 1024:
-        splits = max(1, min(4, triton.cdiv(max_keys, 128), num_sms // programs))
-        warps = 4 if padded_d <= 64 and splits == 1 else 8
-        return DecodeConfig(block_n=max(16, min(128, 16384 // padded_d)), num_warps=warps, num_splits=splits)
-    splits = max(1, triton.cdiv(max_keys * padded_d, 2**17))
-    if programs < _PROGRAMS_PER_SM * num_sms:
-        splits = max(splits, triton.cdiv(_PROGRAMS_PER_SM * num_sms, programs))
-    splits = max(1, min(splits, max_keys // _MIN_KEYS_PER_SPLIT, _MAX_SPLITS))
-    if splits > 1 and programs * splits < _PROGRAMS_PER_SM * num_sms:
-        if padded_d <= 64:
-            # H200 sweep (session 3), 1 x 16384 at d64: twice the splits (256 keys each), 32-key
-            # tiles on one warp, loads pipelined 3 deep: 24.0 us per call in a graph, 63% of copy
-            # bandwidth (32 splits of 64-key tiles on 4 warps: 29.7 us, 52%).
-            splits = max(1, min(2 * splits, max_keys // 256, _MAX_SPLITS))
-            return DecodeConfig(block_n=32, num_warps=1, num_stages=3, num_splits=splits, prefetch="async")
-        return DecodeConfig(block_n=max(16, min(128, 4096 // padded_d)), num_warps=4, num_splits=splits)
-    return DecodeConfig(block_n=max(16, min(128, 8192 // padded_d)), num_warps=4, num_splits=splits)
-
-
-def _check_decode_args(query, key_cache, value_cache, block_table, seq_lens, bias_table, dense_bias) -> int:
-    """Validate `paged_decode` arguments; returns the bias table's max_distance (0 if none)."""
-    check_float("query", query, 3)
-    check_float("key_cache", key_cache, 4)
-    check_float("value_cache", value_cache, 4)
-    check_int32("block_table", block_table, 2)
-    check_int32("seq_lens", seq_lens, 1)
-    device = query.device
-    for name, tensor in (
-        ("query", query),
-        ("key_cache", key_cache),
-        ("value_cache", value_cache),
-        ("block_table", block_table),
-        ("seq_lens", seq_lens),
-    ):
-        check_device(name, tensor, device)
-    check_same_dtype("key_cache", key_cache, query)
-    check_same_dtype("value_cache", value_cache, query)
-    batch, num_heads, head_dim = query.shape
-    if key_cache.shape != value_cache.shape or key_cache.stride() != value_cache.stride():
-        raise ValueError("key_cache and value_cache must have the same shape and strides")
-    if tuple(key_cache.shape[2:]) != (num_heads, head_dim):
-        raise ValueError(
-            f"query has [num_heads, head_dim] = {[num_heads, head_dim]} but the cache has {list(key_cache.shape[2:])}"
-        )
-    if block_table.shape[0] != batch or seq_lens.shape[0] != batch:
-        raise ValueError(
-            f"block_table {tuple(block_table.shape)} and seq_lens {tuple(seq_lens.shape)} must have "
-            f"batch = {batch} rows like the query"
-        )
-    if bias_table is not None and dense_bias is not None:
-        raise ValueError("pass at most one of bias_table / dense_bias")
-    max_distance = check_bias_table(bias_table, num_heads, device, causal=True)
-    if dense_bias is not None:
-        if not isinstance(dense_bias, torch.Tensor) or not dense_bias.is_floating_point():
-            raise TypeError("dense_bias must be a floating-point tensor")
-        check_device("dense_bias", dense_bias, device)
-        if dense_bias.dim() != 3 or dense_bias.shape[0] not in (1, batch) or dense_bias.shape[1] not in (1, num_heads):
-            raise ValueError(
-                f"dense_bias must be [batch|1, num_heads|1, max_keys] = [{batch}|1, {num_heads}|1, L], "
-                f"got {tuple(dense_bias.shape)}"
-            )
-    return max_distance
-
-
 def paged_decode(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -447,7 +309,7 @@ def paged_decode(
     config: optional override of every launch knob (tuning); `num_splits` still wins if given.
     returns: [batch, num_heads, head_dim], query's dtype
     """
-    max_distance = _check_decode_args(query, key_cache, value_cache, block_table, seq_lens, bias_table, dense_bias)
+    max_distance = check_decode_args(query, key_cache, value_cache, block_table, seq_lens, bias_table, dense_bias)
     batch, num_heads, head_dim = query.shape
     block_size = key_cache.shape[1]
     max_keys = block_table.shape[1] * block_size

@@ -16,23 +16,14 @@ no scaling: a Toeplitz tile whose offsets are the same in every tile. Launch kno
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from ._checks import (
-    block_d,
-    broadcast_strides,
-    check_bias_table,
-    check_device,
-    check_float,
-    check_int32,
-    check_same_dtype,
-    interpreting,
-)
+from ._checks import block_d, broadcast_strides, check_prefill_args, interpreting
+from .launch import PrefillConfig, prefill_config
 
 # BIAS_MODE values.
 _NO_BIAS, _TABLE_BIAS, _DENSE_BIAS = 0, 1, 2
@@ -287,105 +278,6 @@ def _prefill_kernel(
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
-@dataclasses.dataclass(frozen=True)
-class PrefillConfig:
-    """Launch knobs of `prefill` (see `prefill_config` for the defaults).
-
-    block_m: queries per program, block_n: keys per tile (powers of two >= 16)
-    num_warps: warps per program; num_stages: software-pipelining depth of the key loop
-    tile_ranges: split the key loop into unmasked / constant-bias / gathered / masked ranges
-        (off: one masked loop with the general bias; for fp32, whose FMA dots would spill
-        registers across several loops)
-    band_split: with tile_ranges and the bidirectional table, key tiles wholly outside the
-        T5 distance band add one constant (three loops, for long sequences); off: every whole
-        tile gathers in one loop (short sequences, where the band covers most keys and each
-        extra loop adds a pipeline prologue and drain)
-    toeplitz: with a bias table, widen it first (one small launch; [num_heads, 2 * (max_seqlen
-        + max(block_m, block_n)) + 1, 4] fp32, O(L) memory) so gathering tiles load their bias
-        at k - q in 16-byte vectors, with no per-element clamp or log2(e) scaling; off: gather
-        one element at a time from T5's table
-    """
-
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int = 2
-    tile_ranges: bool = True
-    band_split: bool = True
-    toeplitz: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("block_m", "block_n"):
-            value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
-        if self.num_stages < 1:
-            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
-
-
-def prefill_config(head_dim: int, dtype: torch.dtype, max_seqlen: int) -> PrefillConfig:
-    """Default knobs on a GPU, from the H200 sweep (bf16, 16 heads x 64, bidirectional table).
-
-    head_dim <= 64: 64 x 64 tiles on 4 warps, 2 stages, constant-bias ranges outside the
-    distance band; past 1024 tokens the widened distance table (`toeplitz`). Session-3 sweep,
-    H200: 16 x 512 0.200 ms, 4 x 2048 0.317, 1 x 8192 0.819 (SDPA with the materialized bias:
-    0.090, 0.292, 1.19). Larger heads: 128 x 32 tiles on 8 warps, 3 stages.
-    """
-    if dtype == torch.float32:
-        # IEEE fp32 dots run on FMA units with operands in registers: smaller tiles, one loop.
-        return PrefillConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, tile_ranges=False)
-    if head_dim <= 64:
-        # session-3 sweep: the band split pays at 512 too (16 x 512: 0.200 ms vs 0.337 without);
-        # past 1024 tokens the widened (toeplitz) table (4 x 2048: 0.317 ms, 1 x 8192: 0.819)
-        return PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=2, toeplitz=max_seqlen > 1024)
-    if head_dim <= 128:
-        return PrefillConfig(block_m=128, block_n=32, num_warps=8, num_stages=3)
-    return PrefillConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
-
-
-def _check_prefill_args(query, key, value, cu_seqlens, max_seqlen, causal, bias_table, dense_bias) -> int:
-    """Validate `prefill` arguments; returns the bias table's max_distance (0 if none)."""
-    check_float("query", query, 3)
-    check_float("key", key, 3)
-    check_float("value", value, 3)
-    check_int32("cu_seqlens", cu_seqlens, 1)
-    device = query.device
-    for name, tensor in (("query", query), ("key", key), ("value", value), ("cu_seqlens", cu_seqlens)):
-        check_device(name, tensor, device)
-    check_same_dtype("key", key, query)
-    check_same_dtype("value", value, query)
-    if key.shape != query.shape or value.shape != query.shape:
-        raise ValueError(
-            f"query {tuple(query.shape)}, key {tuple(key.shape)} and value {tuple(value.shape)} "
-            "must all be [total_tokens, num_heads, head_dim]"
-        )
-    if cu_seqlens.shape[0] < 1:
-        raise ValueError("cu_seqlens must be [batch + 1] with batch >= 0")
-    if isinstance(max_seqlen, torch.Tensor) or not hasattr(max_seqlen, "__index__") or max_seqlen < 0:
-        raise TypeError(f"max_seqlen must be a non-negative host int, got {max_seqlen!r}")
-    if bias_table is not None and dense_bias is not None:
-        raise ValueError("pass at most one of bias_table / dense_bias")
-    batch, num_heads = cu_seqlens.shape[0] - 1, query.shape[1]
-    max_distance = check_bias_table(bias_table, num_heads, device, causal=bool(causal))
-    if dense_bias is not None:
-        if not isinstance(dense_bias, torch.Tensor) or not dense_bias.is_floating_point():
-            raise TypeError("dense_bias must be a floating-point tensor")
-        check_device("dense_bias", dense_bias, device)
-        if (
-            dense_bias.dim() != 4
-            or dense_bias.shape[0] not in (1, batch)
-            or dense_bias.shape[1] not in (1, num_heads)
-            or min(dense_bias.shape[2:]) < max_seqlen
-        ):
-            raise ValueError(
-                f"dense_bias must be [batch|1, num_heads|1, >=max_seqlen, >=max_seqlen] = "
-                f"[{batch}|1, {num_heads}|1, >={max_seqlen}, >={max_seqlen}], got {tuple(dense_bias.shape)}"
-            )
-    return max_distance
-
-
 def _wide_table(bias_table: torch.Tensor, max_distance: int, reach: int, causal: bool) -> torch.Tensor:
     """The distance table at every k_pos - q_pos = d in (-reach, reach), times log2(e).
 
@@ -428,7 +320,7 @@ def prefill(
     config: optional override of the launch knobs (tuning)
     returns: [total_tokens, num_heads, head_dim], query's dtype
     """
-    max_distance = _check_prefill_args(query, key, value, cu_seqlens, max_seqlen, causal, bias_table, dense_bias)
+    max_distance = check_prefill_args(query, key, value, cu_seqlens, max_seqlen, causal, bias_table, dense_bias)
     max_seqlen = int(max_seqlen)
     total_tokens, num_heads, head_dim = query.shape
     out = torch.empty((total_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
