@@ -68,6 +68,27 @@ HEADS = 16
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 2e-5}
 
 
+class Sweep:
+    """The configs measured for one shape, pass after pass: each config once, compiled ahead by
+    the workers, until the time budget runs out (the first config is always measured)."""
+
+    def __init__(self, kind: str, shape, measure, compiler, clock, result: dict) -> None:
+        self.kind, self.shape, self.measure, self.compiler, self.clock, self.result = (
+            kind, shape, measure, compiler, clock, result)
+        self.rows: list[dict] = []
+        self.seen: set = set()
+
+    def run(self, configs: list) -> None:
+        configs = [c for c in dict.fromkeys(configs) if c not in self.seen]
+        self.compiler.warm(self.kind, self.shape, configs, self.clock)
+        for cfg in configs:
+            if self.clock.left() < 0 and self.rows:
+                self.result["skipped"] = "time budget"
+                return
+            self.seen.add(cfg)
+            self.rows.append(self.measure(cfg))
+
+
 class Clock:
     """The run's time budget: sections check it and skip what no longer fits."""
 
@@ -300,17 +321,8 @@ def tune_decode_shape(
         return row
 
     base = decode_config(batch, HEADS, head_dim, capacity, num_sms())
-    rows, seen = [], set()
-
-    def run_pass(configs: list[DecodeConfig]) -> None:
-        configs = [c for c in dict.fromkeys(configs) if c not in seen]
-        compiler.warm("decode", shape, configs, clock)
-        for cfg in configs:
-            if clock.left() < 0 and rows:
-                result["skipped"] = "time budget"
-                return
-            seen.add(cfg)
-            rows.append(measure(cfg))
+    sweep = Sweep("decode", shape, measure, compiler, clock, result)
+    rows, run_pass = sweep.rows, sweep.run
 
     def ranked() -> list[DecodeConfig]:
         return [DecodeConfig(**r["config"]) for r in sorted((r for r in rows if metric in r), key=lambda r: r[metric])]
@@ -444,17 +456,8 @@ def tune_prefill_shape(shape: dict, dtype: torch.dtype, clock: Clock, compiler: 
         return row
 
     base = PrefillConfig(16, 16, 4, 1) if not CUDA else prefill_config(head_dim, dtype, length)
-    rows, seen = [], set()
-
-    def run_pass(configs: list[PrefillConfig]) -> None:
-        configs = [c for c in dict.fromkeys(configs) if c not in seen]
-        compiler.warm("prefill", shape, configs, clock)
-        for cfg in configs:
-            if clock.left() < 0 and rows:
-                result["skipped"] = "time budget"
-                return
-            seen.add(cfg)
-            rows.append(measure(cfg))
+    sweep = Sweep("prefill", shape, measure, compiler, clock, result)
+    rows, run_pass = sweep.rows, sweep.run
 
     run_pass([base] + (QUICK_PREFILL if quick else PREFILL_FIRST_PASS))
     result["default"] = rows[0]
