@@ -86,6 +86,32 @@ def test_graph_and_eager_agree():
     assert len(model._hf_paged_t5.graphs._graphs) >= 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_beam_bookkeeping_runs_as_a_captured_graph(monkeypatch, caplog, dtype):
+    """Beam search with min-length and several EOS ids takes beam_graph's path, its update is
+    captured (no "could not be captured" fallback) and replayed every step, and the tokens are
+    HF's in fp32 (bf16: same shape, finite; HF's own bf16 beams are the reference for closeness)."""
+    from hf_paged_t5 import beam_graph
+
+    captured, replays = [], []
+    real_capture, real_run = beam_graph.BeamStep.capture, beam_graph.BeamStep.run
+    monkeypatch.setattr(beam_graph.BeamStep, "capture", lambda self: captured.append(1) or real_capture(self))
+    monkeypatch.setattr(beam_graph.BeamStep, "run",
+                        lambda self: replays.append(self._graph is not None) or real_run(self))
+    model = real_shape_model("t5-small", dtype, layers=3)
+    ids, mask = batch(5, 120, seed=3)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=37, min_new_tokens=9, num_beams=3,
+              num_return_sequences=2, length_penalty=0.7, eos_token_id=[1, 5])
+    with caplog.at_level("WARNING"):
+        ref, out = both(model, **kw)
+    assert captured == [1] and replays and all(replays)
+    assert "could not be captured" not in caplog.text
+    if dtype == torch.float32:
+        assert torch.equal(ref, out)
+    else:
+        assert out.shape[0] == ref.shape[0]
+
+
 def test_beam_cross_kv_stored_once():
     model = real_shape_model("t5-small", torch.bfloat16, layers=2)
     ids, mask = batch(3, 64)
