@@ -253,8 +253,10 @@ class BeamStep:
         return sequences[:, : self.prompt_len + max_generated_length]
 
 
-def graph_beam_loop(step, prefill, reorder, input_ids, logits_processor, stopping_criteria, generation_config):
-    """Beam search with `BeamStep` (captured as a graph on CUDA); same contract as `loop.beam_loop`."""
+def graph_beam_loop(step, prefill, reorder, input_ids, logits_processor, stopping_criteria, generation_config,
+                    capture: bool = True):
+    """Beam search with `BeamStep` (captured as a graph on CUDA when `capture`, i.e. unless the
+    patch's config turns CUDA graphs off); same contract as `loop.beam_loop`."""
     logits = prefill(input_ids)
     state = BeamStep(input_ids, generation_config, logits_processor, stopping_criteria, logits.shape[-1])
     cuda = state.device.type == "cuda"
@@ -264,7 +266,7 @@ def graph_beam_loop(step, prefill, reorder, input_ids, logits_processor, stoppin
     cur_len = state.prompt_len
     state.load_logits(logits)
     state.set_step(cur_len)
-    if cuda:
+    if cuda and capture:
         try:
             state.capture()
         except RuntimeError as exc:  # the same update then runs eagerly: slower, same values

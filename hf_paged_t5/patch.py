@@ -381,7 +381,7 @@ def _lean_loop(runtime: PagedRuntime, cache: PagedEncoderDecoderCache, gen_confi
 
         if beams and beam_graph.supported(generation_config, logits_processor, stopping_criteria):
             return beam_graph.graph_beam_loop(step, prefill, cache.reorder_cache, input_ids, logits_processor,
-                                              stopping_criteria, generation_config)
+                                              stopping_criteria, generation_config, runtime.config.cuda_graphs)
         if beams:
             return beam_loop(model, step, prefill, cache.reorder_cache, input_ids, logits_processor,
                              stopping_criteria, generation_config)

@@ -110,6 +110,20 @@ def test_beam_bookkeeping_runs_as_a_captured_graph(monkeypatch, caplog, dtype):
         assert torch.equal(ref, out)
 
 
+def test_beam_bookkeeping_not_captured_when_graphs_are_off(monkeypatch):
+    """PagedCacheConfig(cuda_graphs=False) keeps beam search eager too: same tokens, no capture."""
+    from hf_paged_t5 import beam_graph
+
+    captured = []
+    real_capture = beam_graph.BeamStep.capture
+    monkeypatch.setattr(beam_graph.BeamStep, "capture", lambda self: captured.append(1) or real_capture(self))
+    model = real_shape_model("t5-small", torch.float32, layers=2)
+    ids, mask = batch(3, 50, seed=4)
+    ref, out = both(model, hp.PagedCacheConfig(cuda_graphs=False), input_ids=ids, attention_mask=mask,
+                    max_new_tokens=12, num_beams=3)
+    assert captured == [] and torch.equal(ref, out)
+
+
 def test_beam_cross_kv_stored_once():
     model = real_shape_model("t5-small", torch.bfloat16, layers=2)
     ids, mask = batch(3, 64)
