@@ -28,6 +28,7 @@ from typing import Optional
 import numpy as np
 import torch
 from torch import nn
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from .loop import _MinLength, lean_processors
 
@@ -35,8 +36,6 @@ logger = logging.getLogger(__name__)
 
 
 def supported(generation_config, logits_processor, stopping_criteria) -> bool:
-    from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
-
     if generation_config.do_sample:
         return False
     if any(type(p) is not _MinLength for p in lean_processors(logits_processor)):
@@ -70,15 +69,14 @@ class BeamStep:
         pad = cfg._pad_token_tensor
         self.eos = None
         for c in stopping_criteria:
-            if type(c).__name__ == "EosTokenCriteria":
+            if type(c) is EosTokenCriteria:
                 self.eos = c.eos_token_id.to(device)
         self.beams_to_keep = max(2, 1 + (eos.shape[0] if eos is not None else 0)) * beams
         self.top_num_beam_mask = torch.zeros(self.beams_to_keep, dtype=torch.bool, device=device)
         self.top_num_beam_mask[:beams] = True
         minimum = [p for p in lean_processors(logits_processor) if isinstance(p, _MinLength)]
         self.min_length = minimum  # applied in order, each with its own on/off flag
-        self.min_masks = [torch.isin(torch.arange(vocab_size, device=device), p.eos_token_id.to(device))
-                          for p in minimum]
+        self.min_masks = [p.eos_mask(vocab_size, device) for p in minimum]
         fill = pad or eos[0] if eos is not None else -1  # HF's expression, precedence and all
         self.running_sequences = torch.full((batch, beams, self.max_length), fill_value=fill, dtype=torch.int64,
                                             device=device)

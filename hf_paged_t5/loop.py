@@ -36,9 +36,12 @@ class _MinLength:
         if input_ids.shape[-1] - self.skip >= self.minimum:
             return scores
         if self.mask is None:
-            vocab = torch.arange(scores.shape[-1], device=scores.device)
-            self.mask = torch.isin(vocab, self.eos_token_id.to(scores.device))
+            self.mask = self.eos_mask(scores.shape[-1], scores.device)
         return torch.where(self.mask, -math.inf, scores)
+
+    def eos_mask(self, vocab_size: int, device: torch.device) -> torch.Tensor:
+        """[vocab_size] bool: the EOS ids this processor forbids below the minimum."""
+        return torch.isin(torch.arange(vocab_size, device=device), self.eos_token_id.to(device))
 
 
 def lean_processors(processors: LogitsProcessorList) -> list[Callable]:
