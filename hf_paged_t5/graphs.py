@@ -150,7 +150,9 @@ class DecodeGraphs:
         if self._mempool is None:
             self._mempool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._mempool):
+        # captured on the warm-up stream, not torch.cuda.graph's own: each stream cuBLAS runs on
+        # keeps a workspace of its own (32 MiB on an H200), and a third stream would add one
+        with torch.cuda.graph(graph, pool=self._mempool, stream=side):
             logits = step_fn(static_ids, meta_for)
         copied = torch.cuda.Event()
         copied.record()

@@ -322,7 +322,8 @@ def _paged_generate(runtime, model, original, inputs, generation_config, gen_con
     new = gen_config.max_new_tokens if gen_config.max_new_tokens is not None else gen_config.max_length
     if new is None:  # neither set: HF generates its default max_length (20) new tokens
         new = _default_max_length()
-    max_self_tokens = start_len + new
+    # the last new token is returned, never fed back: the cache holds start_len + new - 1 tokens
+    max_self_tokens = start_len + new - 1
     if model_kwargs.get("decoder_attention_mask") is not None:
         kwargs = {k: v for k, v in kwargs.items() if k != "decoder_attention_mask"}  # all ones: same as none
     with runtime.lock:
