@@ -163,13 +163,13 @@ def fp32_parity(name: str, batch: int = 16, src_len: int = 512, new: int = 64) -
 
 
 def main() -> None:
+    global REPEATS
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--models", default="t5-small,t5-base,t5-large,flan-t5-xl")
     ap.add_argument("--quick", action="store_true", help="fewer new tokens (smoke run)")
     ap.add_argument("--repeats", type=int, default=REPEATS, help="timed calls per case; the median is reported")
     args = ap.parse_args()
-    global REPEATS
     REPEATS = max(1, args.repeats)
     gpu = torch.cuda.get_device_name()
     new = 32 if args.quick else 128
