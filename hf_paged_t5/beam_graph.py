@@ -207,30 +207,10 @@ class BeamStep:
         self.unfinished.copy_(improvement_possible & exists_open_beam & valid_continuations)
 
     def capture(self) -> None:
-        """Record `update` as a CUDA graph (after a warm-up run on a side stream, whose effect on
-        the state is undone; the capture itself runs nothing)."""
-        from .graphs import _warmup_stream
+        """Record `update` as a CUDA graph (see `graphs.capture_update`)."""
+        from .graphs import capture_update
 
-        saved = [t.clone() for t in self._state()]
-        side = _warmup_stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            self.update()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        for t, s in zip(self._state(), saved):
-            t.copy_(s)
-        # capture_begin/end rather than `torch.cuda.graph`, whose entry runs gc.collect() and
-        # empty_cache(): this capture happens once per generate() call
-        graph = torch.cuda.CUDAGraph()
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            graph.capture_begin()
-            try:
-                self.update()
-            finally:
-                graph.capture_end()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        self._graph = graph
+        self._graph = capture_update(self.update, self._state(), self.device)
 
     def _state(self) -> list[torch.Tensor]:
         return [self.running_sequences, self.sequences, self.running_beam_scores, self.beam_scores,

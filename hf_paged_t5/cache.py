@@ -138,14 +138,13 @@ class PagedEncoderDecoderCache(Cache):
         (`device_self_table`), and the partial block is copied for every row (a row continuing
         from itself copies its block onto itself), so no value of `beam_idx` reaches the host."""
         if self._device_table is None:
-            device = beam_idx.device
-            self._device_table = torch.from_numpy(self._self_table).to(device)
-            self._device_owned = torch.from_numpy(self._owned).to(device)
+            self._device_table = torch.from_numpy(self._self_table).to(beam_idx.device)
+        owned = self.owned_table(self._device_table.device)
         table = self._device_table.index_select(0, beam_idx.to(self._device_table.device, torch.long))
         current = self.length // self.block_size
         if self.length % self.block_size:
-            self.pool.copy_blocks(table[:, current], self._device_owned[:, current])
-        table[:, current:] = self._device_owned[:, current:]
+            self.pool.copy_blocks(table[:, current], owned[:, current])
+        table[:, current:] = owned[:, current:]
         self._device_table = table
 
     def device_self_table(self) -> Optional[torch.Tensor]:
@@ -188,20 +187,32 @@ class PagedEncoderDecoderCache(Cache):
         self._tables_dirty = True
         return torch.from_numpy(np.concatenate(slots)) if slots else torch.zeros(0, dtype=torch.int64)
 
-    def begin_step(self, num_new: int) -> torch.Tensor:
-        """Slots for `num_new` more tokens in every row; returns slot_mapping [rows * num_new] int64 (CPU)."""
+    def advance(self, num_new: int) -> None:
+        """Count `num_new` more tokens in every row (their slots are the caller's, e.g. computed on
+        the device by `greedy_graph`); raises when the rows' blocks cannot hold them."""
         self._check_live()
-        start, end = self.length, self.length + num_new
+        end = self.length + num_new
         capacity = self.max_self_blocks * self.block_size
         if end > capacity:
             raise RuntimeError(
                 f"this cache was sized for {capacity} decoder tokens per row (max_new_tokens / max_length of "
                 f"the call); a step to {end} tokens does not fit"
             )
-        pos = np.arange(start, end)
-        slots = self._owned[:, pos // self.block_size].astype(np.int64) * self.block_size + pos % self.block_size
         self.length = end
+
+    def begin_step(self, num_new: int) -> torch.Tensor:
+        """Slots for `num_new` more tokens in every row; returns slot_mapping [rows * num_new] int64 (CPU)."""
+        start = self.length
+        self.advance(num_new)
+        pos = np.arange(start, self.length)
+        slots = self._owned[:, pos // self.block_size].astype(np.int64) * self.block_size + pos % self.block_size
         return torch.from_numpy(slots.reshape(-1))
+
+    def owned_table(self, device: torch.device) -> torch.Tensor:
+        """[rows, max_self_blocks] int32 on `device`: the blocks each row writes into."""
+        if self._device_owned is None or self._device_owned.device != torch.device(device):
+            self._device_owned = torch.from_numpy(self._owned).to(device)
+        return self._device_owned
 
     def host_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """CPU (self_block_table [rows, W] int32, self_seq_lens [rows] int32,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -36,17 +36,18 @@ class _StaticStep:
         cross_seq_lens [batch], self_block_table [batch, self_width],
         cross_block_table [batch, cross_width] (one spare [batch] region keeps views aligned)
     host: pinned CPU twin of `packed`, filled on the host and copied with one transfer
-    copied: event recorded after that transfer; the host waits on it before refilling
+    copied: event recorded after that transfer; the host waits on it before refilling (None on CPU)
+    graph: the captured step, or None for buffers that `DecodeGraphs.replay` runs eagerly
     logits: [batch, 1, vocab]
     """
 
     input_ids: torch.Tensor
     packed: torch.Tensor
     host: torch.Tensor
-    copied: torch.cuda.Event
+    copied: Optional[torch.cuda.Event]
     meta: StepMetadata
-    graph: torch.cuda.CUDAGraph
-    logits: torch.Tensor
+    graph: Optional[torch.cuda.CUDAGraph]
+    logits: Optional[torch.Tensor]
 
 
 def _views(packed: torch.Tensor, batch: int, self_width: int, cross_width: int) -> list[torch.Tensor]:
@@ -86,27 +87,55 @@ class DecodeGraphs:
         """
         rows = input_ids.shape[0]
         slots = cache.begin_step(1)  # may grow the pool (a cache that allocates per step)
+        static = self.prepare(step_fn, cache, rows, device, slots)
+        static.input_ids[:rows].copy_(input_ids)
+        static.graph.replay()
+        return static.logits[:rows].clone()
+
+    def prepare(self, step_fn, cache: PagedEncoderDecoderCache, rows: int, device: torch.device, slots,
+                capture: bool = True, logits_like=None) -> _StaticStep:
+        """The static step serving `rows` rows of `cache`, its buffers filled from the cache's tables.
+
+        slots: [rows] the step's slot mapping (host), or None where the caller writes it on the
+        device (`greedy_graph`); then the self lengths are left for the caller too.
+        capture: a CUDA graph (captured once per bucket); else buffers of the same layout that
+        `replay` runs `step_fn` on eagerly (logits [bucket, 1, vocab] shaped like `logits_like`).
+        """
         pool = cache.pool
         if (id(pool), pool.generation) != self._pool_generation:
             self.clear()  # a new or re-allocated pool: captured addresses are stale
             self._pool_generation = (id(pool), pool.generation)
         tables = cache.host_tables()
-        key = (bucket(rows), bucket(tables[0].shape[1], 4), bucket(tables[2].shape[1], 4))
-        static = self._graphs.get(key)
-        if static is None:
-            static = self._capture(step_fn, pool, key, device)
-            self._graphs[key] = static
+        # a graph serves a bucket of batch sizes; eager buffers need no padded rows
+        key = (bucket(rows) if capture else rows, bucket(tables[0].shape[1], 4), bucket(tables[2].shape[1], 4))
+        if capture:
+            static = self._graphs.get(key)
+            if static is None:
+                static = self._capture(step_fn, pool, key, device)
+                self._graphs[key] = static
+        else:
+            static = self._buffers(pool, key, device)
+            static.logits = logits_like.new_empty((key[0], 1, logits_like.shape[-1]))
+        if slots is None:
+            slots = torch.full((rows,), pool.scratch_block * pool.block_size, dtype=torch.int32)
         self._fill(static, pool, key, rows, slots, tables)
         device_table = cache.device_self_table()
         if device_table is not None:  # beams reordered on the device: the host table is stale
             static.meta.self_block_table[:rows, : device_table.shape[1]].copy_(device_table)
-        static.input_ids[:rows].copy_(input_ids)
-        static.graph.replay()
-        return static.logits[:rows].clone()
+        return static
+
+    @staticmethod
+    def replay(static: _StaticStep, step_fn) -> None:
+        """Run the step on the static buffers: the graph, or `step_fn` eagerly (see `prepare`)."""
+        if static.graph is not None:
+            static.graph.replay()
+        else:
+            static.logits.copy_(step_fn(static.input_ids, lambda _device: static.meta))
 
     @staticmethod
     def _fill(static: _StaticStep, pool: KVPool, key: tuple, rows: int, slots, tables) -> None:
-        static.copied.synchronize()  # the previous transfer out of `host` has finished
+        if static.copied is not None:
+            static.copied.synchronize()  # the previous transfer out of `host` has finished
         self_table, self_lens, cross_table, cross_lens = (t.numpy() for t in tables)
         # numpy views of the pinned buffer: a few microseconds for what torch ops take ~50 for
         slot, s_lens, c_lens, s_table, c_table = (v.numpy() for v in _views(static.host, *key))
@@ -120,26 +149,38 @@ class DecodeGraphs:
         s_table[:rows, : self_table.shape[1]] = self_table
         c_table[:rows, : cross_table.shape[1]] = cross_table
         static.packed.copy_(static.host, non_blocking=True)
-        static.copied.record()
+        if static.copied is not None:
+            static.copied.record()
 
-    def _capture(self, step_fn, pool: KVPool, key: tuple, device) -> _StaticStep:
+    @staticmethod
+    def _buffers(pool: KVPool, key: tuple, device) -> _StaticStep:
+        """A step's static buffers (no graph, no logits yet), every row on the scratch block."""
         batch, self_width, cross_width = key
-        logger.info("capturing a decode CUDA graph: batch %d, self width %d, cross width %d", *key)
         size = 4 * batch + batch * (self_width + cross_width)
-        host = torch.zeros(size, dtype=torch.int32, pin_memory=True)
+        pin = torch.device(device).type == "cuda"
+        host = torch.zeros(size, dtype=torch.int32, pin_memory=pin)
         slot, s_lens, c_lens, s_table, c_table = _views(host, *key)
         slot.fill_(pool.scratch_block * pool.block_size)
         s_lens.fill_(1)
         c_lens.fill_(1)
         s_table.fill_(pool.scratch_block)
         c_table.fill_(pool.scratch_block)
-        packed = host.to(device)
+        packed = host.to(device, copy=True)
         slot, s_lens, c_lens, s_table, c_table = _views(packed, *key)
         meta = StepMetadata(
             num_new=1, slot_mapping=slot, self_block_table=s_table, self_seq_lens=s_lens,
             cross_block_table=c_table, cross_seq_lens=c_lens,
         )
         static_ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        copied = torch.cuda.Event() if pin else None
+        if copied is not None:
+            copied.record()
+        return _StaticStep(static_ids, packed, host, copied, meta, None, None)
+
+    def _capture(self, step_fn, pool: KVPool, key: tuple, device) -> _StaticStep:
+        logger.info("capturing a decode CUDA graph: batch %d, self width %d, cross width %d", *key)
+        static = self._buffers(pool, key, device)
+        static_ids, meta = static.input_ids, static.meta
         meta_for = lambda _device: meta  # noqa: E731  (one device: checked by the caller)
         side = _warmup_stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
@@ -154,9 +195,36 @@ class DecodeGraphs:
         # keeps a workspace of its own (32 MiB on an H200), and a third stream would add one
         with torch.cuda.graph(graph, pool=self._mempool, stream=side):
             logits = step_fn(static_ids, meta_for)
-        copied = torch.cuda.Event()
-        copied.record()
-        return _StaticStep(static_ids, packed, host, copied, meta, graph, logits)
+        static.graph, static.logits = graph, logits
+        return static
+
+
+def capture_update(update: Callable[[], None], state: list[torch.Tensor], device) -> torch.cuda.CUDAGraph:
+    """Record `update` (in-place work on static tensors, no host sync) as a CUDA graph, after one
+    warm-up run on the side stream whose effect on `state` (every tensor it changes) is undone;
+    the capture itself runs nothing.
+
+    capture_begin/end rather than `torch.cuda.graph`, whose entry runs gc.collect() and
+    empty_cache(): these captures happen once per generate() call.
+    """
+    saved = [t.clone() for t in state]
+    side = _warmup_stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        update()
+    torch.cuda.current_stream(device).wait_stream(side)
+    for t, s in zip(state, saved):
+        t.copy_(s)
+    graph = torch.cuda.CUDAGraph()
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        graph.capture_begin()
+        try:
+            update()
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream(device).wait_stream(side)
+    return graph
 
 
 _WARMUP_STREAMS: dict[torch.device, torch.cuda.Stream] = {}

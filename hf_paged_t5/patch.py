@@ -19,7 +19,7 @@ from torch import nn
 from transformers.generation import GenerationMode
 from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
 
-from . import beam_graph
+from . import beam_graph, greedy_graph
 from . import bias as bias_mod
 from .attention import OnDevice, backend_ops, project
 from .cache import KVPool, LayerSpec, PagedEncoderDecoderCache
@@ -239,28 +239,35 @@ def _make_forward(runtime: PagedRuntime, original):
     return forward
 
 
-def _decode(runtime: PagedRuntime, model: nn.Module, cache: PagedEncoderDecoderCache, ids: torch.Tensor):
-    """Logits [rows, num_new, vocab] of the new decoder tokens; a captured graph serves single tokens."""
+def _decode_step(runtime: PagedRuntime, model: nn.Module, cache, device: torch.device, rows: int):
+    """(step_fn, use_graph) of this generate() call, built once per call: step_fn(input_ids,
+    meta_for) -> logits runs the decoder stack and lm_head on given metadata (`DecodeGraphs`'
+    contract); use_graph says whether single-token steps replay a captured graph."""
     plan = cache.__dict__.get("_decode_plan")
-    if plan is None:  # once per generate() call: the bias tables, the output scale, graphability
-        device = ids.device
+    if plan is None:  # the bias tables, the output scale, graphability
         use_graph = (
             runtime.config.cuda_graphs
-            and ids.shape[0] <= runtime.config.max_graph_batch
+            and rows <= runtime.config.max_graph_batch
             and graphable(model)
             and runtime.config.resolve_backend(device) == "triton"
         )
         scale = model.model_dim**-0.5 if _scales_output(model.config) else None
-        plan = cache._decode_plan = (runtime.bias_tables(model.decoder, causal=True), scale, use_graph)
-    tables, scale, use_graph = plan
+        tables = runtime.bias_tables(model.decoder, causal=True)
 
-    def step(input_ids, meta_for):
-        hidden = decoder_layers(model.decoder, runtime.ops_for, tables, cache.pool, meta_for, input_ids)
-        if scale is not None:
-            hidden = hidden * scale
-        head_device = module_device(model.lm_head)
-        return project(runtime.ops_for(head_device), model.lm_head, hidden.to(head_device))
+        def step(input_ids, meta_for):
+            hidden = decoder_layers(model.decoder, runtime.ops_for, tables, cache.pool, meta_for, input_ids)
+            if scale is not None:
+                hidden = hidden * scale
+            head_device = module_device(model.lm_head)
+            return project(runtime.ops_for(head_device), model.lm_head, hidden.to(head_device))
 
+        plan = cache._decode_plan = (step, use_graph)
+    return plan
+
+
+def _decode(runtime: PagedRuntime, model: nn.Module, cache: PagedEncoderDecoderCache, ids: torch.Tensor):
+    """Logits [rows, num_new, vocab] of the new decoder tokens; a captured graph serves single tokens."""
+    step, use_graph = _decode_step(runtime, model, cache, ids.device, ids.shape[0])
     if use_graph and ids.shape[1] == 1:
         return runtime.graphs.run(step, cache, ids, ids.device)
     slots = cache.begin_step(ids.shape[1])
@@ -380,6 +387,13 @@ def _lean_loop(runtime: PagedRuntime, cache: PagedEncoderDecoderCache, gen_confi
             with torch.no_grad():
                 return _decode(runtime, model, cache, ids)
 
+        if (not beams and streamer is None and _on_one_device(model)
+                and greedy_graph.supported(generation_config, logits_processor, stopping_criteria)):
+            step_fn, use_graph = _decode_step(runtime, model, cache, input_ids.device, input_ids.shape[0])
+            with torch.no_grad():
+                return greedy_graph.graph_greedy_loop(runtime.graphs, step_fn, cache, prefill, input_ids,
+                                                      logits_processor, stopping_criteria, generation_config,
+                                                      capture=use_graph)
         if beams and beam_graph.supported(generation_config, logits_processor, stopping_criteria):
             return beam_graph.graph_beam_loop(step, prefill, cache.reorder_cache, input_ids, logits_processor,
                                               stopping_criteria, generation_config, runtime.config.cuda_graphs)
@@ -389,6 +403,10 @@ def _lean_loop(runtime: PagedRuntime, cache: PagedEncoderDecoderCache, gen_confi
         return sample_loop(step, prefill, input_ids, logits_processor, stopping_criteria, generation_config, streamer)
 
     return paged_loop
+
+
+def _on_one_device(model: nn.Module) -> bool:
+    return len({p.device for p in model.parameters()}) == 1
 
 
 def _check_devices(model: nn.Module, source: torch.Tensor, mask: Optional[torch.Tensor]) -> None:

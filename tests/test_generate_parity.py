@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 from conftest import make_batch, make_model
-from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer
+from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList, TextStreamer
 
 import hf_paged_t5 as hp
 from hf_paged_t5.cache import PagedEncoderDecoderCache
@@ -217,23 +217,80 @@ def test_kv_dtype_must_match_the_model():
     hp.unpatch_model(model)
 
 
-def test_greedy_and_sampling_run_the_lean_loop(monkeypatch):
-    """Greedy / sampling calls that return plain sequences go through loop.sample_loop (HF's
-    processors and criteria, fewer per-step host ops); beam search and dict outputs do not."""
+def test_greedy_and_sampling_run_the_lean_loops(monkeypatch):
+    """Calls that return plain sequences take a lean loop: greedy the device-resident one
+    (greedy_graph), sampling loop.sample_loop (HF's processors and criteria, fewer per-step host
+    ops); beam search and dict outputs take neither."""
     import hf_paged_t5.patch as patch_mod
+    from hf_paged_t5 import greedy_graph
 
     calls = []
-    real = patch_mod.sample_loop
-    monkeypatch.setattr(patch_mod, "sample_loop", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for name, module in (("sample_loop", patch_mod), ("graph_greedy_loop", greedy_graph)):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _n=name, _r=real, **k: calls.append(_n) or _r(*a, **k))
     model = make_model("t5")
     ids, mask = make_batch([9, 4, 7])
     ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=7)
+    torch.manual_seed(3)
+    ref_sampled = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=7, do_sample=True)
     hp.patch_model(model)
     assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=7), ref)
-    assert len(calls) == 1
+    assert calls == ["graph_greedy_loop"]
+    torch.manual_seed(3)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=7, do_sample=True)
+    assert torch.equal(out, ref_sampled) and calls == ["graph_greedy_loop", "sample_loop"]
     model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=7, num_beams=2)
     model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=7, return_dict_in_generate=True)
-    assert len(calls) == 1
+    assert calls == ["graph_greedy_loop", "sample_loop"]
+
+
+class _Ban(LogitsProcessor):
+    """A user's logits processor (bans one token): greedy_graph does not take it."""
+
+    def __call__(self, input_ids, scores):
+        scores = scores.clone()
+        scores[:, 61] = -float("inf")
+        return scores
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        dict(),
+        dict(min_length=9),
+        dict(min_new_tokens=5, eos_token_id=[1, 7, 11]),
+        dict(eos_token_id=[1, 7, 11]),
+        dict(decoder_input_ids="prompt"),
+        dict(logits_processor=LogitsProcessorList([_Ban()])),
+    ],
+    ids=["plain", "min-length", "min-new-eos", "eos", "decoder-prompt", "user-processor"],
+)
+@pytest.mark.parametrize("path", ["sample_loop", "resident"])
+def test_greedy_paths_match_hf(monkeypatch, opts, path):
+    """Greedy search gives HF's sequences on both paths, rows ending at different steps included:
+    loop.sample_loop, and greedy_graph (token choice, slot mapping and self lengths computed on the
+    device from a step counter; eager here, captured on CUDA), which takes what it supports."""
+    import hf_paged_t5.patch as patch_mod
+    from hf_paged_t5 import greedy_graph
+
+    calls = []
+    for name, module in (("sample_loop", patch_mod), ("graph_greedy_loop", greedy_graph)):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _n=name, _r=real, **k: calls.append(_n) or _r(*a, **k))
+    if path == "sample_loop":
+        monkeypatch.setattr(greedy_graph, "supported", lambda *a: False)
+    model = make_model("t5", seed=4)
+    ids, mask = make_batch([12, 3, 9, 7, 5], padding_side="left")
+    if opts.get("decoder_input_ids") == "prompt":
+        opts = dict(decoder_input_ids=torch.tensor([[0, 5, 9]] * 5))
+    # 21 new tokens: the cache (block size 16 by default) crosses a block boundary
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=21, **opts)
+    ref = model.generate(**kw)
+    hp.patch_model(model, hp.PagedCacheConfig(block_size=4))
+    out = model.generate(**kw)
+    expected = "graph_greedy_loop" if path == "resident" and "logits_processor" not in opts else "sample_loop"
+    assert calls == [expected] and model._hf_paged_t5.pool.is_idle()
+    assert torch.equal(out, ref)
 
 
 @pytest.mark.parametrize("family,rows", [("t5v1_1", 1), ("t5", 3)])

@@ -124,6 +124,33 @@ def test_beam_bookkeeping_not_captured_when_graphs_are_off(monkeypatch):
     assert captured == [] and torch.equal(ref, out)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_selection_runs_as_a_captured_graph(monkeypatch, caplog, dtype):
+    """Greedy search with min-length and several EOS ids (rows end at different steps) takes
+    greedy_graph's path: its update is captured and replayed every step, the decode step replays
+    its graph, and in fp32 the tokens are HF's; a second call with another batch size too."""
+    from hf_paged_t5 import graphs, greedy_graph
+
+    captured, replays, decodes = [], [], []
+    real_capture, real_run = greedy_graph.GreedyStep.capture, greedy_graph.GreedyStep.run
+    real_replay = graphs.DecodeGraphs.replay
+    monkeypatch.setattr(graphs.DecodeGraphs, "replay",
+                        staticmethod(lambda static, fn: decodes.append(static.graph is not None) or real_replay(static, fn)))
+    monkeypatch.setattr(greedy_graph.GreedyStep, "capture", lambda self: captured.append(1) or real_capture(self))
+    monkeypatch.setattr(greedy_graph.GreedyStep, "run",
+                        lambda self: replays.append(self._graph is not None) or real_run(self))
+    model = real_shape_model("t5-small", dtype, layers=3)
+    for rows, seed in ((5, 3), (1, 4)):
+        ids, mask = batch(rows, 120, seed=seed)
+        kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=40, min_new_tokens=7, eos_token_id=[1, 5, 9])
+        with caplog.at_level("WARNING"):
+            ref, out = both(model, **kw)
+        assert "could not be captured" not in caplog.text
+        if dtype == torch.float32:
+            assert torch.equal(ref, out)
+    assert captured == [1, 1] and replays and all(replays) and decodes and all(decodes)
+
+
 def test_beam_cross_kv_stored_once():
     model = real_shape_model("t5-small", torch.bfloat16, layers=2)
     ids, mask = batch(3, 64)

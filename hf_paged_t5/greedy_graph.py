@@ -1,0 +1,161 @@
+"""Greedy decoding with every per-step number on the device.
+
+`loop.sample_loop` selects each token with ~15 small PyTorch calls and `DecodeGraphs.run` fills
+the step's slot mapping on the host: on a small model that host work takes longer than the
+decode step takes on the GPU. Here the host only replays: the decode graph, then `GreedyStep`'s
+update, which does what `sample_loop` does — HF's float32 copy of the logits, the min-length
+processors, argmax, padding of finished rows, the EOS criterion — and then writes the chosen
+tokens into the decode graph's input and the next step's slot mapping and self lengths into its
+metadata, all from a step counter that lives on the device. The "all finished" flag is read one
+step late, as in `sample_loop`.
+
+Only what this covers takes the path (`supported`): greedy search, logits processors none or
+min-length, stopping criteria max length and EOS, no streamer, the whole model on one device.
+Anything else runs `loop.sample_loop`. On CPU (and with `cuda_graphs=False`) the same update and
+decode step run eagerly on the same static buffers.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Callable
+
+import torch
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+from .cache import PagedEncoderDecoderCache
+from .graphs import DecodeGraphs, capture_update
+from .loop import _MinLength, lean_processors
+
+logger = logging.getLogger(__name__)
+
+
+def supported(generation_config, logits_processor, stopping_criteria) -> bool:
+    if generation_config.do_sample or (generation_config.num_beams or 1) != 1:
+        return False
+    if any(type(p) is not _MinLength for p in lean_processors(logits_processor)):
+        return False
+    return all(type(c) in (EosTokenCriteria, MaxLengthCriteria) for c in stopping_criteria)
+
+
+class GreedyStep:
+    """The sequences of one greedy search and the in-place update that extends them by a token.
+
+    input_ids: [rows, prompt_len] decoder prompt on the model's device.
+    logits: [rows, 1, vocab] the buffer the decode step writes (the update reads it).
+    step_ids: [rows, 1] int64 the decode step's input; slot_mapping, self_seq_lens: [rows] int32
+        of its metadata; owned: [rows, max_self_blocks] int32 the blocks each row writes into.
+    """
+
+    def __init__(self, input_ids, generation_config, logits_processor, stopping_criteria, logits, step_ids,
+                 slot_mapping, self_seq_lens, owned, block_size: int) -> None:
+        rows, self.prompt_len = input_ids.shape
+        device = input_ids.device
+        self.device, self.max_length = device, generation_config.max_length
+        self.logits, self.step_ids, self.slot_mapping, self.self_seq_lens = logits, step_ids, slot_mapping, self_seq_lens
+        self.owned, self.block_size = owned, block_size
+        vocab = logits.shape[-1]
+        self.minimum = [p for p in lean_processors(logits_processor) if isinstance(p, _MinLength)]
+        self.min_masks = [p.eos_mask(vocab, device) for p in self.minimum]
+        self.eos = None
+        for c in stopping_criteria:
+            if type(c) is EosTokenCriteria:
+                self.eos = c.eos_token_id.to(device)
+        self.pad = None
+        if self.eos is not None:  # HF pads finished rows only when an EOS criterion is there
+            self.pad = generation_config._pad_token_tensor.to(device)
+        # HF's input_ids, grown in place: [rows, max_length], the first cur_len columns valid
+        self.sequences = torch.zeros(rows, self.max_length, dtype=torch.int64, device=device)
+        self.sequences[:, : self.prompt_len] = input_ids
+        self.cur_len = torch.full((), self.prompt_len, dtype=torch.int64, device=device)
+        self.unfinished = torch.ones(rows, dtype=torch.bool, device=device)
+        self.all_done = torch.zeros((), dtype=torch.bool, device=device)
+        self._graph = None
+
+    def update(self) -> None:
+        """`sample_loop`'s token selection for the logits in `self.logits`, then the next decode
+        step's inputs (capturable: no host sync, no per-step Python numbers)."""
+        cur = self.cur_len
+        scores = self.logits[:, -1].to(torch.float32)  # HF: next_token_logits, a float32 copy
+        for p, mask in zip(self.minimum, self.min_masks):
+            scores = torch.where(mask & (cur - p.skip < p.minimum), -math.inf, scores)
+        tokens = torch.argmax(scores, dim=-1)
+        if self.eos is not None:
+            tokens = torch.where(self.unfinished, tokens, self.pad)
+        column = cur.expand(tokens.shape[0], 1)
+        self.sequences.scatter_(1, column, tokens[:, None])
+        if self.eos is not None:
+            self.unfinished &= ~(tokens[:, None] == self.eos).any(-1)
+            self.all_done.copy_(~self.unfinished.any())
+        # the token at position `cur` goes into the cache at position `cur` in the next step
+        self.step_ids.copy_(tokens[:, None])
+        # (clamped: after the last token no step runs, and its position may lie past the blocks)
+        index = torch.div(column, self.block_size, rounding_mode="floor").clamp_(max=self.owned.shape[1] - 1)
+        block = torch.gather(self.owned, 1, index)
+        self.slot_mapping.copy_(block[:, 0] * self.block_size + cur % self.block_size)
+        self.self_seq_lens.copy_(cur + 1)
+        cur += 1
+
+    def capture(self) -> None:
+        state = [self.sequences, self.cur_len, self.unfinished, self.all_done, self.step_ids,
+                 self.slot_mapping, self.self_seq_lens]
+        self._graph = capture_update(self.update, state, self.device)
+
+    def run(self) -> None:
+        if self._graph is not None:
+            self._graph.replay()
+        else:
+            self.update()
+
+
+def graph_greedy_loop(graphs: DecodeGraphs, step_fn: Callable, cache: PagedEncoderDecoderCache,
+                      prefill: Callable[[torch.Tensor], torch.Tensor], input_ids, logits_processor,
+                      stopping_criteria, generation_config, capture: bool = True) -> torch.LongTensor:
+    """Greedy search on device-resident step inputs; same contract as `loop.sample_loop`.
+
+    step_fn(input_ids, meta_for) -> logits: the decode step (`DecodeGraphs`' contract); prefill
+    runs the decoder prompt. capture: CUDA graphs for the decode step and the update.
+    """
+    logits = prefill(input_ids)
+    rows, device = input_ids.shape[0], input_ids.device
+    cuda = device.type == "cuda"
+    capture = capture and cuda
+    static = graphs.prepare(step_fn, cache, rows, device, slots=None, capture=capture, logits_like=logits)
+    static.logits[:rows].copy_(logits[:, -1:])
+    owned = cache.owned_table(device)
+    state = GreedyStep(input_ids, generation_config, logits_processor, stopping_criteria, static.logits[:rows],
+                       static.input_ids[:rows], static.meta.slot_mapping[:rows], static.meta.self_seq_lens[:rows],
+                       owned, cache.block_size)
+    if capture:
+        try:
+            state.capture()
+        except RuntimeError as exc:  # the same update then runs eagerly: slower, same values
+            logger.warning("hf_paged_t5: greedy token selection could not be captured as a CUDA graph (%s); "
+                           "running it eagerly", exc)
+            torch.cuda.synchronize(device)
+    if cuda:
+        done = torch.zeros((), dtype=torch.bool, pin_memory=True)
+        copied = torch.cuda.Event()
+    cur_len = state.prompt_len
+    state.run()  # the first new token, from the prefill's logits
+    cur_len += 1
+    while cur_len < state.max_length:
+        if not cuda:
+            if bool(state.all_done):
+                break
+            cache.advance(1)
+            graphs.replay(static, step_fn)
+            state.run()
+            cur_len += 1
+            continue
+        done.copy_(state.all_done, non_blocking=True)
+        copied.record()
+        cache.advance(1)
+        graphs.replay(static, step_fn)  # queued before we wait: dropped if every row had finished
+        state.run()
+        copied.synchronize()
+        if bool(done):
+            break
+        cur_len += 1
+    return state.sequences[:, :cur_len]
