@@ -111,6 +111,7 @@ def encoder_self_attention(
         query=q, key=k, value=v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
         scale=1.0, causal=False, bias_table=bias_table,
     )  # [total_tokens, num_heads, head_dim]
+    del q, k, v  # three [total_tokens, inner_dim] tensors: not held through the output projection
     return attn.o(out.reshape(hidden.shape[0], -1))
 
 

@@ -16,6 +16,13 @@ from torch import nn
 from . import attention as attn_ops
 from .cache import KVPool, PagedEncoderDecoderCache, StepMetadata
 
+# The encoder runs its feed-forward over the packed tokens in row chunks so that each
+# [chunk_tokens, d_ff] intermediate stays under this many bytes; otherwise the FF's two or three
+# full-size intermediates (t5-small at 8 x 512 tokens: 2 x 16 MiB) set the encoder's peak memory.
+FF_CHUNK_BYTES = 4 * 2**20
+# Fewer rows than this would leave the FF's GEMMs too small to run efficiently.
+FF_MIN_CHUNK_TOKENS = 128
+
 
 def module_device(module: nn.Module) -> torch.device:
     return next(module.parameters()).device
@@ -42,6 +49,41 @@ def pack_tokens(mask: torch.Tensor) -> tuple[torch.Tensor, list[int], torch.Tens
     return index, lens, cu.to(mask.device), max(lens)
 
 
+def ff_chunk_tokens(d_ff: int, element_size: int) -> int:
+    """Rows per encoder feed-forward chunk: [rows, d_ff] elements of `element_size` bytes fit
+    in FF_CHUNK_BYTES, and at least FF_MIN_CHUNK_TOKENS rows."""
+    return max(FF_MIN_CHUNK_TOKENS, FF_CHUNK_BYTES // (d_ff * element_size))
+
+
+def _ff_element_size(dense: nn.Module, hidden: torch.Tensor) -> int:
+    """Bytes per element of the FF's widest intermediate: the activations' dtype, or fp32 where
+    HF keeps `wo` in fp32 and casts the intermediate up to it (int8/4-bit weights don't count)."""
+    sizes = [p.element_size() for p in dense.parameters() if p.is_floating_point()]
+    return max([hidden.element_size(), *sizes])
+
+
+def _chunked_feed_forward(ff: nn.Module, normed: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+    """`ff.dropout(ff.DenseReluDense(normed))`, HF's own modules called on row chunks of `normed`.
+
+    Each row's result depends on that row only, so chunking changes which rows share a GEMM, not
+    the formula per row; the BLAS may still sum a row in another order for a GEMM of another
+    size (last-bit differences; MKL's fp32 GEMM on CPU does, see tests/test_encoder_memory.py).
+    Chunk outputs go into one tensor (no concatenation copy).
+    normed: [total_tokens, d_model]; returns [total_tokens, d_model] in the module's output dtype
+    """
+    total_tokens = normed.shape[0]
+    first = ff.dropout(ff.DenseReluDense(normed[:chunk_tokens]))
+    if total_tokens <= chunk_tokens:
+        return first
+    out = first.new_empty((total_tokens, *first.shape[1:]))
+    out[:chunk_tokens] = first
+    del first  # one chunk's output alive at a time
+    for start in range(chunk_tokens, total_tokens, chunk_tokens):
+        stop = start + chunk_tokens
+        out[start:stop] = ff.dropout(ff.DenseReluDense(normed[start:stop]))
+    return out
+
+
 def encoder_forward(
     stack: nn.Module,
     ops_for: Callable[[torch.device], ModuleType],
@@ -62,24 +104,31 @@ def encoder_forward(
     hidden = inputs_embeds.reshape(batch * seq_len, d_model)[index.to(inputs_embeds.device)]
     hidden = stack.dropout(hidden)
     # The residual stream `hidden` and the pending sub-layer output `out` are added inside
-    # the next layer norm (attn_ops.add_norm), as HF adds them just before it.
+    # the next layer norm (attn_ops.add_norm), as HF adds them just before it. `out` is
+    # dropped once added, so it is not held through the next sub-layer's temporaries.
     out = None
     for i, block in enumerate(stack.block):
         device = module_device(block)
         ops = ops_for(device)
         sa, ff = block.layer[0], block.layer[-1]
         normed, hidden = attn_ops.add_norm(ops, sa.layer_norm, hidden, out)
+        del out
         out = sa.dropout(attn_ops.encoder_self_attention(
             ops, sa.SelfAttention, normed, cu_seqlens.to(device), max_seqlen, bias_tables[i].to(device),
         ))
         normed, hidden = attn_ops.add_norm(ops, ff.layer_norm, hidden, out)
-        out = ff.dropout(ff.DenseReluDense(normed))
+        del out
+        chunk_tokens = ff_chunk_tokens(stack.config.d_ff, _ff_element_size(ff.DenseReluDense, normed))
+        out = _chunked_feed_forward(ff, normed, chunk_tokens)
     ops = ops_for(module_device(stack.final_layer_norm))
     hidden, _ = attn_ops.add_norm(ops, stack.final_layer_norm, hidden, out)
+    del out
     hidden = stack.dropout(hidden)
-    out = hidden.new_zeros(batch * seq_len, d_model)
-    out[index.to(out.device)] = hidden
-    return out.reshape(batch, seq_len, d_model)
+    if hidden.shape[0] == batch * seq_len:
+        return hidden.reshape(batch, seq_len, d_model)  # no padding: `index` is every position in order
+    padded = hidden.new_zeros(batch * seq_len, d_model)
+    padded[index.to(padded.device)] = hidden
+    return padded.reshape(batch, seq_len, d_model)
 
 
 def store_cross(
