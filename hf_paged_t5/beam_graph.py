@@ -105,6 +105,7 @@ class BeamStep:
         self.next_tokens = torch.zeros(batch * beams, 1, dtype=torch.int64, device=device)
         self.unfinished = torch.ones((), dtype=torch.bool, device=device)
         self._graph: Optional[torch.cuda.CUDAGraph] = None
+        self.logits_in: Optional[torch.Tensor] = None  # set by `make_resident`
 
     # ---- per step -------------------------------------------------------------------------
     def _factor(self, denominator: float) -> float:
@@ -116,25 +117,63 @@ class BeamStep:
     def _scale(self, x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
         return x * factor if self.device.type == "cuda" else x / factor
 
-    def set_step(self, cur_len: int) -> None:
-        """Write this step's numbers (HF's Python values for `cur_len`) into the device inputs."""
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous step's transfer out of the pinned buffers is done
-        ints = self._ints_host.numpy()
-        ints[0], ints[1], ints[2] = cur_len, cur_len - self.prompt_len, int(cur_len + 1 >= self.max_length)
-        for i, p in enumerate(self.min_length):
-            ints[3 + i] = int(cur_len - p.skip < p.minimum)
+    def _numbers(self, cur_len: int) -> tuple[list[int], list[float]]:
+        """This step's numbers (HF's Python values for `cur_len`): [cur_len, cur_len - prompt_len,
+        at max length, min-length flags...] and [length-penalty factor, heuristic factor]."""
+        ints = [cur_len, cur_len - self.prompt_len, int(cur_len + 1 >= self.max_length)]
+        ints += [int(cur_len - p.skip < p.minimum) for p in self.min_length]
         if self.early_stopping == "never" and self.length_penalty > 0.0:
             best = self.max_length - self.prompt_len
         else:
             best = cur_len + 1 - self.prompt_len  # cur_len after HF's increment
-        floats = self._floats_host.numpy()
-        floats[0] = self._factor((cur_len + 1 - self.prompt_len) ** self.length_penalty)
-        floats[1] = self._factor(best**self.length_penalty)
+        floats = [self._factor((cur_len + 1 - self.prompt_len) ** self.length_penalty),
+                  self._factor(best**self.length_penalty)]
+        return ints, floats
+
+    def set_step(self, cur_len: int) -> None:
+        """Write this step's numbers into the device inputs (not resident: see `make_resident`)."""
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's transfer out of the pinned buffers is done
+        ints, floats = self._numbers(cur_len)
+        self._ints_host.numpy()[:] = ints
+        self._floats_host.numpy()[:] = floats
         self.ints.copy_(self._ints_host, non_blocking=True)
         self.floats.copy_(self._floats_host, non_blocking=True)
         if self._copied is not None:
             self._copied.record()
+
+    def make_resident(self, static, owned: torch.Tensor, pool, block_size: int) -> None:
+        """Take every per-step input from the device from now on: the numbers of all steps as one
+        table indexed by a device step counter, the logits from the decode step's static output,
+        and write the decode step's inputs at the end of `update` — the cache reorder into its
+        self block table, the new tokens, their slots and the self lengths (`graphs._StaticStep`).
+        owned: [rows, max_self_blocks] int32, the blocks each row writes into."""
+        rows, width = owned.shape
+        steps = [self._numbers(c) for c in range(self.prompt_len, self.max_length)]
+        self.int_table = torch.tensor([i for i, _ in steps], dtype=torch.int64, device=self.device)
+        self.float_table = torch.tensor([f for _, f in steps], dtype=torch.float32, device=self.device)
+        self.step = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.logits_in = static.logits[:rows]
+        self.static, self.owned, self.pool, self.block_size = static, owned, pool, block_size
+        self.table = static.meta.self_block_table[:rows, :width]
+        self.columns = torch.arange(width, device=self.device)
+
+    def _reorder_and_feed(self, col: torch.Tensor, copy_blocks: bool) -> None:
+        """Row r continues from row beam_idx[r] (`PagedEncoderDecoderCache.reorder_cache` on the
+        static table: rows gathered, the block being filled copied into the row's own), then the
+        next decode step's inputs for position `col` (= the cache length)."""
+        rows, bs = self.owned.shape[0], self.block_size
+        current = torch.div(col, bs, rounding_mode="floor").clamp(max=self.owned.shape[1] - 1).expand(rows, 1)
+        table = self.table.index_select(0, self.beam_idx)
+        own = torch.gather(self.owned, 1, current)[:, 0]
+        if copy_blocks:  # also at a block boundary, where it copies a block nobody has written yet
+            self.pool.copy_blocks(torch.gather(table, 1, current)[:, 0], own)
+        self.table.copy_(torch.where(self.columns >= current, self.owned, table))
+        meta = self.static.meta
+        meta.slot_mapping[:rows].copy_(own * bs + col % bs)
+        meta.self_seq_lens[:rows].copy_(col + 1)
+        self.static.input_ids[:rows].copy_(self.next_tokens)
+        self.step += 1
 
     def load_logits(self, logits: torch.Tensor) -> None:
         """logits [batch * beams, 1, vocab] of the step; copied into the static float32 input."""
@@ -143,13 +182,20 @@ class BeamStep:
         else:
             self.logits.copy_(logits[:, -1, :])
 
-    def update(self) -> None:
-        """One step of HF's `_beam_search` after the forward, in place (capturable)."""
+    def update(self, copy_blocks: bool = True) -> None:
+        """One step of HF's `_beam_search` after the forward, in place (capturable); resident
+        (`make_resident`), also the cache reorder and the next decode step's inputs."""
         batch, beams, vocab, keep = self.batch, self.num_beams, self.vocab, self.beams_to_keep
-        col, col_idx, at_max = self.ints[0], self.ints[1], self.ints[2].bool()
-        log_probs = nn.functional.log_softmax(self.logits, dim=-1)
+        if self.logits_in is None:
+            ints, floats, logits = self.ints, self.floats, self.logits
+        else:
+            index = self.step.clamp(max=self.int_table.shape[0] - 1).view(1)
+            ints, floats = self.int_table.index_select(0, index)[0], self.float_table.index_select(0, index)[0]
+            logits = self.logits_in[:, -1].to(torch.float32)  # HF: a float32 copy of the last logits
+        col, col_idx, at_max = ints[0], ints[1], ints[2].bool()
+        log_probs = nn.functional.log_softmax(logits, dim=-1)
         for i, mask in enumerate(self.min_masks):
-            log_probs = torch.where(mask & self.ints[3 + i].bool(), -math.inf, log_probs)
+            log_probs = torch.where(mask & ints[3 + i].bool(), -math.inf, log_probs)
         log_probs = log_probs.reshape(batch, beams, vocab) + self.running_beam_scores[:, :, None]
         log_probs = log_probs.reshape(batch, beams * vocab)
         # _get_top_k_continuations
@@ -175,7 +221,7 @@ class BeamStep:
         self.running_beam_indices.copy_(_gather(topk_running_beam_indices, next_topk_indices))
         # _update_finished_beams
         did_top_num_beams_just_finished = hits & self.top_num_beam_mask[None, :]
-        topk_log_probs = self._scale(topk_log_probs, self.floats[0])
+        topk_log_probs = self._scale(topk_log_probs, floats[0])
         beams_in_batch_are_full = torch.all(self.is_sent_finished, dim=-1, keepdim=True) & (self.early_stopping is True)
         topk_log_probs += beams_in_batch_are_full.to(torch.float32) * -1.0e9
         topk_log_probs += (~self.heuristic).to(torch.float32) * -1.0e9
@@ -194,7 +240,7 @@ class BeamStep:
         self.beam_idx.copy_(picked.reshape(-1))
         self.next_tokens.copy_(torch.gather(self.running_sequences, 2, col.expand(batch, beams, 1)).reshape(-1, 1))
         # _check_early_stop_heuristic (after HF's cur_len += 1)
-        best_possible_running_score = self._scale(self.running_beam_scores[:, :1], self.floats[1])
+        best_possible_running_score = self._scale(self.running_beam_scores[:, :1], floats[1])
         worst_finished_score = torch.where(
             self.is_sent_finished, torch.min(self.beam_scores, dim=1, keepdim=True)[0], -1.0e9
         )
@@ -205,16 +251,24 @@ class BeamStep:
         exists_open_beam = ~(torch.all(self.is_sent_finished) & (self.early_stopping is True))
         valid_continuations = ~torch.all(hits)
         self.unfinished.copy_(improvement_possible & exists_open_beam & valid_continuations)
+        if self.logits_in is not None:
+            self._reorder_and_feed(col, copy_blocks)
 
     def capture(self) -> None:
         """Record `update` as a CUDA graph (see `graphs.capture_update`)."""
         from .graphs import capture_update
 
-        self._graph = capture_update(self.update, self._state(), self.device)
+        # the warm-up run must leave the pool alone (its block copies cannot be undone cheaply)
+        self._graph = capture_update(self.update, self._state(), self.device,
+                                     warmup=lambda: self.update(copy_blocks=False))
 
     def _state(self) -> list[torch.Tensor]:
-        return [self.running_sequences, self.sequences, self.running_beam_scores, self.beam_scores,
-                self.is_sent_finished, self.heuristic, self.running_beam_indices, self.beam_indices]
+        state = [self.running_sequences, self.sequences, self.running_beam_scores, self.beam_scores,
+                 self.is_sent_finished, self.heuristic, self.running_beam_indices, self.beam_indices]
+        if self.logits_in is not None:
+            meta = self.static.meta
+            state += [self.step, self.table, meta.slot_mapping, meta.self_seq_lens, self.static.input_ids]
+        return state
 
     def run(self) -> None:
         if self._graph is not None:
@@ -269,6 +323,52 @@ def graph_beam_loop(step, prefill, reorder, input_ids, logits_processor, stoppin
         logits = step(state.next_tokens)  # queued before we wait: dropped if we stop
         state.load_logits(logits)
         state.set_step(cur_len)
+        copied.synchronize()
+        if not bool(go_on):
+            break
+    return state.result()
+
+
+def resident_beam_loop(graphs, step_fn, cache, prefill, input_ids, logits_processor, stopping_criteria,
+                       generation_config, capture: bool = True):
+    """`graph_beam_loop` with every per-step input on the device (`BeamStep.make_resident`): per step
+    the host replays the decode step and the bookkeeping (captured on CUDA when `capture`, eager on
+    the same static buffers otherwise) and reads the "go on" flag one step late. The whole model
+    on one device (the decode step's one static table)."""
+    logits = prefill(input_ids)
+    rows, device = input_ids.shape[0], input_ids.device
+    cuda = device.type == "cuda"
+    capture = capture and cuda
+    static = graphs.prepare(step_fn, cache, rows, device, slots=None, capture=capture, logits_like=logits)
+    static.logits[:rows].copy_(logits[:, -1:])
+    state = BeamStep(input_ids, generation_config, logits_processor, stopping_criteria, logits.shape[-1])
+    state.make_resident(static, cache.owned_table(device), cache.pool, cache.block_size)
+    if capture:
+        try:
+            state.capture()
+        except RuntimeError as exc:  # the same update then runs eagerly: slower, same values
+            logger.warning("hf_paged_t5: beam-search bookkeeping could not be captured as a CUDA graph (%s); "
+                           "running it eagerly", exc)
+            torch.cuda.synchronize(device)
+    if cuda:
+        go_on = torch.ones((), dtype=torch.bool, pin_memory=True)
+        copied = torch.cuda.Event()
+    cur_len = state.prompt_len
+    while True:
+        state.run()  # the step's beams, the cache reorder, the next step's inputs
+        cur_len += 1
+        if cur_len >= state.max_length:
+            break  # every candidate hit max length: HF stops here too, known on the host
+        if not cuda:
+            if not bool(state.unfinished):
+                break
+            cache.advance(1)
+            graphs.replay(static, step_fn)
+            continue
+        go_on.copy_(state.unfinished, non_blocking=True)
+        copied.record()
+        cache.advance(1)
+        graphs.replay(static, step_fn)  # queued before we wait: dropped if we stop
         copied.synchronize()
         if not bool(go_on):
             break

@@ -199,10 +199,11 @@ class DecodeGraphs:
         return static
 
 
-def capture_update(update: Callable[[], None], state: list[torch.Tensor], device) -> torch.cuda.CUDAGraph:
+def capture_update(update: Callable[[], None], state: list[torch.Tensor], device,
+                   warmup: Optional[Callable[[], None]] = None) -> torch.cuda.CUDAGraph:
     """Record `update` (in-place work on static tensors, no host sync) as a CUDA graph, after one
-    warm-up run on the side stream whose effect on `state` (every tensor it changes) is undone;
-    the capture itself runs nothing.
+    warm-up run (`warmup`, default `update`) on the side stream whose effect on `state` (every
+    tensor it changes) is undone; the capture itself runs nothing.
 
     capture_begin/end rather than `torch.cuda.graph`, whose entry runs gc.collect() and
     empty_cache(): these captures happen once per generate() call.
@@ -211,7 +212,7 @@ def capture_update(update: Callable[[], None], state: list[torch.Tensor], device
     side = _warmup_stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
-        update()
+        (warmup or update)()
     torch.cuda.current_stream(device).wait_stream(side)
     for t, s in zip(state, saved):
         t.copy_(s)

@@ -385,31 +385,39 @@ class _TokenSeen(StoppingCriteria):
     ],
     ids=["plain", "nrs-lp-early", "never", "eos-min", "beam-sample", "custom-criteria"],
 )
-@pytest.mark.parametrize("path", ["helpers", "beam_step"])
+@pytest.mark.parametrize("path", ["helpers", "beam_step", "resident"])
 def test_lean_beam_loop_matches_hf(monkeypatch, opts, path):
-    """Beam search gives HF's sequences, rows ending at different steps included, on both paths:
-    loop.beam_loop (HF's beam helpers, the model called directly) and beam_graph's BeamStep (HF's
+    """Beam search gives HF's sequences, rows ending at different steps included, on every path:
+    loop.beam_loop (HF's beam helpers, the model called directly), beam_graph's BeamStep (HF's
     arithmetic on static tensors, captured as a graph on CUDA; eager here), which takes what it
-    supports (no sampling, min-length processors, max-length/EOS criteria) when allowed."""
+    supports (no sampling, min-length processors, max-length/EOS criteria) when allowed, and its
+    resident form (the cache reorder and the decode step's inputs written by the same update from
+    a device step counter), taken when the whole model is on one device."""
     import hf_paged_t5.patch as patch_mod
     from hf_paged_t5 import beam_graph
 
     calls = []
-    for name, module in (("beam_loop", patch_mod), ("graph_beam_loop", beam_graph)):
+    for name, module in (("beam_loop", patch_mod), ("graph_beam_loop", beam_graph),
+                         ("resident_beam_loop", beam_graph)):
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _n=name, _r=real, **k: calls.append(_n) or _r(*a, **k))
     if path == "helpers":
         monkeypatch.setattr(beam_graph, "supported", lambda *a: False)
+    if path == "beam_step":
+        monkeypatch.setattr(patch_mod, "_on_one_device", lambda model: False)
     model = make_model("t5", seed=5)
     ids, mask = make_batch([12, 3, 9, 7], padding_side="left")
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=18, **opts)
     torch.manual_seed(0)
     ref = model.generate(**kw)
-    hp.patch_model(model)
+    # block size 4: the 18 steps cross block boundaries, with partial blocks copied between beams
+    hp.patch_model(model, hp.PagedCacheConfig(block_size=4))
     torch.manual_seed(0)
     out = model.generate(**kw)
     graphable = not opts.get("do_sample") and "stopping_criteria" not in opts
-    expected = "graph_beam_loop" if path == "beam_step" and graphable else "beam_loop"
+    expected = "beam_loop"
+    if path != "helpers" and graphable:
+        expected = "graph_beam_loop" if path == "beam_step" else "resident_beam_loop"
     assert calls == [expected] and model._hf_paged_t5.pool.is_idle()
     assert torch.equal(out, ref)
 
@@ -419,7 +427,12 @@ def test_lean_beam_loop_matches_hf(monkeypatch, opts, path):
 def test_beam_reorder_on_the_device_matches_hf(monkeypatch, opts):
     """On a GPU, beams reorder the cache on the device (`_reorder_on_device`: table rows gathered
     there, the partial block copied for every row, no host sync). Forced here on CPU for every
-    reorder: HF's sequences, the pool idle afterwards, the device table actually used."""
+    reorder: HF's sequences, the pool idle afterwards, the device table actually used. (A model
+    on one device takes beam_graph's resident path for plain beams, which reorders inside its
+    update: turned off here.)"""
+    import hf_paged_t5.patch as patch_mod
+
+    monkeypatch.setattr(patch_mod, "_on_one_device", lambda model: False)
     used = []
     real = PagedEncoderDecoderCache._reorder_on_device
 

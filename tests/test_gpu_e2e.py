@@ -91,10 +91,13 @@ def test_beam_bookkeeping_runs_as_a_captured_graph(monkeypatch, caplog, dtype):
     """Beam search with min-length and several EOS ids takes beam_graph's path, its update is
     captured (no "could not be captured" fallback) and replayed every step, in fp32 and bf16;
     in fp32 the tokens are HF's."""
-    from hf_paged_t5 import beam_graph
+    from hf_paged_t5 import beam_graph, graphs
 
-    captured, replays = [], []
+    captured, replays, decodes = [], [], []
     real_capture, real_run = beam_graph.BeamStep.capture, beam_graph.BeamStep.run
+    real_replay = graphs.DecodeGraphs.replay
+    monkeypatch.setattr(graphs.DecodeGraphs, "replay",
+                        staticmethod(lambda static, fn: decodes.append(static.graph is not None) or real_replay(static, fn)))
     monkeypatch.setattr(beam_graph.BeamStep, "capture", lambda self: captured.append(1) or real_capture(self))
     monkeypatch.setattr(beam_graph.BeamStep, "run",
                         lambda self: replays.append(self._graph is not None) or real_run(self))
@@ -104,7 +107,7 @@ def test_beam_bookkeeping_runs_as_a_captured_graph(monkeypatch, caplog, dtype):
               num_return_sequences=2, length_penalty=0.7, eos_token_id=[1, 5])
     with caplog.at_level("WARNING"):
         ref, out = both(model, **kw)
-    assert captured == [1] and replays and all(replays)
+    assert captured == [1] and replays and all(replays) and decodes and all(decodes)
     assert "could not be captured" not in caplog.text
     if dtype == torch.float32:
         assert torch.equal(ref, out)
