@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Session 4, last device calls (one H200), in two parts of < 10 minutes each:
+#     OUT=/some/dir bash benchmarks/gpu_session4_final.sh a   # GPU tests (kernels excluded: they ran in call 1),
+#                                                             # generate() t5-small + t5-large, beam memory
+#     OUT=/some/dir bash benchmarks/gpu_session4_final.sh b   # generate() flan-t5-xl, BatchGenerator
+source "$(dirname "$0")/_device_call.sh"
+if [ "${1:-a}" = a ]; then
+    run gpu_tests 150 python -m pytest tests -m gpu -q -x -p no:cacheprovider -rf --ignore=tests/test_kernels.py
+    run bench_generate 330 python benchmarks/bench_generate.py --models t5-small,t5-large --out "$OUT/generate.json"
+    run diag_memory 60 python benchmarks/diag_memory.py --models t5-small --cases 8x4 --hf
+else
+    run bench_generate_xl 330 python benchmarks/bench_generate.py --models flan-t5-xl --out "$OUT/generate-xl.json"
+    run bench_batch 200 python benchmarks/bench_batch.py --out "$OUT" --time-budget 100
+fi
+exit "$status"
