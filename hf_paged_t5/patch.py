@@ -7,6 +7,7 @@ attributes, and `unpatch_model` restores exactly what was there.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import logging
@@ -253,9 +254,10 @@ def _decode_step(runtime: PagedRuntime, model: nn.Module, cache, device: torch.d
         )
         scale = model.model_dim**-0.5 if _scales_output(model.config) else None
         tables = runtime.bias_tables(model.decoder, causal=True)
+        pool = cache.pool  # not `cache` itself: the plan is stored on the cache (no reference cycle)
 
         def step(input_ids, meta_for):
-            hidden = decoder_layers(model.decoder, runtime.ops_for, tables, cache.pool, meta_for, input_ids)
+            hidden = decoder_layers(model.decoder, runtime.ops_for, tables, pool, meta_for, input_ids)
             if scale is not None:
                 hidden = hidden * scale
             head_device = module_device(model.lm_head)
@@ -344,11 +346,37 @@ def _paged_generate(runtime, model, original, inputs, generation_config, gen_con
             loop = _lean_loop(runtime, cache, gen_config, kwargs.get("streamer"))
             if loop is not None:
                 kwargs = {**kwargs, "custom_generate": loop}
-            return original(inputs, generation_config, **kwargs, **{runtime.cache_kwarg: cache})
+            with _encoder_outputs_per_source(model, expand):
+                return original(inputs, generation_config, **kwargs, **{runtime.cache_kwarg: cache})
         finally:
             runtime.owner = None
             if cache is not None:
                 cache.release()
+
+
+@contextlib.contextmanager
+def _encoder_outputs_per_source(model: nn.Module, expand: int):
+    """HF copies the encoder's output `expand` times (beams, num_return_sequences) before decoding;
+    the paged forward reads it once per source (`stacks.store_cross`), so this call's expansion
+    leaves `encoder_outputs` alone (t5-small, 8 sources x 4 beams x 512 tokens: 16 MiB not
+    allocated). One-shot: a later call of the method in the same generate() is HF's own."""
+    if expand == 1 or "_expand_inputs_for_generation" in model.__dict__:
+        yield
+        return
+    original = model._expand_inputs_for_generation
+    used = []
+
+    def expand_inputs(*args, **kwargs):
+        if not used and kwargs.get("is_encoder_decoder") and not args:
+            used.append(True)
+            kwargs["is_encoder_decoder"] = False  # HF then expands every tensor but encoder_outputs
+        return original(*args, **kwargs)
+
+    model._expand_inputs_for_generation = expand_inputs
+    try:
+        yield
+    finally:
+        del model.__dict__["_expand_inputs_for_generation"]
 
 
 def _default_max_length() -> int:

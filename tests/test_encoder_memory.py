@@ -51,7 +51,7 @@ def count_calls(modules: list[nn.Module]) -> tuple[list[int], list]:
 
 def patched_encoder_output(model, ids, mask, chunk_tokens, monkeypatch):
     """(last_hidden_state of the patched encoder with `chunk_tokens` rows per FF chunk, [calls, max rows])."""
-    monkeypatch.setattr(stacks, "ff_chunk_tokens", lambda d_ff, element_size: chunk_tokens)
+    monkeypatch.setattr(stacks, "ff_chunk_tokens", lambda d_ff, element_size, tokens: chunk_tokens)
     calls, handles = count_calls(ff_modules(model.encoder))
     hp.patch_model(model, CONFIG)
     try:
@@ -65,11 +65,12 @@ def patched_encoder_output(model, ids, mask, chunk_tokens, monkeypatch):
 
 
 def test_chunk_rule():
-    # A [chunk, d_ff] intermediate of at most FF_CHUNK_BYTES (4 MiB), at least 128 rows.
-    assert stacks.ff_chunk_tokens(2048, 2) == 1024  # t5-small, bf16
-    assert stacks.ff_chunk_tokens(4096, 2) == 512  # t5-large, bf16
-    assert stacks.ff_chunk_tokens(4096, 4) == 256  # t5-large, fp32 (or fp16 with `wo` kept fp32)
-    assert stacks.ff_chunk_tokens(65536, 2) == stacks.FF_MIN_CHUNK_TOKENS == 128
+    # A [chunk, d_ff] intermediate of at most FF_CHUNK_BYTES (4 MiB), at least 128 rows, at most 4 chunks.
+    assert stacks.ff_chunk_tokens(2048, 2, 4096) == 1024  # t5-small, bf16, 8 x 512 tokens
+    assert stacks.ff_chunk_tokens(4096, 2, 2048) == 512  # t5-large, bf16
+    assert stacks.ff_chunk_tokens(4096, 4, 1024) == 256  # t5-large, fp32 (or fp16 with `wo` kept fp32)
+    assert stacks.ff_chunk_tokens(65536, 2, 100) == stacks.FF_MIN_CHUNK_TOKENS == 128
+    assert stacks.ff_chunk_tokens(4096, 2, 32768) == 8192 == 32768 // stacks.FF_MAX_CHUNKS  # batch 64 x 512
     dense = make_model("t5v1_1").encoder.block[0].layer[-1].DenseReluDense.half()
     assert stacks._ff_element_size(dense, torch.zeros(1, dtype=torch.float16)) == 2
     dense.wo.float()  # HF's `_keep_in_fp32_modules`: the intermediate is cast up to fp32
@@ -123,7 +124,7 @@ def test_greedy_with_tiny_ff_chunks_matches_hf(family, side, monkeypatch):
     ids, mask = make_batch(lengths, padding_side=side)
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=16, min_new_tokens=16)
     ref = model.generate(**kw)
-    monkeypatch.setattr(stacks, "ff_chunk_tokens", lambda d_ff, element_size: TINY_CHUNK)
+    monkeypatch.setattr(stacks, "ff_chunk_tokens", lambda d_ff, element_size, tokens: TINY_CHUNK)
     calls, handles = count_calls(ff_modules(model.encoder))
     hp.patch_model(model, CONFIG)
     try:

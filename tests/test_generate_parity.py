@@ -453,3 +453,62 @@ def test_beam_reorder_on_the_device_matches_hf(monkeypatch, opts):
     out = model.generate(**kw)
     assert used and model._hf_paged_t5.pool.is_idle()
     assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("opts", [dict(num_beams=3, num_return_sequences=2),
+                                  dict(num_beams=3, return_dict_in_generate=True, output_scores=True),
+                                  dict(do_sample=True, num_return_sequences=3)],
+                         ids=["beams", "beams-hf-loop", "samples"])
+def test_encoder_output_not_expanded_per_beam(monkeypatch, opts):
+    """HF copies the encoder output once per beam / returned sequence; the paged call keeps one
+    row per source (the cross K/V is stored per source anyway): HF's tokens, the method HF uses
+    for expanding restored afterwards, the input of store_cross one row per source."""
+    import hf_paged_t5.patch as patch_mod
+
+    rows = []
+    real = patch_mod.store_cross
+    monkeypatch.setattr(patch_mod, "store_cross", lambda dec, ops, cache, hidden, mask: rows.append(
+        (hidden.shape[0], cache.num_sources)) or real(dec, ops, cache, hidden, mask))
+    model = make_model("t5", seed=7)
+    ids, mask = make_batch([10, 4, 8], padding_side="right")
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=9, **opts)
+    torch.manual_seed(1)
+    ref = model.generate(**kw)
+    hp.patch_model(model)
+    torch.manual_seed(1)
+    out = model.generate(**kw)
+    assert rows == [(3, 3)] and "_expand_inputs_for_generation" not in model.__dict__
+    if isinstance(ref, torch.Tensor):
+        assert torch.equal(out, ref)
+    else:
+        assert torch.equal(out.sequences, ref.sequences)
+
+
+def test_generate_leaves_no_reference_cycles():
+    """A finished generate() leaves nothing for the cyclic garbage collector: its cache (and the
+    device tensors it holds) is freed at once, not at the next collection (GPU memory would
+    drift between calls)."""
+    import gc
+    import weakref
+
+    model = make_model("t5", seed=8)
+    ids, mask = make_batch([6, 9])
+    hp.patch_model(model)
+    caches = []
+    real_init = PagedEncoderDecoderCache.__init__
+
+    def init(self, *a, **k):
+        real_init(self, *a, **k)
+        caches.append(weakref.ref(self))
+
+    PagedEncoderDecoderCache.__init__ = init
+    gc.collect()
+    gc.disable()
+    try:
+        for kw in (dict(), dict(num_beams=3), dict(do_sample=True), dict(num_beams=2, do_sample=True)):
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, **kw)
+        alive = [i for i, ref in enumerate(caches) if ref() is not None]
+    finally:
+        gc.enable()
+        PagedEncoderDecoderCache.__init__ = real_init
+    assert len(caches) == 4 and not alive, f"caches of calls {alive} sit in reference cycles"
