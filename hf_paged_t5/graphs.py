@@ -209,7 +209,7 @@ def capture_update(update: Callable[[], None], state: list[torch.Tensor], device
     empty_cache(): these captures happen once per generate() call.
     """
     saved = [t.clone() for t in state]
-    side = _warmup_stream(device)
+    side = _update_stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         (warmup or update)()
@@ -238,6 +238,20 @@ def _warmup_stream(device: torch.device) -> torch.cuda.Stream:
     if device not in _WARMUP_STREAMS:
         _WARMUP_STREAMS[device] = torch.cuda.Stream(device)
     return _WARMUP_STREAMS[device]
+
+
+_UPDATE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _update_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream `capture_update` records on, not the decode graphs' (`_warmup_stream`): these
+    graphs die with their generate() call, and PyTorch may drop the cuBLAS workspace of a graph's
+    capture stream when the graph is destroyed (pytorch/pytorch#193402) while the decode graphs
+    captured on that stream still use it. The updates run no cuBLAS, so this stream has none."""
+    device = torch.device(device)
+    if device not in _UPDATE_STREAMS:
+        _UPDATE_STREAMS[device] = torch.cuda.Stream(device)
+    return _UPDATE_STREAMS[device]
 
 
 def graphable(decoder: nn.Module) -> bool:
