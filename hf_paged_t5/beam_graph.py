@@ -335,41 +335,18 @@ def resident_beam_loop(graphs, step_fn, cache, prefill, input_ids, logits_proces
     the host replays the decode step and the bookkeeping (captured on CUDA when `capture`, eager on
     the same static buffers otherwise) and reads the "go on" flag one step late. The whole model
     on one device (the decode step's one static table)."""
-    logits = prefill(input_ids)
-    rows, device = input_ids.shape[0], input_ids.device
-    cuda = device.type == "cuda"
-    capture = capture and cuda
-    static = graphs.prepare(step_fn, cache, rows, device, slots=None, capture=capture, logits_like=logits)
-    static.logits[:rows].copy_(logits[:, -1:])
-    state = BeamStep(input_ids, generation_config, logits_processor, stopping_criteria, logits.shape[-1])
-    state.make_resident(static, cache.owned_table(device), cache.pool, cache.block_size)
-    if capture:
-        try:
-            state.capture()
-        except RuntimeError as exc:  # the same update then runs eagerly: slower, same values
-            logger.warning("hf_paged_t5: beam-search bookkeeping could not be captured as a CUDA graph (%s); "
-                           "running it eagerly", exc)
-            torch.cuda.synchronize(device)
-    if cuda:
-        go_on = torch.ones((), dtype=torch.bool, pin_memory=True)
-        copied = torch.cuda.Event()
+    from .graphs import ResidentLoop
+
+    loop = ResidentLoop(graphs, step_fn, cache, prefill, input_ids, capture)
+    state = BeamStep(input_ids, generation_config, logits_processor, stopping_criteria, loop.logits.shape[-1])
+    state.make_resident(loop.static, cache.owned_table(loop.device), cache.pool, cache.block_size)
+    loop.capture_update(state, "beam-search bookkeeping")
     cur_len = state.prompt_len
     while True:
         state.run()  # the step's beams, the cache reorder, the next step's inputs
         cur_len += 1
         if cur_len >= state.max_length:
             break  # every candidate hit max length: HF stops here too, known on the host
-        if not cuda:
-            if not bool(state.unfinished):
-                break
-            cache.advance(1)
-            graphs.replay(static, step_fn)
-            continue
-        go_on.copy_(state.unfinished, non_blocking=True)
-        copied.record()
-        cache.advance(1)
-        graphs.replay(static, step_fn)  # queued before we wait: dropped if we stop
-        copied.synchronize()
-        if not bool(go_on):
-            break
+        if not loop.next_step(state.unfinished):
+            break  # the step just queued is dropped
     return state.result()

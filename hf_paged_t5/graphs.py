@@ -228,6 +228,60 @@ def capture_update(update: Callable[[], None], state: list[torch.Tensor], device
     return graph
 
 
+class ResidentLoop:
+    """What the device-resident decode loops (`greedy_graph`, `beam_graph.resident_beam_loop`)
+    share: the prefill, the decode step's static buffers for this call, the capture of the loop's
+    update, and queuing a step while reading a device flag one step late.
+
+    logits: the prefill's [rows, prompt_len, vocab]; static: the decode step's buffers
+    (`DecodeGraphs.prepare`), its logits buffer holding the prefill's last logits.
+    """
+
+    def __init__(self, graphs: DecodeGraphs, step_fn, cache: PagedEncoderDecoderCache, prefill, input_ids,
+                 capture: bool) -> None:
+        self.logits = prefill(input_ids)
+        rows, self.device = input_ids.shape[0], input_ids.device
+        self.cuda = self.device.type == "cuda"
+        self.capture = capture and self.cuda
+        self.graphs, self.step_fn, self.cache = graphs, step_fn, cache
+        self.static = graphs.prepare(step_fn, cache, rows, self.device, slots=None, capture=self.capture,
+                                     logits_like=self.logits)
+        self.static.logits[:rows].copy_(self.logits[:, -1:])
+        if self.cuda:
+            self._flag = torch.zeros((), dtype=torch.bool, pin_memory=True)
+            self._copied = torch.cuda.Event()
+
+    def capture_update(self, state, what: str) -> None:
+        """`state.capture()` when capturing; a failed capture leaves the update eager (slower, same values)."""
+        if not self.capture:
+            return
+        try:
+            state.capture()
+        except RuntimeError as exc:
+            logger.warning("hf_paged_t5: %s could not be captured as a CUDA graph (%s); running it eagerly",
+                           what, exc)
+            torch.cuda.synchronize(self.device)
+
+    def next_step(self, flag: torch.Tensor, then: Optional[Callable[[], None]] = None) -> bool:
+        """Queue the next decode step (and `then`, the update that reads its logits) and return what
+        the device bool `flag` held before them. On CUDA it is read after they are queued, so the
+        GPU never waits for the host; a step queued after the last one is dropped by the caller
+        (its K/V lands in the call's own blocks, freed by `release`)."""
+        if self.cuda:
+            self._flag.copy_(flag, non_blocking=True)
+            self._copied.record()
+        else:
+            value = bool(flag)
+        self.cache.advance(1)
+        self.graphs.replay(self.static, self.step_fn)
+        if then is not None:
+            then()
+        if self.cuda:
+            self._copied.synchronize()
+            value = bool(self._flag)
+        return value
+
+
 _WARMUP_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 

@@ -17,7 +17,6 @@ decode step run eagerly on the same static buffers.
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Callable
 
@@ -25,10 +24,8 @@ import torch
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from .cache import PagedEncoderDecoderCache
-from .graphs import DecodeGraphs, capture_update
+from .graphs import DecodeGraphs, ResidentLoop, capture_update
 from .loop import _MinLength, lean_processors
-
-logger = logging.getLogger(__name__)
 
 
 def supported(generation_config, logits_processor, stopping_criteria) -> bool:
@@ -36,7 +33,11 @@ def supported(generation_config, logits_processor, stopping_criteria) -> bool:
         return False
     if any(type(p) is not _MinLength for p in lean_processors(logits_processor)):
         return False
-    return all(type(c) in (EosTokenCriteria, MaxLengthCriteria) for c in stopping_criteria)
+    if not all(type(c) in (EosTokenCriteria, MaxLengthCriteria) for c in stopping_criteria):
+        return False
+    # an EOS criterion pads finished rows: without a pad id HF's own loop raises (its error, not ours)
+    has_eos = any(type(c) is EosTokenCriteria for c in stopping_criteria)
+    return not has_eos or generation_config._pad_token_tensor is not None
 
 
 class GreedyStep:
@@ -117,45 +118,16 @@ def graph_greedy_loop(graphs: DecodeGraphs, step_fn: Callable, cache: PagedEncod
     step_fn(input_ids, meta_for) -> logits: the decode step (`DecodeGraphs`' contract); prefill
     runs the decoder prompt. capture: CUDA graphs for the decode step and the update.
     """
-    logits = prefill(input_ids)
-    rows, device = input_ids.shape[0], input_ids.device
-    cuda = device.type == "cuda"
-    capture = capture and cuda
-    static = graphs.prepare(step_fn, cache, rows, device, slots=None, capture=capture, logits_like=logits)
-    static.logits[:rows].copy_(logits[:, -1:])
-    owned = cache.owned_table(device)
+    loop = ResidentLoop(graphs, step_fn, cache, prefill, input_ids, capture)
+    static, rows = loop.static, input_ids.shape[0]
     state = GreedyStep(input_ids, generation_config, logits_processor, stopping_criteria, static.logits[:rows],
                        static.input_ids[:rows], static.meta.slot_mapping[:rows], static.meta.self_seq_lens[:rows],
-                       owned, cache.block_size)
-    if capture:
-        try:
-            state.capture()
-        except RuntimeError as exc:  # the same update then runs eagerly: slower, same values
-            logger.warning("hf_paged_t5: greedy token selection could not be captured as a CUDA graph (%s); "
-                           "running it eagerly", exc)
-            torch.cuda.synchronize(device)
-    if cuda:
-        done = torch.zeros((), dtype=torch.bool, pin_memory=True)
-        copied = torch.cuda.Event()
-    cur_len = state.prompt_len
+                       cache.owned_table(loop.device), cache.block_size)
+    loop.capture_update(state, "greedy token selection")
     state.run()  # the first new token, from the prefill's logits
-    cur_len += 1
+    cur_len = state.prompt_len + 1
     while cur_len < state.max_length:
-        if not cuda:
-            if bool(state.all_done):
-                break
-            cache.advance(1)
-            graphs.replay(static, step_fn)
-            state.run()
-            cur_len += 1
-            continue
-        done.copy_(state.all_done, non_blocking=True)
-        copied.record()
-        cache.advance(1)
-        graphs.replay(static, step_fn)  # queued before we wait: dropped if every row had finished
-        state.run()
-        copied.synchronize()
-        if bool(done):
-            break
+        if loop.next_step(state.all_done, then=state.run):
+            break  # every row had finished: the step just queued is dropped
         cur_len += 1
     return state.sequences[:, :cur_len]

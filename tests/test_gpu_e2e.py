@@ -86,28 +86,36 @@ def test_graph_and_eager_agree():
     assert len(model._hf_paged_t5.graphs._graphs) >= 1
 
 
+def record_graph_use(monkeypatch, step_cls) -> dict[str, list]:
+    """Record, per call: captures of `step_cls` (a resident loop's update), whether each of its runs
+    replayed a graph, and whether each decode step did (`DecodeGraphs.replay`)."""
+    from hf_paged_t5 import graphs
+
+    seen: dict[str, list] = {"captured": [], "updates": [], "decodes": []}
+    real_capture, real_run, real_replay = step_cls.capture, step_cls.run, graphs.DecodeGraphs.replay
+    monkeypatch.setattr(step_cls, "capture", lambda self: seen["captured"].append(1) or real_capture(self))
+    monkeypatch.setattr(step_cls, "run", lambda self: seen["updates"].append(self._graph is not None) or real_run(self))
+    monkeypatch.setattr(graphs.DecodeGraphs, "replay", staticmethod(
+        lambda static, fn: seen["decodes"].append(static.graph is not None) or real_replay(static, fn)))
+    return seen
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_beam_bookkeeping_runs_as_a_captured_graph(monkeypatch, caplog, dtype):
     """Beam search with min-length and several EOS ids takes beam_graph's path, its update is
     captured (no "could not be captured" fallback) and replayed every step, in fp32 and bf16;
     in fp32 the tokens are HF's."""
-    from hf_paged_t5 import beam_graph, graphs
+    from hf_paged_t5 import beam_graph
 
-    captured, replays, decodes = [], [], []
-    real_capture, real_run = beam_graph.BeamStep.capture, beam_graph.BeamStep.run
-    real_replay = graphs.DecodeGraphs.replay
-    monkeypatch.setattr(graphs.DecodeGraphs, "replay",
-                        staticmethod(lambda static, fn: decodes.append(static.graph is not None) or real_replay(static, fn)))
-    monkeypatch.setattr(beam_graph.BeamStep, "capture", lambda self: captured.append(1) or real_capture(self))
-    monkeypatch.setattr(beam_graph.BeamStep, "run",
-                        lambda self: replays.append(self._graph is not None) or real_run(self))
+    seen = record_graph_use(monkeypatch, beam_graph.BeamStep)
     model = real_shape_model("t5-small", dtype, layers=3)
     ids, mask = batch(5, 120, seed=3)
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=37, min_new_tokens=9, num_beams=3,
               num_return_sequences=2, length_penalty=0.7, eos_token_id=[1, 5])
     with caplog.at_level("WARNING"):
         ref, out = both(model, **kw)
-    assert captured == [1] and replays and all(replays) and decodes and all(decodes)
+    assert seen["captured"] == [1] and seen["updates"] and all(seen["updates"])
+    assert seen["decodes"] and all(seen["decodes"])
     assert "could not be captured" not in caplog.text
     if dtype == torch.float32:
         assert torch.equal(ref, out)
@@ -132,16 +140,9 @@ def test_greedy_selection_runs_as_a_captured_graph(monkeypatch, caplog, dtype):
     """Greedy search with min-length and several EOS ids (rows end at different steps) takes
     greedy_graph's path: its update is captured and replayed every step, the decode step replays
     its graph, and in fp32 the tokens are HF's; a second call with another batch size too."""
-    from hf_paged_t5 import graphs, greedy_graph
+    from hf_paged_t5 import greedy_graph
 
-    captured, replays, decodes = [], [], []
-    real_capture, real_run = greedy_graph.GreedyStep.capture, greedy_graph.GreedyStep.run
-    real_replay = graphs.DecodeGraphs.replay
-    monkeypatch.setattr(graphs.DecodeGraphs, "replay",
-                        staticmethod(lambda static, fn: decodes.append(static.graph is not None) or real_replay(static, fn)))
-    monkeypatch.setattr(greedy_graph.GreedyStep, "capture", lambda self: captured.append(1) or real_capture(self))
-    monkeypatch.setattr(greedy_graph.GreedyStep, "run",
-                        lambda self: replays.append(self._graph is not None) or real_run(self))
+    seen = record_graph_use(monkeypatch, greedy_graph.GreedyStep)
     model = real_shape_model("t5-small", dtype, layers=3)
     for rows, seed in ((5, 3), (1, 4)):
         ids, mask = batch(rows, 120, seed=seed)
@@ -151,7 +152,8 @@ def test_greedy_selection_runs_as_a_captured_graph(monkeypatch, caplog, dtype):
         assert "could not be captured" not in caplog.text
         if dtype == torch.float32:
             assert torch.equal(ref, out)
-    assert captured == [1, 1] and replays and all(replays) and decodes and all(decodes)
+    assert seen["captured"] == [1, 1] and seen["updates"] and all(seen["updates"])
+    assert seen["decodes"] and all(seen["decodes"])
 
 
 def test_beam_cross_kv_stored_once():
