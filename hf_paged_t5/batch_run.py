@@ -190,7 +190,7 @@ class BatchRun:
         ids[real] = np.concatenate([r.ids for r in chunk])
         ids, mask = upload(torch.from_numpy(ids), device), upload(torch.from_numpy(real.astype(np.int64)), device)
         tables = runtime.bias_tables(encoder, causal=False)
-        hidden = encoder_forward(encoder, runtime.ops_for, tables, encoder.embed_tokens(ids), mask)  # [n, L, d]
+        hidden = encoder_forward(encoder, runtime.ops_for, tables, None, mask, input_ids=ids)  # [n, L, d]
         index = upload(torch.from_numpy(np.flatnonzero(real)), hidden.device)
         packed = hidden.reshape(-1, hidden.shape[-1])[index]  # [total_tokens, d_model]
         slots = []

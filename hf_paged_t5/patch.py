@@ -194,12 +194,12 @@ def _make_encoder_forward(runtime: PagedRuntime, original):
                             return_dict=return_dict, **kwargs)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-        if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)
-        if inputs_embeds.shape[0] == 0 or inputs_embeds.shape[1] == 0:
-            raise ValueError(f"empty input: the encoder got inputs of shape {tuple(inputs_embeds.shape[:2])}")
+        source = input_ids if inputs_embeds is None else inputs_embeds
+        if source.shape[0] == 0 or source.shape[1] == 0:
+            raise ValueError(f"empty input: the encoder got inputs of shape {tuple(source.shape[:2])}")
         tables = runtime.bias_tables(self, causal=False)
-        hidden = encoder_forward(self, runtime.ops_for, tables, inputs_embeds, attention_mask)
+        # given input_ids, only the real tokens are embedded (inside encoder_forward)
+        hidden = encoder_forward(self, runtime.ops_for, tables, inputs_embeds, attention_mask, input_ids=input_ids)
         out = BaseModelOutput(last_hidden_state=hidden)
         return out if return_dict is not False else (hidden,)
 

@@ -93,20 +93,28 @@ def encoder_forward(
     stack: nn.Module,
     ops_for: Callable[[torch.device], ModuleType],
     bias_tables: list[torch.Tensor],
-    inputs_embeds: torch.Tensor,
+    inputs_embeds: Optional[torch.Tensor],
     attention_mask: Optional[torch.Tensor],
+    input_ids: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """T5 encoder over the real tokens only (varlen); padded positions of the output are 0.
 
-    inputs_embeds: [batch, seq_len, d_model]; attention_mask: [batch, seq_len] or None
+    inputs_embeds: [batch, seq_len, d_model], or None with input_ids [batch, seq_len]: then only
+    the real tokens are embedded (no [batch, seq_len, d_model] copy of the embeddings is made);
+    attention_mask: [batch, seq_len] or None
     bias_tables[i]: layer i's bidirectional table (see bias.py)
     returns: last_hidden_state [batch, seq_len, d_model]
     """
-    batch, seq_len, d_model = inputs_embeds.shape
+    source = inputs_embeds if inputs_embeds is not None else input_ids
+    batch, seq_len = source.shape[:2]
     if attention_mask is None:
-        attention_mask = torch.ones(batch, seq_len, dtype=torch.long, device=inputs_embeds.device)
+        attention_mask = torch.ones(batch, seq_len, dtype=torch.long, device=source.device)
     index, _, cu_seqlens, max_seqlen = pack_tokens(attention_mask)
-    hidden = inputs_embeds.reshape(batch * seq_len, d_model)[index.to(inputs_embeds.device)]
+    if inputs_embeds is None:
+        hidden = stack.embed_tokens(input_ids.reshape(-1)[index.to(input_ids.device)])
+    else:
+        hidden = inputs_embeds.reshape(batch * seq_len, -1)[index.to(inputs_embeds.device)]
+    d_model = hidden.shape[-1]
     hidden = stack.dropout(hidden)
     # The residual stream `hidden` and the pending sub-layer output `out` are added inside
     # the next layer norm (attn_ops.add_norm), as HF adds them just before it. `out` is

@@ -136,3 +136,25 @@ def test_greedy_with_tiny_ff_chunks_matches_hf(family, side, monkeypatch):
             h.remove()
     assert calls == [len(model.encoder.block) * math.ceil(sum(lengths) / TINY_CHUNK), TINY_CHUNK]
     assert torch.equal(ref, out), f"\nHF:\n{ref}\npaged:\n{out}"
+
+
+def test_only_real_tokens_are_embedded():
+    """Given input_ids, the patched encoder embeds the real tokens only (no [batch, seq, d_model]
+    embedding of the padded batch is made); the output is HF's, padded positions 0."""
+    model = make_model("t5", seed=3)
+    ids, mask = make_batch([9, 3, 6], padding_side="left")
+    with torch.no_grad():
+        ref = model.encoder(input_ids=ids, attention_mask=mask).last_hidden_state
+    shapes = []
+    handle = model.encoder.embed_tokens.register_forward_hook(lambda m, args, out: shapes.append(tuple(out.shape)))
+    hp.patch_model(model)
+    try:
+        with torch.no_grad():
+            out = model.encoder(input_ids=ids, attention_mask=mask).last_hidden_state
+    finally:
+        handle.remove()
+        hp.unpatch_model(model)
+    assert shapes == [(18, model.config.d_model)]  # 9 + 3 + 6 real tokens, flat
+    real = mask.bool()
+    torch.testing.assert_close(out[real], ref[real], rtol=0, atol=3e-5)
+    assert not out[~real].any()
