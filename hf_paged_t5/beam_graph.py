@@ -28,9 +28,8 @@ from typing import Optional
 import numpy as np
 import torch
 from torch import nn
-from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
-from .loop import _MinLength, lean_processors
+from .loop import _MinLength, criteria_supported, eos_ids, lean_processors
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +39,7 @@ def supported(generation_config, logits_processor, stopping_criteria) -> bool:
         return False
     if any(type(p) is not _MinLength for p in lean_processors(logits_processor)):
         return False
-    return all(type(c) in (EosTokenCriteria, MaxLengthCriteria) for c in stopping_criteria)
+    return criteria_supported(stopping_criteria, generation_config)
 
 
 def _gather(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -67,10 +66,7 @@ class BeamStep:
         beams = self.num_beams
         eos = cfg._eos_token_tensor
         pad = cfg._pad_token_tensor
-        self.eos = None
-        for c in stopping_criteria:
-            if type(c) is EosTokenCriteria:
-                self.eos = c.eos_token_id.to(device)
+        self.eos = eos_ids(stopping_criteria, device)
         self.beams_to_keep = max(2, 1 + (eos.shape[0] if eos is not None else 0)) * beams
         self.top_num_beam_mask = torch.zeros(self.beams_to_keep, dtype=torch.bool, device=device)
         self.top_num_beam_mask[:beams] = True

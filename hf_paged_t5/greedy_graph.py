@@ -21,11 +21,11 @@ import math
 from typing import Callable
 
 import torch
-from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+from transformers.generation.stopping_criteria import EosTokenCriteria
 
 from .cache import PagedEncoderDecoderCache
 from .graphs import DecodeGraphs, ResidentLoop, capture_update
-from .loop import _MinLength, lean_processors
+from .loop import _MinLength, criteria_supported, eos_ids, lean_processors
 
 
 def supported(generation_config, logits_processor, stopping_criteria) -> bool:
@@ -33,7 +33,7 @@ def supported(generation_config, logits_processor, stopping_criteria) -> bool:
         return False
     if any(type(p) is not _MinLength for p in lean_processors(logits_processor)):
         return False
-    if not all(type(c) in (EosTokenCriteria, MaxLengthCriteria) for c in stopping_criteria):
+    if not criteria_supported(stopping_criteria, generation_config):
         return False
     # an EOS criterion pads finished rows: without a pad id HF's own loop raises (its error, not ours)
     has_eos = any(type(c) is EosTokenCriteria for c in stopping_criteria)
@@ -59,10 +59,7 @@ class GreedyStep:
         vocab = logits.shape[-1]
         self.minimum = [p for p in lean_processors(logits_processor) if isinstance(p, _MinLength)]
         self.min_masks = [p.eos_mask(vocab, device) for p in self.minimum]
-        self.eos = None
-        for c in stopping_criteria:
-            if type(c) is EosTokenCriteria:
-                self.eos = c.eos_token_id.to(device)
+        self.eos = eos_ids(stopping_criteria, device)
         self.pad = None
         if self.eos is not None:  # HF pads finished rows only when an EOS criterion is there
             self.pad = generation_config._pad_token_tensor.to(device)

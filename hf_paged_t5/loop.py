@@ -78,6 +78,26 @@ def lean_criteria(criteria, device: torch.device) -> list[Callable]:
     return lean
 
 
+def eos_ids(criteria, device: torch.device) -> Optional[torch.Tensor]:
+    """[n] the EOS ids of every `EosTokenCriteria` in `criteria` (a row ends on any of them, as
+    HF's criteria list ends it when any criterion does), or None without one."""
+    ids = [c.eos_token_id.to(device).reshape(-1) for c in criteria if type(c) is EosTokenCriteria]
+    return torch.cat(ids) if ids else None
+
+
+def criteria_supported(criteria, generation_config) -> bool:
+    """The stopping criteria the device-resident loops serve: EOS, and max length at
+    `generation_config.max_length` (a user's `MaxLengthCriteria` with another limit replaces HF's
+    default one; those calls run `sample_loop` / `beam_loop`, which read the criteria's own limit)."""
+    for c in criteria:
+        if type(c) is MaxLengthCriteria:
+            if c.max_length != generation_config.max_length:
+                return False
+        elif type(c) is not EosTokenCriteria:
+            return False
+    return True
+
+
 def sample_loop(
     step: Callable[[torch.Tensor], torch.Tensor],
     prefill: Callable[[torch.Tensor], torch.Tensor],

@@ -79,10 +79,18 @@ _ON_UNLESS_NONE = frozenset(
 )
 
 
-def _differs(config: GenerationConfig, default: GenerationConfig, key: str) -> bool:
-    """Whether `key` asks for something other than the library default."""
+def _global_defaults() -> dict[str, Any]:
+    """The values transformers 5.x fills into every call's config where neither the user nor the
+    model set one (`_prepare_generation_config`); older versions keep them in `GenerationConfig()`."""
+    get = getattr(GenerationConfig, "_get_default_generation_params", None)
+    return get() if get is not None else {}
+
+
+def _differs(config: GenerationConfig, default: GenerationConfig, key: str, filled: dict[str, Any]) -> bool:
+    """Whether `key` asks for something other than the library default (`default`'s value, or the
+    value `filled` says HF fills in by default)."""
     value, base = getattr(config, key, None), getattr(default, key, None)
-    if value is None or value == base:
+    if value is None or value == base or (key in filled and value == filled[key]):
         return False
     if key in _ON_UNLESS_NONE:
         return True
@@ -98,21 +106,21 @@ def fallback_reason(config: GenerationConfig, model_kwargs: dict[str, Any], trai
     for key, reason in FALLBACK_KWARGS.items():
         if reason is not None and model_kwargs.get(key) is not None and model_kwargs.get(key) is not False:
             return reason
+    default, filled = GenerationConfig(), _global_defaults()
+    for key, reason in FALLBACK_OPTIONS.items():  # before unknown kwargs: HF may pass these on as both
+        if _differs(config, default, key, filled):
+            return reason
     for key in model_kwargs:
         if key not in SERVED_KWARGS and key not in FALLBACK_KWARGS and model_kwargs[key] is not None:
             return f"generate() argument {key!r} is not served by the paged path"
     mask = model_kwargs.get("decoder_attention_mask")
     if isinstance(mask, torch.Tensor) and not bool(mask.bool().all()):
         return "a decoder_attention_mask with padding is served by stock HF"
-    default = GenerationConfig()
-    for key, reason in FALLBACK_OPTIONS.items():
-        if _differs(config, default, key):
-            return reason
     if config.use_cache is False:
         return "use_cache=False is served by stock HF"
     for key in config.to_dict():
         if key in SERVED_OPTIONS or key in METADATA or key in FALLBACK_OPTIONS:
             continue
-        if _differs(config, default, key):
+        if _differs(config, default, key, filled):
             return f"generation option {key!r}={getattr(config, key)!r} is not known to the paged path"
     return None

@@ -8,7 +8,6 @@ attributes, and `unpatch_model` restores exactly what was there.
 from __future__ import annotations
 
 import contextlib
-import copy
 import inspect
 import logging
 import threading
@@ -18,6 +17,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 from transformers.generation import GenerationMode
+from transformers.generation.stopping_criteria import MaxLengthCriteria
 from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
 
 from . import beam_graph, greedy_graph
@@ -290,8 +290,9 @@ def _scales_output(config) -> bool:
 
 def _make_generate(runtime: PagedRuntime, original):
     def generate(self, inputs=None, generation_config=None, **kwargs):
-        gen_config = copy.deepcopy(generation_config if generation_config is not None else self.generation_config)
-        model_kwargs = gen_config.update(**kwargs)
+        # HF's own merge: the user's config (or the model's), unset fields from model.generation_config,
+        # then the keyword arguments; what HF then runs is what the pool and the loop are sized for
+        gen_config, model_kwargs = self._prepare_generation_config(generation_config, **kwargs)
         if inputs is not None:
             model_kwargs["input_ids"] = inputs
         reason = fallback_reason(gen_config, model_kwargs, self.training)
@@ -333,6 +334,10 @@ def _paged_generate(runtime, model, original, inputs, generation_config, gen_con
         new = _default_max_length()
     # the last new token is returned, never fed back: the cache holds start_len + new - 1 tokens
     max_self_tokens = start_len + new - 1
+    # a user's MaxLengthCriteria replaces HF's default one, and may allow more (total decoder length)
+    for c in kwargs.get("stopping_criteria") or ():
+        if isinstance(c, MaxLengthCriteria):
+            max_self_tokens = max(max_self_tokens, c.max_length - 1)
     if model_kwargs.get("decoder_attention_mask") is not None:
         kwargs = {k: v for k, v in kwargs.items() if k != "decoder_attention_mask"}  # all ones: same as none
     with runtime.lock:
