@@ -3,8 +3,9 @@ against stock HF generate() on CPU, fp32: the same tokens, for cases test_genera
 out — block sizes 1 / 2 / 256, decoder prompts ending at a block boundary, max_length instead of
 max_new_tokens, early_stopping / length_penalty variants, a pad id other than 0, one or two new
 tokens, repeated calls on one model and calls alternating between two models, a seeded mix of all
-of these, and the CUDA-graph warm-up's state restore (simulated on CPU). Known gaps are strict
-xfails at the end."""
+of these, and the CUDA-graph warm-up's state restore (simulated on CPU). At the end, the gaps this
+file found when it was written (fixed since): a user's MaxLengthCriteria, several EosTokenCriteria,
+a user generation_config without the model's defaults."""
 
 from __future__ import annotations
 
