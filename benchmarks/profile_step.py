@@ -1,4 +1,5 @@
-"""Where a patched decode step's time goes: the whole step, our decode's host work, the graph replay.
+"""Where a patched decode step's time goes: the whole step, the host time of its launches (the
+decode graph and the greedy / beam update of the device-resident loops), the decode graph alone.
 
     python benchmarks/profile_step.py [--models t5-small,t5-large] [--batch 1,64] [--table PATH]
 """
@@ -15,22 +16,34 @@ import hf_paged_t5 as hp
 from bench_generate import inputs, make
 
 
-def timed_decode():
-    """Wrap the paged decode step (`patch._decode`) to sum its host time (no syncs added)."""
-    import hf_paged_t5.patch as patch_mod
+def timed_launches():
+    """Sum the host time of each step's launches on the device-resident loops (the decode graph's
+    `DecodeGraphs.replay` and the greedy / beam update's `run`), no syncs added; restore() undoes it."""
+    from hf_paged_t5 import beam_graph, graphs, greedy_graph
 
-    inner = patch_mod._decode
     spent = [0.0, 0]
+    originals = [(graphs.DecodeGraphs, "replay", graphs.DecodeGraphs.__dict__["replay"]),
+                 (greedy_graph.GreedyStep, "run", greedy_graph.GreedyStep.run),
+                 (beam_graph.BeamStep, "run", beam_graph.BeamStep.run)]
 
-    def decode(*args, **kwargs):
-        t0 = time.perf_counter()
-        out = inner(*args, **kwargs)
-        spent[0] += time.perf_counter() - t0
-        spent[1] += 1
-        return out
+    def timed(fn, count):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            spent[0] += time.perf_counter() - t0
+            spent[1] += count
+            return out
+        return wrapper
 
-    patch_mod._decode = decode
-    return spent, lambda: setattr(patch_mod, "_decode", inner)
+    graphs.DecodeGraphs.replay = staticmethod(timed(graphs.DecodeGraphs.replay, 1))
+    greedy_graph.GreedyStep.run = timed(greedy_graph.GreedyStep.run, 0)
+    beam_graph.BeamStep.run = timed(beam_graph.BeamStep.run, 0)
+
+    def restore():
+        for owner, name, value in originals:
+            setattr(owner, name, value)
+
+    return spent, restore
 
 
 def run(name: str, batch: int, beams: int, table: str | None, new: int = 64) -> None:
@@ -39,14 +52,14 @@ def run(name: str, batch: int, beams: int, table: str | None, new: int = 64) -> 
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, num_beams=beams)
     with torch.inference_mode():
         model.generate(**kw)
-        spent, restore = timed_decode()
+        spent, restore = timed_launches()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         model.generate(**kw)
         torch.cuda.synchronize()
         total = (time.perf_counter() - t0) / new * 1e3
         restore()
-        fwd = spent[0] / spent[1] * 1e3
+        launches = spent[0] / max(spent[1], 1) * 1e3
         static = next(iter(model._hf_paged_t5.graphs._graphs.values()))
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -60,8 +73,9 @@ def run(name: str, batch: int, beams: int, table: str | None, new: int = 64) -> 
             with open(table, "a") as f:
                 f.write(f"\n##### {name} b{batch} beams{beams}\n")
                 f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=45))
-    print(f"{name} b{batch} beams{beams}: generate {total:.3f} ms/step | our decode step (host) {fwd:.3f} | "
-          f"graph replay alone (GPU) {replay:.3f} | generate minus replay {total - replay:.3f}", flush=True)
+    print(f"{name} b{batch} beams{beams}: generate {total:.3f} ms/step | host launches per step (decode graph + "
+          f"update) {launches:.3f} | decode graph replay alone (GPU) {replay:.3f} | generate minus replay "
+          f"{total - replay:.3f}", flush=True)
 
 
 def main() -> None:
