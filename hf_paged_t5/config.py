@@ -30,8 +30,9 @@ class PagedCacheConfig:
         dtype: KV dtype; `None` uses the dtype of each layer's `k` projection weight.
         backend: "triton" (GPU kernels), "torch" (plain PyTorch reference, runs anywhere)
             or "auto" (triton on CUDA devices, torch elsewhere).
-        cuda_graphs: capture the decode step as a CUDA graph per batch-size bucket, and beam
-            search's bookkeeping as one graph per `generate()` call.
+        cuda_graphs: capture the decode step as a CUDA graph per batch-size bucket, and the
+            greedy / beam-search update (token choice, cache reorder, next step's inputs) as one
+            graph per `generate()` call; False runs the same steps eagerly.
         max_graph_batch: largest batch size served by a captured graph; larger batches
             run the same step eagerly.
     """
