@@ -420,20 +420,20 @@ def _lean_loop(runtime: PagedRuntime, cache: PagedEncoderDecoderCache, gen_confi
             with torch.no_grad():
                 return _decode(runtime, model, cache, ids)
 
-        if (not beams and streamer is None and _on_one_device(model)
-                and greedy_graph.supported(generation_config, logits_processor, stopping_criteria)):
+        # the device-resident loops: every per-step number on the device (the model on one device)
+        resident = None
+        if _on_one_device(model):
+            if beams and beam_graph.supported(generation_config, logits_processor, stopping_criteria):
+                resident = beam_graph.resident_beam_loop
+            elif (not beams and streamer is None
+                  and greedy_graph.supported(generation_config, logits_processor, stopping_criteria)):
+                resident = greedy_graph.graph_greedy_loop
+        if resident is not None:
             step_fn, use_graph = _decode_step(runtime, model, cache, input_ids.device, input_ids.shape[0])
             with torch.no_grad():
-                return greedy_graph.graph_greedy_loop(runtime.graphs, step_fn, cache, prefill, input_ids,
-                                                      logits_processor, stopping_criteria, generation_config,
-                                                      capture=use_graph)
+                return resident(runtime.graphs, step_fn, cache, prefill, input_ids, logits_processor,
+                                stopping_criteria, generation_config, capture=use_graph)
         if beams and beam_graph.supported(generation_config, logits_processor, stopping_criteria):
-            if _on_one_device(model):
-                step_fn, use_graph = _decode_step(runtime, model, cache, input_ids.device, input_ids.shape[0])
-                with torch.no_grad():
-                    return beam_graph.resident_beam_loop(runtime.graphs, step_fn, cache, prefill, input_ids,
-                                                         logits_processor, stopping_criteria, generation_config,
-                                                         capture=use_graph)
             return beam_graph.graph_beam_loop(step, prefill, cache.reorder_cache, input_ids, logits_processor,
                                               stopping_criteria, generation_config, runtime.config.cuda_graphs)
         if beams:
