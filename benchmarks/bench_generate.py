@@ -3,6 +3,9 @@
 Random weights with the real shapes of t5-small, t5-base, t5-large and flan-t5-xl; bf16;
 512-token inputs; 128 new tokens forced (min_new_tokens). Also an fp32 parity pass: greedy
 tokens of the patched model identical to HF's (t5-small and t5-large shapes, batch 16).
+Every case starts with no cuBLAS workspace allocated (`fresh_workspaces`), so its peak memory
+counts the workspaces its own system makes (HF: the caller's stream; patched: the generation
+stream its graphs are captured on) and none an earlier case left.
 
     python benchmarks/bench_generate.py [--out PATH] [--models t5-small,t5-large] [--quick] [--repeats 3]
 """
@@ -44,7 +47,21 @@ def inputs(batch: int, src_len: int):
     return ids, torch.ones_like(ids)
 
 
+def fresh_workspaces() -> None:
+    """Free every cuBLAS workspace before a case, so its peak counts the workspaces (32 MiB per
+    stream on an H200) that this case's system makes, not those an earlier case left. Called
+    where no CUDA graph is alive (the previous patched runtime collected): a graph replays into
+    the workspace it captured."""
+    gc.collect()
+    torch.cuda.synchronize()
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+    torch.cuda.empty_cache()
+
+
 def timed(model, batch, src_len, new, beams):
+    fresh_workspaces()
     ids, mask = inputs(batch, src_len)
     kw = dict(max_new_tokens=new, min_new_tokens=new, num_beams=beams, do_sample=False)
     with torch.inference_mode():
@@ -120,9 +137,9 @@ def bench_model(name, src_len, new, cases, rows, gbps, launch):
         if attn == "sdpa":
             wgib = weights_gib(model)
             for batch, beams in cases:
+                if hp.is_patched(model):
+                    hp.unpatch_model(model)  # the previous case's runtime (pool, graphs) goes before timed()
                 hp.patch_model(model)  # a fresh pool per case: its peak memory is this case's own
-                gc.collect()  # the previous case's runtime (pool, graphs) sits in reference cycles
-                torch.cuda.empty_cache()
                 r = timed(model, batch, src_len, new, beams)
                 r.update(floor_ms(model, batch, beams, src_len, new, step_kernels(model), gbps, launch))
                 results[("paged", batch, beams)] = r

@@ -182,7 +182,7 @@ class DecodeGraphs:
         static = self._buffers(pool, key, device)
         static_ids, meta = static.input_ids, static.meta
         meta_for = lambda _device: meta  # noqa: E731  (one device: checked by the caller)
-        side = _warmup_stream(device)
+        side = generation_stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for _ in range(2):  # warm up: Triton compiles, cuBLAS picks algorithms, outside the capture
@@ -191,8 +191,8 @@ class DecodeGraphs:
         if self._mempool is None:
             self._mempool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        # captured on the warm-up stream, not torch.cuda.graph's own: each stream cuBLAS runs on
-        # keeps a workspace of its own (32 MiB on an H200), and a third stream would add one
+        # captured on the generation stream, not torch.cuda.graph's own: each stream cuBLAS runs on
+        # keeps a workspace of its own (32 MiB on an H200)
         with torch.cuda.graph(graph, pool=self._mempool, stream=side):
             logits = step_fn(static_ids, meta_for)
         static.graph, static.logits = graph, logits
@@ -282,23 +282,25 @@ class ResidentLoop:
         return value
 
 
-_WARMUP_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+_GENERATION_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
-def _warmup_stream(device: torch.device) -> torch.cuda.Stream:
-    """The side stream captures warm up on: one per device for the process, because cuBLAS keeps a
-    workspace (tens of MiB) for every stream it has run on, and a new stream per capture adds one."""
+def generation_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream a patched generate() runs on (`patch._generation_stream`) and decode graphs are
+    warmed up and captured on: one per device for the process, because cuBLAS keeps a workspace
+    (32 MiB on an H200) for every stream it has run on; running the eager parts (encoder,
+    prefill) on another stream than the graphs' would hold two."""
     device = torch.device(device)
-    if device not in _WARMUP_STREAMS:
-        _WARMUP_STREAMS[device] = torch.cuda.Stream(device)
-    return _WARMUP_STREAMS[device]
+    if device not in _GENERATION_STREAMS:
+        _GENERATION_STREAMS[device] = torch.cuda.Stream(device)
+    return _GENERATION_STREAMS[device]
 
 
 _UPDATE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def _update_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream `capture_update` records on, not the decode graphs' (`_warmup_stream`): these
+    """The stream `capture_update` records on, not the decode graphs' (`generation_stream`): these
     graphs die with their generate() call, and PyTorch may drop the cuBLAS workspace of a graph's
     capture stream when the graph is destroyed (pytorch/pytorch#193402) while the decode graphs
     captured on that stream still use it. The updates run no cuBLAS, so this stream has none."""

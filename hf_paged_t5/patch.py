@@ -27,7 +27,7 @@ from .cache import KVPool, LayerSpec, PagedEncoderDecoderCache
 from .config import PagedCacheConfig
 from .loop import beam_loop, sample_loop
 from .modes import fallback_reason
-from .graphs import DecodeGraphs, graphable
+from .graphs import DecodeGraphs, generation_stream, graphable
 from .stacks import decoder_layers, encoder_forward, module_device, store_cross
 
 logger = logging.getLogger(__name__)
@@ -340,7 +340,7 @@ def _paged_generate(runtime, model, original, inputs, generation_config, gen_con
             max_self_tokens = max(max_self_tokens, c.max_length - 1)
     if model_kwargs.get("decoder_attention_mask") is not None:
         kwargs = {k: v for k, v in kwargs.items() if k != "decoder_attention_mask"}  # all ones: same as none
-    with runtime.lock:
+    with runtime.lock, _generation_stream(runtime, model) as hand_over:
         runtime.owner = threading.get_ident()
         cache = None
         try:
@@ -352,11 +352,55 @@ def _paged_generate(runtime, model, original, inputs, generation_config, gen_con
             if loop is not None:
                 kwargs = {**kwargs, "custom_generate": loop}
             with _encoder_outputs_per_source(model, expand):
-                return original(inputs, generation_config, **kwargs, **{runtime.cache_kwarg: cache})
+                return hand_over(original(inputs, generation_config, **kwargs, **{runtime.cache_kwarg: cache}))
         finally:
             runtime.owner = None
             if cache is not None:
                 cache.release()
+
+
+@contextlib.contextmanager
+def _generation_stream(runtime: PagedRuntime, model: nn.Module):
+    """Run a paged generate() on `graphs.generation_stream`, the stream its decode graphs are
+    captured on, when those graphs can run (CUDA graphs on, the model on one CUDA device): cuBLAS
+    keeps a workspace per stream (32 MiB on an H200), so an encoder and prefill on the caller's
+    stream would hold a second one. Ordered after the caller's pending work at entry; at exit the
+    caller's stream waits for the generation, and the returned tensors are marked used on the
+    caller's stream (`hand_over`) so the allocator cannot reuse them while it still reads them.
+    Yields `hand_over(result) -> result`."""
+    device = next(model.parameters()).device
+    if not (runtime.config.cuda_graphs and device.type == "cuda" and _on_one_device(model)):
+        yield lambda result: result
+        return
+    caller, side = torch.cuda.current_stream(device), generation_stream(device)
+    if caller == side:
+        yield lambda result: result
+        return
+
+    def hand_over(result):
+        _record_stream(result, caller)
+        return result
+
+    side.wait_stream(caller)
+    try:
+        with torch.cuda.stream(side):
+            yield hand_over
+    finally:
+        caller.wait_stream(side)
+
+
+def _record_stream(value: Any, stream: torch.cuda.Stream) -> None:
+    """`Tensor.record_stream(stream)` on every CUDA tensor in `value` (generate()'s output: a tensor
+    or a ModelOutput of tuples of tensors)."""
+    if isinstance(value, torch.Tensor):
+        if value.is_cuda:
+            value.record_stream(stream)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _record_stream(item, stream)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _record_stream(item, stream)
 
 
 @contextlib.contextmanager

@@ -213,3 +213,29 @@ def test_pool_growth_after_capture_recaptures():
     hp.patch_model(model, hp.PagedCacheConfig(cuda_graphs=False))
     eager = model.generate(input_ids=large, attention_mask=large_mask, **kw)
     assert torch.equal(grown, eager) and torch.equal(again, eager)
+
+
+def test_generate_runs_on_the_generation_stream_and_hands_back():
+    """The encoder, prefill and graphs all run on one stream (one cuBLAS workspace); the caller's
+    stream is current again afterwards and sees the finished tokens, also from a user stream."""
+    from hf_paged_t5.graphs import generation_stream
+
+    model = real_shape_model("t5-small", torch.bfloat16, layers=2)
+    ids, mask = batch(3, 64)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, min_new_tokens=12)
+    ref = model.generate(**kw)
+    hp.patch_model(model)
+    seen = []
+    hook = model.encoder.register_forward_hook(lambda *_: seen.append(torch.cuda.current_stream()))
+    try:
+        user = torch.cuda.Stream()
+        for stream in (torch.cuda.current_stream(), user):
+            with torch.cuda.stream(stream):
+                out = model.generate(**kw)
+                assert torch.cuda.current_stream() == stream
+                same = torch.equal(out, ref)  # read on the caller's stream, no explicit sync
+            assert same
+    finally:
+        hook.remove()
+        hp.unpatch_model(model)
+    assert seen == [generation_stream(ids.device)] * 2
