@@ -26,6 +26,7 @@ forward, so they are timed at their best). Times are medians of `triton.testing.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -43,7 +44,7 @@ import triton  # noqa: E402
 
 from hf_paged_t5.kernels import paged_decode, prefill  # noqa: E402
 from hf_paged_t5.kernels.decode import DecodeConfig  # noqa: E402
-from hf_paged_t5.kernels.prefill import PrefillConfig  # noqa: E402
+from hf_paged_t5.kernels.prefill import PrefillConfig, prefill_config  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -150,6 +151,8 @@ def decode_case(batch, keys, args, device, copy_gbps):
         # combine launch), which hides the kernel at 1 x 16k keys; in a graph it does not.
         timings["paged_decode_graph"] = graph_us([lambda: paged_decode(**decode)] * 3) / 1e3
         timings["sdpa_graph"] = graph_us([lambda: sdpa_attention(q, k, v, bias)] * 3) / 1e3
+        for name, config in variants.items():
+            timings[name + "_graph"] = graph_us([lambda config=config: prefill(**ours, config=config)] * 3) / 1e3
         tuned = args.tuned.get(("decode", batch, keys, head_dim, True))
         if tuned is not None:
             timings["paged_decode_tuned_graph"] = graph_us([lambda: paged_decode(**decode, config=tuned)] * 3) / 1e3
@@ -227,7 +230,7 @@ def prefill_case(batch, length, args, device):
     total = batch * length
     query, key, value = (torch.randn(total, heads, head_dim, device=device, dtype=dtype) for _ in range(3))
     cu_seqlens = torch.arange(0, total + 1, length, dtype=torch.int32, device=device)
-    table = torch.randn(heads, 257, device=device)  # bidirectional table, max_distance 128
+    table = torch.randn(heads, 257, device=device)  # bidirectional table, max_distance 128 (fp32, as patched)
 
     q, k, v = (t.view(batch, length, heads, head_dim).transpose(1, 2) for t in (query, key, value))
     pos = torch.arange(length, device=device)
@@ -235,10 +238,16 @@ def prefill_case(batch, length, args, device):
     bias = table[:, index][None].to(dtype)  # [1, heads, L, L] as HF builds it
 
     ours = dict(query=query, key=key, value=value, cu_seqlens=cu_seqlens, max_seqlen=length, bias_table=table)
+    default = prefill_config(head_dim, dtype, length)
+    # the band-tile and gather variants of today's default tiles, whichever the default is
+    variants = {"prefill_band": dataclasses.replace(default, band_tiles=True, toeplitz=False),
+                "prefill_gather": dataclasses.replace(default, band_tiles=False)}
     timings = {
         "prefill": bench(lambda: prefill(**ours)),
         "sdpa": bench(lambda: sdpa_attention(q, k, v, bias)),
     }
+    for name, config in variants.items():
+        timings[name] = bench(lambda config=config: prefill(**ours, config=config))
     tuned = args.tuned.get(("prefill", batch, length, head_dim, True))
     if tuned is not None:
         timings["prefill_tuned"] = bench(lambda: prefill(**ours, config=tuned))
@@ -246,6 +255,8 @@ def prefill_case(batch, length, args, device):
         # Both per call in a CUDA graph (no Python launch cost in either number).
         timings["prefill_graph"] = graph_us([lambda: prefill(**ours)] * 3) / 1e3
         timings["sdpa_graph"] = graph_us([lambda: sdpa_attention(q, k, v, bias)] * 3) / 1e3
+        for name, config in variants.items():
+            timings[name + "_graph"] = graph_us([lambda config=config: prefill(**ours, config=config)] * 3) / 1e3
         if tuned is not None:
             timings["prefill_tuned_graph"] = graph_us([lambda: prefill(**ours, config=tuned)] * 3) / 1e3
     # HF eager materializes [batch, heads, L, L] fp32 scores; skip it where that passes ~8 GB.

@@ -401,11 +401,22 @@ PREFILL_FIRST_PASS = [
     PrefillConfig(64, 128, 4, 2, band_split=False, toeplitz=True),
     PrefillConfig(64, 32, 4, 3, band_split=False, toeplitz=True),
     PrefillConfig(64, 64, 4, 3, toeplitz=True),
+    # Prebuilt band tiles (block_m a multiple of block_n), with the toeplitz tail or the gather one.
+    PrefillConfig(64, 64, 4, 2, band_tiles=True),
+    PrefillConfig(64, 64, 4, 3, band_tiles=True),
+    PrefillConfig(64, 32, 4, 2, band_tiles=True),
+    PrefillConfig(128, 32, 8, 2, band_tiles=True),
+    PrefillConfig(128, 32, 8, 3, band_tiles=True),
+    PrefillConfig(128, 64, 8, 2, band_tiles=True),
+    PrefillConfig(128, 64, 4, 2, band_tiles=True),
+    PrefillConfig(128, 128, 8, 2, band_tiles=True),
+    PrefillConfig(64, 64, 4, 2, band_tiles=True, toeplitz=True),
 ]
 QUICK_PREFILL = [
     PrefillConfig(16, 16, 4, 1),
     PrefillConfig(32, 16, 4, 1, band_split=False),
     PrefillConfig(16, 32, 4, 2, toeplitz=True),
+    PrefillConfig(32, 16, 4, 1, band_tiles=True),
 ]
 
 

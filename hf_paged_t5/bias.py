@@ -4,8 +4,10 @@ T5 maps `key_pos - query_pos` to one of `num_buckets` buckets, and every distanc
 `max_distance` lands in the last bucket. So a table over distances `0..D` (causal) or
 `-D..D` (bidirectional), clamped beyond, reproduces HF's bias exactly. The tables are
 built by calling HF's own `compute_bias` of the attention module, so bucketing and the
-embedding lookup are HF's code; `D = 2 * max_distance` leaves margin past the point where
-HF's float log-bucketing saturates.
+embedding lookup are HF's code. `D = max_distance`: HF's log-bucketing reaches its last
+bucket there (its log ratio is 1 at max_distance and the bucket is clamped to the last one
+above), so every longer distance has the bias at D (tests/test_bias.py checks HF's bias to
+3 * max_distance). A tight D keeps the encoder kernel's gathering band narrow.
 """
 
 from __future__ import annotations
@@ -16,7 +18,12 @@ from torch import nn
 
 def table_distance(attention: nn.Module) -> int:
     """Largest distance a table for `attention` stores explicitly."""
-    return 2 * attention.relative_attention_max_distance
+    return attention.relative_attention_max_distance
+
+
+def table_distance_of(table: torch.Tensor, causal: bool) -> int:
+    """D of a causal [num_heads, D + 1] or bidirectional [num_heads, 2D + 1] table."""
+    return table.shape[1] - 1 if causal else (table.shape[1] - 1) // 2
 
 
 @torch.no_grad()

@@ -22,7 +22,7 @@ import triton  # noqa: E402
 from hf_paged_t5 import reference  # noqa: E402
 from hf_paged_t5.kernels import paged_decode, prefill, store_kv  # noqa: E402
 from hf_paged_t5.kernels.decode import DecodeConfig, decode_config  # noqa: E402
-from hf_paged_t5.kernels.prefill import PrefillConfig, _wide_table, prefill_config  # noqa: E402
+from hf_paged_t5.kernels.prefill import PrefillConfig, _band_tiles, _wide_table, band_range, prefill_config  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -397,6 +397,43 @@ def test_prefill_toeplitz_table(block_m, block_n, tile_ranges, band_split, causa
     assert rel_err(out, ref) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("block_m, block_n", [(16, 16), (32, 16), (64, 16), (16, 32), (32, 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_prefill_band_tiles(block_m, block_n, dtype):
+    """Prebuilt band tiles in every tile range, a ragged tail tile left of, in and right of the
+    band (lengths vs max_distance 7 and 20). Where they apply (block_m a multiple of block_n)
+    the bias values are the gather's, so the output equals the gathering kernel's bit for bit;
+    elsewhere the flag is ignored."""
+    num_heads, head_dim = 2, 16
+    lens = [1, block_n - 1, block_n + 1, 2 * block_m + 3, 3 * block_m + block_n + 5, 100]
+    query, key, value, cu_seqlens = packed(lens, num_heads, head_dim, dtype, seed=7)
+    for max_distance in (7, 20):
+        table = torch.randn(num_heads, 2 * max_distance + 1, device=DEVICE).to(dtype)
+        args = dict(query=query, key=key, value=value, cu_seqlens=cu_seqlens, max_seqlen=max(lens), scale=0.3,
+                    bias_table=table)
+        gather = PrefillConfig(block_m, block_n, 4, 2)
+        out = prefill(**args, config=dataclasses.replace(gather, band_tiles=True))
+        ref = prefill_reference(query, key, value, cu_seqlens, max(lens), scale=0.3, bias_table=table)
+        assert rel_err(out, ref) < TOLERANCE[dtype]
+        assert torch.equal(out, prefill(**args, config=gather))
+
+
+@pytest.mark.parametrize("max_distance, block_m, block_n", [(7, 16, 16), (128, 64, 64), (128, 128, 32), (0, 32, 16)])
+def test_prefill_band_tiles_layout(max_distance, block_m, block_n):
+    """[h, i, r, c] is head h's bias at distance first + i * block_n + c - r (clamped), and the tiles
+    left of and right of the range are constant (every distance clamps to one end)."""
+    first, count = band_range(max_distance, block_m, block_n)
+    table = torch.randn(3, 2 * max_distance + 1, device=DEVICE).to(torch.bfloat16)
+    band = _band_tiles(table, max_distance, first, count, block_m, block_n)
+    assert band.shape == (3, count, block_m, block_n) and band.dtype == table.dtype
+    rows, cols = torch.arange(block_m)[:, None], torch.arange(block_n)[None, :]
+    offsets = first + block_n * torch.arange(-1, count + 1)[:, None, None]
+    distance = offsets + cols - rows  # [count + 2, block_m, block_n]
+    index = distance.clamp(-max_distance, max_distance) + max_distance
+    assert torch.equal(band.cpu(), table.cpu()[:, index[1:-1]])
+    assert (distance[0] <= -max_distance).all() and (distance[-1] >= max_distance).all()
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_prefill_wide_table_layout(causal):
     """[h, reach + d, e] holds head h's bias at distance d + e (clamped as T5 does), in log2 units."""
@@ -501,7 +538,7 @@ def test_gpu_prefill_realistic(dtype, head_dim, causal):
 @pytest.mark.parametrize("causal", [False, True])
 @gpu_test
 def test_gpu_prefill_toeplitz_configs(head_dim, causal):
-    """The tuner's new prefill variants, compiled, on sequences up to 2K (bf16)."""
+    """The tuner's prefill variants (widened table, band tiles), compiled, on sequences up to 2K (bf16)."""
     num_heads, dtype = 16, torch.bfloat16
     lens = [2048, 1000, 129, 1]
     query, key, value, cu_seqlens = packed(lens, num_heads, head_dim, dtype)
@@ -509,7 +546,9 @@ def test_gpu_prefill_toeplitz_configs(head_dim, causal):
     args = (query, key, value, cu_seqlens, max(lens))
     ref = prefill_reference(*args, causal=causal, bias_table=table)
     default = prefill_config(head_dim, dtype, max(lens))
-    for config in (dataclasses.replace(default, toeplitz=True), PrefillConfig(128, 64, 8, 2, toeplitz=True)):
+    for config in (dataclasses.replace(default, toeplitz=True), PrefillConfig(128, 64, 8, 2, toeplitz=True),
+                   dataclasses.replace(default, band_tiles=True), PrefillConfig(128, 32, 8, 3, band_tiles=True),
+                   PrefillConfig(64, 64, 4, 2, band_tiles=True, toeplitz=True)):
         out = prefill(*args, causal=causal, bias_table=table, config=config)
         assert rel_err(out, ref) < TOLERANCE[dtype], config
 

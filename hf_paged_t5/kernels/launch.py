@@ -117,6 +117,12 @@ class PrefillConfig:
         + max(block_m, block_n)) + 1, 4] fp32, O(L) memory) so gathering tiles load their bias
         at k - q in 16-byte vectors, with no per-element clamp or log2(e) scaling; off: gather
         one element at a time from T5's table
+    band_tiles: with band_split and the bidirectional table (block_m a multiple of block_n),
+        build every bias tile the band can hold first (one small launch; a tile's bias depends
+        only on k_start - q_start: [num_heads, tiles, block_m, block_n] in the table's dtype,
+        ~(2 * max_distance / block_n + 2) tiles, no O(L) term) so a band tile loads its bias
+        like a dense tile, coalesced, instead of gathering per element; wins over `toeplitz`
+        where it applies
     """
 
     block_m: int
@@ -126,6 +132,7 @@ class PrefillConfig:
     tile_ranges: bool = True
     band_split: bool = True
     toeplitz: bool = False
+    band_tiles: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):

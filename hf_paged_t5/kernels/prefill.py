@@ -10,8 +10,11 @@ table's first or last entry). Whole tiles skip the key mask; only the ragged end
 causal, the diagonal) is masked. With `PrefillConfig.toeplitz` the wrapper first widens the
 table (`_wide_table_kernel`: every distance a tile can meet, in log2 units, each entry with its
 next three), so a gathering tile loads its bias at k - q as 16-byte vectors with no clamp and
-no scaling: a Toeplitz tile whose offsets are the same in every tile. Launch knobs are a
-`PrefillConfig`, picked by `prefill_config`.
+no scaling: a Toeplitz tile whose offsets are the same in every tile. With
+`PrefillConfig.band_tiles` (bidirectional table) it instead builds every bias tile the band
+can hold (`_band_tiles_kernel`: a tile's bias depends only on k_start - q_start, so there are
+~2 * max_distance / block_n + 2 of them per head), and a band tile loads its bias as one
+dense, coalesced tile. Launch knobs are a `PrefillConfig`, picked by `prefill_config`.
 """
 
 from __future__ import annotations
@@ -55,6 +58,28 @@ def _wide_table_kernel(
 
 
 @triton.jit
+def _band_tiles_kernel(
+    bias_ptr,  # [num_heads, 2 * max_distance + 1] bidirectional distance table
+    band_ptr,  # [num_heads, tiles, BLOCK_M, BLOCK_N], the table's dtype, layout: `_band_tiles`
+    max_distance,
+    first_offset,
+    stride_bias_head,
+    stride_bias_key,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    head = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_M)[:, None]
+    cols = tl.arange(0, BLOCK_N)[None, :]
+    distance = first_offset + tile * BLOCK_N + cols - rows  # k_pos - q_pos
+    index = tl.minimum(tl.maximum(distance, -max_distance), max_distance) + max_distance
+    bias = tl.load(bias_ptr + head * stride_bias_head + index * stride_bias_key)
+    out = band_ptr + (head * tl.num_programs(1) + tile) * (BLOCK_M * BLOCK_N)
+    tl.store(out + rows * BLOCK_N + cols, bias)
+
+
+@triton.jit
 def _attend_tile(
     acc,
     l_i,
@@ -80,6 +105,7 @@ def _attend_tile(
     stride_bias_query,
     stride_bias_key,
     diag_ptr,
+    band_tile_ptr,
     CAUSAL: tl.constexpr,
     TILE_BIAS: tl.constexpr,
     MASKED: tl.constexpr,
@@ -95,8 +121,9 @@ def _attend_tile(
     MASKED: the tile may hold keys past seq_len (or, when CAUSAL, after a query); unmasked
     tiles skip every comparison. TILE_BIAS: 0 none, 1 a gather from the distance table, 2 a
     dense bias tile (these two match BIAS_MODE), 3 one scalar `const_bias` for the whole tile
-    (far from the diagonal every distance clamps to the same table entry). TOEPLITZ: the
-    gather reads the widened table at `diag_ptr` (its entry for k_pos - q_pos = -q_start).
+    (far from the diagonal every distance clamps to the same table entry), 4 the prebuilt band
+    tile at `band_tile_ptr`. TOEPLITZ: the gather reads the widened table at `diag_ptr` (its
+    entry for k_pos - q_pos = -q_start).
     """
     k_pos = k_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     dims = tl.arange(0, BLOCK_D)
@@ -133,6 +160,12 @@ def _attend_tile(
             index = tl.minimum(tl.maximum(k_pos[None, :] - q_pos[:, None], -max_distance), max_distance)
             index += max_distance
         s += tl.load(bias_row_ptr + index * stride_bias_key).to(tl.float32) * 1.4426950408889634
+    if TILE_BIAS == 4:
+        # A prebuilt band tile (`band_tile_ptr`: this tile's k_start - q_start): a dense,
+        # coalesced load, the same values the gather below reads.
+        tile_rows = tl.arange(0, BLOCK_M)
+        band = tl.load(band_tile_ptr + tile_rows[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :])
+        s += band.to(tl.float32) * 1.4426950408889634
     if TILE_BIAS == 2:
         bias_off = seq.to(tl.int64) * stride_bias_batch + head * stride_bias_head
         bias_off += q_pos[:, None].to(tl.int64) * stride_bias_query + k_pos[None, :] * stride_bias_key
@@ -160,12 +193,15 @@ def _prefill_kernel(
     cu_seqlens_ptr,  # [batch + 1] int32
     bias_ptr,  # table [num_heads, entries] | dense [batch|1, num_heads|1, L, L] | unused
     wide_ptr,  # [num_heads, 2 * reach + 1, 4] fp32 widened table (TOEPLITZ, layout: `_wide_table`) | unused
+    band_ptr,  # [num_heads, band_count, BLOCK_M, BLOCK_N] band tiles (BAND_TILES, layout: `_band_tiles`) | unused
     out_ptr,  # [total_tokens, num_heads, head_dim]
     scale,
     head_dim,
     max_seqlen,
     max_distance,
     reach,
+    band_first,
+    band_count,
     stride_query_token,
     stride_query_head,
     stride_key_token,
@@ -188,6 +224,7 @@ def _prefill_kernel(
     TILE_RANGES: tl.constexpr,
     BAND_SPLIT: tl.constexpr,
     TOEPLITZ: tl.constexpr,
+    BAND_TILES: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
     q_start = tl.program_id(0) * BLOCK_M
@@ -213,6 +250,13 @@ def _prefill_kernel(
     # This head's widened entry for k_pos - q_pos = -q_start (TOEPLITZ; |k_pos - q_pos| < reach).
     diag_ptr = wide_ptr + head * (4 * (2 * reach + 1)) + 4 * (reach - q_start)
     v_base = value_ptr + seq_start * stride_value_token + head * stride_value_head
+    # This head's band tiles (BAND_TILES): tile i holds k_start - q_start = band_first + i * BLOCK_N.
+    band_head = band_ptr + head * (band_count * BLOCK_M * BLOCK_N)
+    if BIAS_MODE == 1 and not CAUSAL:
+        # every distance left / right of the band clamps to the table's first / last entry
+        left_bias = tl.load(bias_row_ptr).to(tl.float32) * 1.4426950408889634
+        right_bias = tl.load(bias_row_ptr + 2 * max_distance * stride_bias_key).to(tl.float32)
+        right_bias = right_bias * 1.4426950408889634
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -240,37 +284,62 @@ def _prefill_kernel(
             left_end = tl.minimum(tl.maximum(q_start - max_distance + 1, 0) // BLOCK_N * BLOCK_N, full_end)
             right_start = tl.cdiv(q_start + BLOCK_M - 1 + max_distance, BLOCK_N) * BLOCK_N
             right_start = tl.maximum(tl.minimum(right_start, full_end), left_end)
-            left_bias = tl.load(bias_row_ptr).to(tl.float32) * 1.4426950408889634
-            right_bias = tl.load(bias_row_ptr + 2 * max_distance * stride_bias_key).to(tl.float32)
-            right_bias = right_bias * 1.4426950408889634
             for k_start in tl.range(0, left_end, BLOCK_N, num_stages=NUM_STAGES):
                 acc, l_i, m_i = _attend_tile(
-                    acc, l_i, m_i, q, k_base, v_base, k_start, left_bias, *tile_args, *bias_args,
+                    acc, l_i, m_i, q, k_base, v_base, k_start, left_bias, *tile_args, *bias_args, band_head,
                     CAUSAL, 3, False, TOEPLITZ, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_D, INPUT_PRECISION,
                 )  # fmt: skip
             for k_start in tl.range(left_end, right_start, BLOCK_N, num_stages=NUM_STAGES):
-                acc, l_i, m_i = _attend_tile(
-                    acc, l_i, m_i, q, k_base, v_base, k_start, 0.0, *tile_args, *bias_args,
-                    CAUSAL, 1, False, TOEPLITZ, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_D, INPUT_PRECISION,
-                )  # fmt: skip
+                if BAND_TILES:
+                    band_tile = band_head + ((k_start - q_start - band_first) // BLOCK_N) * (BLOCK_M * BLOCK_N)
+                    acc, l_i, m_i = _attend_tile(
+                        acc, l_i, m_i, q, k_base, v_base, k_start, 0.0, *tile_args, *bias_args, band_tile,
+                        CAUSAL, 4, False, TOEPLITZ, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_D, INPUT_PRECISION,
+                    )  # fmt: skip
+                else:
+                    acc, l_i, m_i = _attend_tile(
+                        acc, l_i, m_i, q, k_base, v_base, k_start, 0.0, *tile_args, *bias_args, band_head,
+                        CAUSAL, 1, False, TOEPLITZ, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_D, INPUT_PRECISION,
+                    )  # fmt: skip
             for k_start in tl.range(right_start, full_end, BLOCK_N, num_stages=NUM_STAGES):
                 acc, l_i, m_i = _attend_tile(
-                    acc, l_i, m_i, q, k_base, v_base, k_start, right_bias, *tile_args, *bias_args,
+                    acc, l_i, m_i, q, k_base, v_base, k_start, right_bias, *tile_args, *bias_args, band_head,
                     CAUSAL, 3, False, TOEPLITZ, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_D, INPUT_PRECISION,
                 )  # fmt: skip
         else:
             for k_start in tl.range(0, full_end, BLOCK_N, num_stages=NUM_STAGES):
                 acc, l_i, m_i = _attend_tile(
-                    acc, l_i, m_i, q, k_base, v_base, k_start, 0.0, *tile_args, *bias_args,
+                    acc, l_i, m_i, q, k_base, v_base, k_start, 0.0, *tile_args, *bias_args, band_head,
                     CAUSAL, BIAS_MODE, False, TOEPLITZ, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_D, INPUT_PRECISION,
                 )  # fmt: skip
         tail_start = full_end
     # The ragged end (the last partial tile; with CAUSAL the diagonal), or every key.
-    for k_start in tl.range(tail_start, kv_end, BLOCK_N, num_stages=NUM_STAGES):
-        acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, k_base, v_base, k_start, 0.0, *tile_args, *bias_args,
-            CAUSAL, BIAS_MODE, True, TOEPLITZ, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_D, INPUT_PRECISION,
-        )  # fmt: skip
+    if BAND_TILES:
+        # At most one tile (tail_start is the last whole tile's end): left of, in or right of the band.
+        for k_start in range(tail_start, kv_end, BLOCK_N):
+            offset = k_start - q_start
+            if offset < band_first:
+                acc, l_i, m_i = _attend_tile(
+                    acc, l_i, m_i, q, k_base, v_base, k_start, left_bias, *tile_args, *bias_args, band_head,
+                    CAUSAL, 3, True, TOEPLITZ, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_D, INPUT_PRECISION,
+                )  # fmt: skip
+            elif offset >= band_first + band_count * BLOCK_N:
+                acc, l_i, m_i = _attend_tile(
+                    acc, l_i, m_i, q, k_base, v_base, k_start, right_bias, *tile_args, *bias_args, band_head,
+                    CAUSAL, 3, True, TOEPLITZ, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_D, INPUT_PRECISION,
+                )  # fmt: skip
+            else:
+                band_tile = band_head + ((offset - band_first) // BLOCK_N) * (BLOCK_M * BLOCK_N)
+                acc, l_i, m_i = _attend_tile(
+                    acc, l_i, m_i, q, k_base, v_base, k_start, 0.0, *tile_args, *bias_args, band_tile,
+                    CAUSAL, 4, True, TOEPLITZ, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_D, INPUT_PRECISION,
+                )  # fmt: skip
+    else:
+        for k_start in tl.range(tail_start, kv_end, BLOCK_N, num_stages=NUM_STAGES):
+            acc, l_i, m_i = _attend_tile(
+                acc, l_i, m_i, q, k_base, v_base, k_start, 0.0, *tile_args, *bias_args, band_head,
+                CAUSAL, BIAS_MODE, True, TOEPLITZ, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_D, INPUT_PRECISION,
+            )  # fmt: skip
 
     out = acc / l_i[:, None]
     out_base = out_ptr + (seq_start + q_start) * stride_out_token + head * stride_out_head
@@ -293,6 +362,32 @@ def _wide_table(bias_table: torch.Tensor, max_distance: int, reach: int, causal:
         CAUSAL=bool(causal), BLOCK=_WIDE_BLOCK, num_warps=4,
     )  # fmt: skip
     return wide
+
+
+def band_range(max_distance: int, block_m: int, block_n: int) -> tuple[int, int]:
+    """(first, count): the k_start - q_start of every key tile the band loop can meet (bidirectional
+    table, q_start a multiple of block_m, itself a multiple of block_n): first, first + block_n, ...,
+    count of them. A tile at offset o spans distances o - (block_m - 1) .. o + block_n - 1; left
+    of `first` every distance is <= -max_distance, from first + count * block_n on >= max_distance."""
+    first = (1 - max_distance) // block_n * block_n
+    end = -(-(block_m - 1 + max_distance) // block_n) * block_n
+    return first, (end - first) // block_n
+
+
+def _band_tiles(bias_table: torch.Tensor, max_distance: int, first: int, count: int, block_m: int,
+                block_n: int) -> torch.Tensor:
+    """Every bias tile the band can hold, in the table's dtype (unscaled).
+
+    returns: [num_heads, count, block_m, block_n]; [h, i, r, c] is head h's bias at distance
+        first + i * block_n + c - r, clamped to +-max_distance as T5 does
+    """
+    num_heads = bias_table.shape[0]
+    band = torch.empty((num_heads, count, block_m, block_n), dtype=bias_table.dtype, device=bias_table.device)
+    _band_tiles_kernel[(num_heads, count)](
+        bias_table, band, max_distance, first, bias_table.stride(0), bias_table.stride(1),
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
+    )  # fmt: skip
+    return band
 
 
 def prefill(
@@ -339,23 +434,30 @@ def prefill(
         bias_mode, bias, bias_strides = _DENSE_BIAS, dense_bias, broadcast_strides(dense_bias)
     else:
         bias_mode, bias, bias_strides = _NO_BIAS, query, [0, 0, 0, 0]
+    band_tiles = (config.band_tiles and bias_table is not None and not causal and config.tile_ranges
+                  and config.band_split and config.block_m % config.block_n == 0)
     toeplitz = config.toeplitz and bias_table is not None
     wide, reach = bias, 0  # unused placeholders without the widened table
     if toeplitz:
         reach = max_seqlen + max(config.block_m, config.block_n)
         wide = _wide_table(bias_table, max_distance, reach, causal)
+    band, band_first, band_count = bias, 0, 0  # unused placeholders without band tiles
+    if band_tiles:
+        band_first, band_count = band_range(max_distance, config.block_m, config.block_n)
+        band = _band_tiles(bias_table, max_distance, band_first, band_count, config.block_m, config.block_n)
     # fp32 callers expect fp32 matmuls (HF parity); TF32 would cost ~3 decimal digits.
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     grid = (triton.cdiv(max_seqlen, config.block_m), batch, num_heads)
     _prefill_kernel[grid](
-        query, key, value, cu_seqlens, bias, wide, out,
-        float(scale), head_dim, max_seqlen, max_distance, reach,
+        query, key, value, cu_seqlens, bias, wide, band, out,
+        float(scale), head_dim, max_seqlen, max_distance, reach, band_first, band_count,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         *bias_strides,
         out.stride(0), out.stride(1),
         CAUSAL=bool(causal), BIAS_MODE=bias_mode, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_D=block_d(head_dim), EVEN_D=block_d(head_dim) == head_dim, NUM_STAGES=config.num_stages,
-        TILE_RANGES=config.tile_ranges, BAND_SPLIT=config.band_split, TOEPLITZ=toeplitz, INPUT_PRECISION=precision,
+        TILE_RANGES=config.tile_ranges, BAND_SPLIT=config.band_split, TOEPLITZ=toeplitz, BAND_TILES=band_tiles,
+        INPUT_PRECISION=precision,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out

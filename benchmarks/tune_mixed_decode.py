@@ -1,0 +1,86 @@
+"""Cross-attention decode over rows of mixed lengths (what BatchGenerator's steps run), per config.
+
+BatchGenerator's rows hold encoder outputs of 20-2,000 tokens (the bench_batch.py workload: a
+log-normal around 160). With one key split per (row, head) the few long rows finish last while
+most of the GPU idles; this times the default launch against more splits (short rows' extra
+splits exit at once) and prints µs per call in a CUDA graph and the K/V bandwidth reached.
+
+    python benchmarks/tune_mixed_decode.py [--rows 256,64] [--out PATH] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+
+import torch
+
+from bench_kernels import copy_bandwidth, graph_us  # benchmarks/ is on sys.path
+from hf_paged_t5 import reference
+from hf_paged_t5.kernels import paged_decode
+from hf_paged_t5.kernels.decode import DecodeConfig, _num_sms, decode_config
+
+HEADS, HEAD_DIM, BLOCK_SIZE = 16, 64, 16
+
+
+def lengths(rows: int, seed: int, median: int, low: int, high: int) -> list[int]:
+    rng = random.Random(seed)
+    return [min(max(round(rng.lognormvariate(0, 1.0) * median), low), high) for _ in range(rows)]
+
+
+def paged(lens: list[int], device, dtype):
+    per_row = [-(-n // BLOCK_SIZE) for n in lens]
+    blocks = sum(per_row) + 1
+    key = torch.randn(blocks, BLOCK_SIZE, HEADS, HEAD_DIM, device=device, dtype=dtype)
+    value = torch.randn_like(key)
+    ids = torch.randperm(blocks, device="cpu").tolist()
+    table = torch.zeros(len(lens), max(per_row), dtype=torch.int32)
+    for row, n in enumerate(per_row):
+        table[row, :n] = torch.tensor([ids.pop() for _ in range(n)], dtype=torch.int32)
+    return key, value, table.to(device), torch.tensor(lens, dtype=torch.int32, device=device)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="256,64")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU ok)")
+    args = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    median, low, high = (24, 4, 120) if args.quick else (160, 20, 2000)
+    gbps = copy_bandwidth(device, 1 << 30) if device.type == "cuda" else float("nan")
+    report = {"gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "copy_gbps": gbps, "rows": []}
+    for rows in (int(r) for r in args.rows.split(",")):
+        lens = lengths(rows, 0, median, low, high)
+        key, value, table, seq_lens = paged(lens, device, dtype)
+        query = torch.randn(rows, HEADS, HEAD_DIM, device=device, dtype=dtype)
+        kv_bytes = 2 * sum(lens) * HEADS * HEAD_DIM * key.element_size()
+        ref = reference.paged_decode(query.float(), key.float(), value.float(), table, seq_lens)
+        sms = _num_sms(device) if device.type == "cuda" else 132
+        default = decode_config(rows, HEADS, HEAD_DIM, max(lens), sms)
+        configs = {"default": default}
+        for splits in (2, 4, 8, 16):
+            configs[f"splits {splits}"] = DecodeConfig(block_n=128, num_warps=4, num_splits=splits)
+            configs[f"splits {splits} fused"] = DecodeConfig(block_n=128, num_warps=4, num_splits=splits,
+                                                             fused_combine=True)
+        configs["splits 4, 64-key tiles"] = DecodeConfig(block_n=64, num_warps=4, num_splits=4)
+        print(f"{rows} rows, keys {min(lens)}..{max(lens)} (mean {sum(lens) / rows:.0f}), "
+              f"K+V {kv_bytes / 2**20:.1f} MiB; copy {gbps:.0f} GB/s", flush=True)
+        for name, config in configs.items():
+            kw = dict(query=query, key_cache=key, value_cache=value, block_table=table, seq_lens=seq_lens,
+                      max_seq_len=max(lens), config=config)
+            err = float((paged_decode(**kw).float() - ref).norm() / ref.norm())
+            us = graph_us([lambda kw=kw: paged_decode(**kw)] * 4)
+            row = dict(rows=rows, config=name, knobs=config.__dict__.copy(), us=us, rel_err=err,
+                       pct_of_copy=100 * kv_bytes / (us * 1e3) / gbps)
+            report["rows"].append(row)
+            print(f"  {name:<24} {us:8.1f} us  {row['pct_of_copy']:5.1f}% of copy  err {err:.1e}", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
