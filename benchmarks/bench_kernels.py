@@ -151,8 +151,6 @@ def decode_case(batch, keys, args, device, copy_gbps):
         # combine launch), which hides the kernel at 1 x 16k keys; in a graph it does not.
         timings["paged_decode_graph"] = graph_us([lambda: paged_decode(**decode)] * 3) / 1e3
         timings["sdpa_graph"] = graph_us([lambda: sdpa_attention(q, k, v, bias)] * 3) / 1e3
-        for name, config in variants.items():
-            timings[name + "_graph"] = graph_us([lambda config=config: prefill(**ours, config=config)] * 3) / 1e3
         tuned = args.tuned.get(("decode", batch, keys, head_dim, True))
         if tuned is not None:
             timings["paged_decode_tuned_graph"] = graph_us([lambda: paged_decode(**decode, config=tuned)] * 3) / 1e3

@@ -148,18 +148,23 @@ class PrefillConfig:
 def prefill_config(head_dim: int, dtype: torch.dtype, max_seqlen: int) -> PrefillConfig:
     """Default knobs on a GPU, from the H200 sweep (bf16, 16 heads x 64, bidirectional table).
 
-    head_dim <= 64: 64 x 64 tiles on 4 warps, 2 stages, constant-bias ranges outside the
-    distance band; past 1024 tokens the widened distance table (`toeplitz`). Session-3 sweep,
-    H200: 16 x 512 0.200 ms, 4 x 2048 0.317, 1 x 8192 0.819 (SDPA with the materialized bias:
-    0.090, 0.292, 1.19). Larger heads: 128 x 32 tiles on 8 warps, 3 stages.
+    head_dim <= 64, constant-bias ranges outside the distance band and prebuilt band tiles
+    inside it: 64 x 32 tiles on 4 warps, 3 stages, up to 1024 tokens; 128 x 32 on 8 warps to
+    4096; past that 64 x 64 tiles with the widened table (`toeplitz`), where the band is a
+    sliver. Session-5 sweep, H200, 16 heads, table to max_distance 128: 16 x 512 0.082 ms,
+    32 x 512 0.151, 4 x 2048 0.248, 1 x 8192 0.802 (SDPA with the materialized bias: 0.090,
+    0.168, 0.284, 1.12; session 3's defaults: 0.200, 0.388, 0.303, 0.802). Larger heads:
+    128 x 32 tiles on 8 warps, 3 stages.
     """
     if dtype == torch.float32:
         # IEEE fp32 dots run on FMA units with operands in registers: smaller tiles, one loop.
         return PrefillConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, tile_ranges=False)
     if head_dim <= 64:
-        # session-3 sweep: the band split pays at 512 too (16 x 512: 0.200 ms vs 0.337 without);
-        # past 1024 tokens the widened (toeplitz) table (4 x 2048: 0.317 ms, 1 x 8192: 0.819)
-        return PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=2, toeplitz=max_seqlen > 1024)
+        if max_seqlen <= 1024:
+            return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=3, band_tiles=True)
+        if max_seqlen <= 4096:
+            return PrefillConfig(block_m=128, block_n=32, num_warps=8, num_stages=3, band_tiles=True)
+        return PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=2, toeplitz=True)
     if head_dim <= 128:
         return PrefillConfig(block_m=128, block_n=32, num_warps=8, num_stages=3)
     return PrefillConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
