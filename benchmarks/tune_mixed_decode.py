@@ -3,9 +3,12 @@
 BatchGenerator's rows hold encoder outputs of 20-2,000 tokens (the bench_batch.py workload: a
 log-normal around 160). With one key split per (row, head) the few long rows finish last while
 most of the GPU idles; this times the default launch against more splits (short rows' extra
-splits exit at once) and prints µs per call in a CUDA graph and the K/V bandwidth reached.
+splits exit at once), and rows in random order against longest first (the grid launches rows
+in order, so that is longest-processing-time-first scheduling), and prints µs per call in a CUDA
+graph and the K/V bandwidth reached.
 
-    python benchmarks/tune_mixed_decode.py [--rows 256,64] [--out PATH] [--quick]
+    python benchmarks/tune_mixed_decode.py [--rows 256,64] [--orders random,longest-first]
+        [--configs all|few] [--out PATH] [--quick]
 """
 
 from __future__ import annotations
@@ -44,6 +47,9 @@ def paged(lens: list[int], device, dtype):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="256,64")
+    ap.add_argument("--orders", default="random,longest-first,shortest-first",
+                    help="row orders to time (the kernel's grid follows the rows)")
+    ap.add_argument("--configs", default="all", help="'all' or 'few' (default, splits 2 and 4)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU ok)")
     args = ap.parse_args()
@@ -52,8 +58,10 @@ def main() -> None:
     median, low, high = (24, 4, 120) if args.quick else (160, 20, 2000)
     gbps = copy_bandwidth(device, 1 << 30) if device.type == "cuda" else float("nan")
     report = {"gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "copy_gbps": gbps, "rows": []}
-    for rows in (int(r) for r in args.rows.split(",")):
+    for rows, order in ((int(r), o) for r in args.rows.split(",") for o in args.orders.split(",")):
         lens = lengths(rows, 0, median, low, high)
+        if order != "random":  # the grid launches rows in order: longest first is LPT scheduling
+            lens = sorted(lens, reverse=order == "longest-first")
         key, value, table, seq_lens = paged(lens, device, dtype)
         query = torch.randn(rows, HEADS, HEAD_DIM, device=device, dtype=dtype)
         kv_bytes = 2 * sum(lens) * HEADS * HEAD_DIM * key.element_size()
@@ -61,19 +69,20 @@ def main() -> None:
         sms = _num_sms(device) if device.type == "cuda" else 132
         default = decode_config(rows, HEADS, HEAD_DIM, max(lens), sms)
         configs = {"default": default}
-        for splits in (2, 4, 8, 16):
+        for splits in (2, 4, 8, 16) if args.configs == "all" else (2, 4):
             configs[f"splits {splits}"] = DecodeConfig(block_n=128, num_warps=4, num_splits=splits)
             configs[f"splits {splits} fused"] = DecodeConfig(block_n=128, num_warps=4, num_splits=splits,
                                                              fused_combine=True)
-        configs["splits 4, 64-key tiles"] = DecodeConfig(block_n=64, num_warps=4, num_splits=4)
-        print(f"{rows} rows, keys {min(lens)}..{max(lens)} (mean {sum(lens) / rows:.0f}), "
+        if args.configs == "all":
+            configs["splits 4, 64-key tiles"] = DecodeConfig(block_n=64, num_warps=4, num_splits=4)
+        print(f"{rows} rows ({order}), keys {min(lens)}..{max(lens)} (mean {sum(lens) / rows:.0f}), "
               f"K+V {kv_bytes / 2**20:.1f} MiB; copy {gbps:.0f} GB/s", flush=True)
         for name, config in configs.items():
             kw = dict(query=query, key_cache=key, value_cache=value, block_table=table, seq_lens=seq_lens,
                       max_seq_len=max(lens), config=config)
             err = float((paged_decode(**kw).float() - ref).norm() / ref.norm())
             us = graph_us([lambda kw=kw: paged_decode(**kw)] * 4)
-            row = dict(rows=rows, config=name, knobs=config.__dict__.copy(), us=us, rel_err=err,
+            row = dict(rows=rows, order=order, config=name, knobs=config.__dict__.copy(), us=us, rel_err=err,
                        pct_of_copy=100 * kv_bytes / (us * 1e3) / gbps)
             report["rows"].append(row)
             print(f"  {name:<24} {us:8.1f} us  {row['pct_of_copy']:5.1f}% of copy  err {err:.1e}", flush=True)
