@@ -64,6 +64,9 @@ class PagedRuntime:
         # Thread running a paged generate() (holding `lock`): a generate() it nests, from a streamer
         # or logits processor, must not wait on the lock (deadlock) nor take blocks promised to it.
         self.owner: Optional[int] = None
+        # The devices of the model's weights, read once per paged generate() (set with `owner`):
+        # walking every parameter costs ~1 ms of host time per walk on a large model.
+        self.call_devices: Optional[frozenset] = None
         self.warned: set[str] = set()
         self._tables: dict[str, tuple[tuple, list[torch.Tensor]]] = {}
         self._device_ops: dict[tuple[str, torch.device], OnDevice] = {}
@@ -179,9 +182,11 @@ def is_patched(model: nn.Module) -> bool:
 
 
 # ---- the patched methods ------------------------------------------------------------------
-def _paged_allowed(module: nn.Module, kwargs: dict) -> bool:
+def _paged_allowed(runtime: PagedRuntime, module: nn.Module, kwargs: dict) -> bool:
     if module.training or kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
         return False
+    if runtime.owner == threading.get_ident() and not torch.is_grad_enabled():
+        return True  # inside this thread's paged generate(), which checked the weights' devices
     if torch.is_grad_enabled() and any(p.requires_grad for p in module.parameters()):
         return False  # the kernels have no backward: keep autograd on stock HF
     return all(p.device.type != "meta" for p in module.parameters())
@@ -189,7 +194,7 @@ def _paged_allowed(module: nn.Module, kwargs: dict) -> bool:
 
 def _make_encoder_forward(runtime: PagedRuntime, original):
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, return_dict=None, **kwargs):
-        if not _paged_allowed(self, kwargs) or set(kwargs) - {"output_attentions", "output_hidden_states", "use_cache"}:
+        if not _paged_allowed(runtime, self, kwargs) or set(kwargs) - {"output_attentions", "output_hidden_states", "use_cache"}:
             return original(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
                             return_dict=return_dict, **kwargs)
         if (input_ids is None) == (inputs_embeds is None):
@@ -249,7 +254,7 @@ def _decode_step(runtime: PagedRuntime, model: nn.Module, cache, device: torch.d
         use_graph = (
             runtime.config.cuda_graphs
             and rows <= runtime.config.max_graph_batch
-            and graphable(model)
+            and (_one_cuda_device(runtime.call_devices) if runtime.call_devices is not None else graphable(model))
             and runtime.config.resolve_backend(device) == "triton"
         )
         scale = model.model_dim**-0.5 if _scales_output(model.config) else None
@@ -296,19 +301,21 @@ def _make_generate(runtime: PagedRuntime, original):
         if inputs is not None:
             model_kwargs["input_ids"] = inputs
         reason = fallback_reason(gen_config, model_kwargs, self.training)
-        if reason is None and any(p.device.type == "meta" for p in self.parameters()):
+        devices = frozenset(p.device for p in self.parameters())
+        if reason is None and any(d.type == "meta" for d in devices):
             reason = "weights offloaded by accelerate (meta device) are served by stock HF"
         if reason is None and runtime.owner == threading.get_ident():
             reason = "a generate() nested in a running generate() of the same model is served by stock HF"
         if reason is not None:
             runtime.warn_once(reason)
             return original(inputs, generation_config, **kwargs)
-        return _paged_generate(runtime, self, original, inputs, generation_config, gen_config, model_kwargs, kwargs)
+        return _paged_generate(runtime, self, original, inputs, generation_config, gen_config, model_kwargs, kwargs,
+                               devices)
 
     return generate
 
 
-def _paged_generate(runtime, model, original, inputs, generation_config, gen_config, model_kwargs, kwargs):
+def _paged_generate(runtime, model, original, inputs, generation_config, gen_config, model_kwargs, kwargs, devices):
     ids = model_kwargs.get("input_ids")
     embeds = model_kwargs.get("inputs_embeds")
     source = ids if ids is not None else embeds
@@ -340,8 +347,8 @@ def _paged_generate(runtime, model, original, inputs, generation_config, gen_con
             max_self_tokens = max(max_self_tokens, c.max_length - 1)
     if model_kwargs.get("decoder_attention_mask") is not None:
         kwargs = {k: v for k, v in kwargs.items() if k != "decoder_attention_mask"}  # all ones: same as none
-    with runtime.lock, _generation_stream(runtime, model) as hand_over:
-        runtime.owner = threading.get_ident()
+    with runtime.lock, _generation_stream(runtime, devices) as hand_over:
+        runtime.owner, runtime.call_devices = threading.get_ident(), devices
         cache = None
         try:
             pool = runtime.get_pool(model.decoder)
@@ -354,24 +361,24 @@ def _paged_generate(runtime, model, original, inputs, generation_config, gen_con
             with _encoder_outputs_per_source(model, expand):
                 return hand_over(original(inputs, generation_config, **kwargs, **{runtime.cache_kwarg: cache}))
         finally:
-            runtime.owner = None
+            runtime.owner = runtime.call_devices = None
             if cache is not None:
                 cache.release()
 
 
 @contextlib.contextmanager
-def _generation_stream(runtime: PagedRuntime, model: nn.Module):
+def _generation_stream(runtime: PagedRuntime, devices: frozenset):
     """Run a paged generate() on `graphs.generation_stream`, the stream its decode graphs are
     captured on, when those graphs can run (CUDA graphs on, the model on one CUDA device): cuBLAS
     keeps a workspace per stream (32 MiB on an H200), so an encoder and prefill on the caller's
     stream would hold a second one. Ordered after the caller's pending work at entry; at exit the
     caller's stream waits for the generation, and the returned tensors are marked used on the
     caller's stream (`hand_over`) so the allocator cannot reuse them while it still reads them.
-    Yields `hand_over(result) -> result`."""
-    device = next(model.parameters()).device
-    if not (runtime.config.cuda_graphs and device.type == "cuda" and _on_one_device(model)):
+    Yields `hand_over(result) -> result`. devices: those of the model's weights."""
+    if not (runtime.config.cuda_graphs and _one_cuda_device(devices)):
         yield lambda result: result
         return
+    device = next(iter(devices))
     caller, side = torch.cuda.current_stream(device), generation_stream(device)
     if caller == side:
         yield lambda result: result
@@ -466,7 +473,7 @@ def _lean_loop(runtime: PagedRuntime, cache: PagedEncoderDecoderCache, gen_confi
 
         # the device-resident loops: every per-step number on the device (the model on one device)
         resident = None
-        if _on_one_device(model):
+        if _on_one_device(runtime.call_devices):
             if beams and beam_graph.supported(generation_config, logits_processor, stopping_criteria):
                 resident = beam_graph.resident_beam_loop
             elif (not beams and streamer is None
@@ -488,8 +495,12 @@ def _lean_loop(runtime: PagedRuntime, cache: PagedEncoderDecoderCache, gen_confi
     return paged_loop
 
 
-def _on_one_device(model: nn.Module) -> bool:
-    return len({p.device for p in model.parameters()}) == 1
+def _on_one_device(devices: frozenset) -> bool:
+    return len(devices) == 1
+
+
+def _one_cuda_device(devices: frozenset) -> bool:
+    return len(devices) == 1 and next(iter(devices)).type == "cuda"
 
 
 def _check_devices(model: nn.Module, source: torch.Tensor, mask: Optional[torch.Tensor]) -> None:
