@@ -8,6 +8,7 @@ copied into static buffers before each replay; nothing in the replayed step sync
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 from typing import Callable, Optional
@@ -60,6 +61,11 @@ def _views(packed: torch.Tensor, batch: int, self_width: int, cross_width: int) 
     return [slot, self_lens, cross_lens, self_table, cross_table]
 
 
+# Captured loop updates `DecodeGraphs.keep_update` holds at most (each keeps its graph's memory:
+# the float32 scores of its batch, 2 MiB at 16 rows of a 32K vocabulary).
+MAX_KEPT_UPDATES = 4
+
+
 class DecodeGraphs:
     """Captured decode steps of one patched model."""
 
@@ -67,12 +73,33 @@ class DecodeGraphs:
         self._graphs: dict[tuple, _StaticStep] = {}
         self._mempool = None
         self._pool_generation: tuple = ()
+        # captured loop updates kept across calls (`keep_update`), most recently used last
+        self._updates: collections.OrderedDict = collections.OrderedDict()
 
     def clear(self) -> None:
         """Drop every captured step, and with them their memory pool: a pool handle whose graphs
         are all gone is released by PyTorch's allocator and must not be captured into again."""
         self._graphs.clear()
+        self._updates.clear()
         self._mempool = None
+
+    def cached_update(self, static: _StaticStep, key: Optional[tuple]):
+        """The loop update kept for `static` under `key` (`keep_update`), or None."""
+        if key is None:
+            return None
+        entry = self._updates.get((id(static), key))
+        if entry is None or entry[0] is not static:
+            return None
+        self._updates.move_to_end((id(static), key))
+        return entry[1]
+
+    def keep_update(self, static: _StaticStep, key: tuple, state) -> None:
+        """Keep a captured loop update (its graph reads `static`'s buffers and the state's own
+        tensors, which a later call refills) for later calls; at most `MAX_KEPT_UPDATES`, least
+        recently used dropped first. They go with the decode graphs (`clear`)."""
+        self._updates[(id(static), key)] = (static, state)
+        while len(self._updates) > MAX_KEPT_UPDATES:
+            self._updates.popitem(last=False)
 
     def run(
         self,
@@ -301,7 +328,8 @@ _UPDATE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 def _update_stream(device: torch.device) -> torch.cuda.Stream:
     """The stream `capture_update` records on, not the decode graphs' (`generation_stream`): these
-    graphs die with their generate() call, and PyTorch may drop the cuBLAS workspace of a graph's
+    graphs die with their generate() call (or, kept by `DecodeGraphs.keep_update`, before the decode
+    graphs they read), and PyTorch may drop the cuBLAS workspace of a graph's
     capture stream when the graph is destroyed (pytorch/pytorch#193402) while the decode graphs
     captured on that stream still use it. The updates run no cuBLAS, so this stream has none."""
     device = torch.device(device)

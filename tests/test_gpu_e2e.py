@@ -239,3 +239,35 @@ def test_generate_runs_on_the_generation_stream_and_hands_back():
         hook.remove()
         hp.unpatch_model(model)
     assert seen == [generation_stream(ids.device)] * 2
+
+
+def test_kept_greedy_update_is_refilled_per_call(monkeypatch):
+    """A small batch's captured greedy update is kept with the decode graphs and reused by a later
+    call of the same shape: its prompt, counters, blocks, EOS ids and min-length masks refilled,
+    so each call still gives HF's tokens (rows ending at their EOS included); another
+    min_new_tokens captures a new one."""
+    from hf_paged_t5 import graphs as graphs_mod
+
+    model = real_shape_model("t5-small", torch.float32, layers=2)
+    captures = []
+    real = graphs_mod.ResidentLoop.capture_update
+    monkeypatch.setattr(graphs_mod.ResidentLoop, "capture_update",
+                        lambda self, state, what: captures.append(what) or real(self, state, what))
+    inputs = [batch(2, 40, seed=seed) for seed in (1, 2, 3)]
+    forced = dict(max_new_tokens=16, min_new_tokens=16)
+    first = model.generate(input_ids=inputs[0][0], attention_mask=inputs[0][1], **forced)
+    second = model.generate(input_ids=inputs[1][0], attention_mask=inputs[1][1], **forced)
+    # EOS ids the rows do produce early: HF ends those rows there and pads them
+    early = dict(max_new_tokens=16, min_new_tokens=2)
+    calls = [(0, forced), (1, forced), (0, {**early, "eos_token_id": int(first[0, 4])}),
+             (1, {**early, "eos_token_id": int(second[1, 5])}), (2, forced)]
+    refs = [model.generate(input_ids=inputs[i][0], attention_mask=inputs[i][1], **kw) for i, kw in calls]
+    assert (refs[2][:, 1:] == 0).any() and (refs[3][:, 1:] == 0).any()  # padded after an early EOS
+    hp.patch_model(model)
+    try:
+        for (i, kw), ref in zip(calls, refs):
+            out = model.generate(input_ids=inputs[i][0], attention_mask=inputs[i][1], **kw)
+            assert torch.equal(out, ref), kw
+    finally:
+        hp.unpatch_model(model)
+    assert len(captures) == 2  # one per signature: forced, early

@@ -667,3 +667,24 @@ def test_gemv_refuses_what_it_does_not_serve():
         kernels.gemv(torch.randn(5, 16).half(), w)
     with pytest.raises(ValueError, match="features"):
         kernels.gemv(torch.randn(1, 15).half(), w)
+
+
+def test_prefill_band_tiles_kept_on_the_table():
+    """The band tiles are built once per table and tile shape and rebuilt after an in-place write
+    to the table (the result follows the new values)."""
+    num_heads, head_dim, lens = 2, 16, [40, 23]
+    query, key, value, cu_seqlens = packed(lens, num_heads, head_dim, torch.float32, seed=8)
+    table = torch.randn(num_heads, 15, device=DEVICE)  # max_distance 7
+    config = PrefillConfig(16, 16, 4, 2, band_tiles=True)
+    args = dict(query=query, key=key, value=value, cu_seqlens=cu_seqlens, max_seqlen=max(lens), bias_table=table,
+                config=config)
+    prefill(**args)
+    kept = table._hf_paged_t5_band[1]
+    prefill(**args)
+    assert table._hf_paged_t5_band[1] is kept
+    with torch.no_grad():
+        table.mul_(-2.0)
+    out = prefill(**args)
+    assert table._hf_paged_t5_band[1] is not kept
+    ref = prefill_reference(query, key, value, cu_seqlens, max(lens), bias_table=table)
+    assert rel_err(out, ref) < TOLERANCE[torch.float32]

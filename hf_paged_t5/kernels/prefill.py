@@ -390,6 +390,22 @@ def _band_tiles(bias_table: torch.Tensor, max_distance: int, first: int, count: 
     return band
 
 
+def _cached_band_tiles(bias_table: torch.Tensor, max_distance: int, first: int, count: int, block_m: int,
+                       block_n: int) -> torch.Tensor:
+    """`_band_tiles`, kept on the table tensor itself for its next call: T5's layers share one
+    table, so an encoder builds its band tiles once, not once per layer (a launch each). Rebuilt
+    when the table is written in place (its version counter moves) or the tile shape changes;
+    never while a CUDA graph is being captured (the tiles would live in the graph's pool)."""
+    key = (bias_table._version, max_distance, first, count, block_m, block_n)
+    kept = getattr(bias_table, "_hf_paged_t5_band", None)
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    band = _band_tiles(bias_table, max_distance, first, count, block_m, block_n)
+    if not (bias_table.is_cuda and torch.cuda.is_current_stream_capturing()):
+        bias_table._hf_paged_t5_band = (key, band)
+    return band
+
+
 def prefill(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -444,7 +460,7 @@ def prefill(
     band, band_first, band_count = bias, 0, 0  # unused placeholders without band tiles
     if band_tiles:
         band_first, band_count = band_range(max_distance, config.block_m, config.block_n)
-        band = _band_tiles(bias_table, max_distance, band_first, band_count, config.block_m, config.block_n)
+        band = _cached_band_tiles(bias_table, max_distance, band_first, band_count, config.block_m, config.block_n)
     # fp32 callers expect fp32 matmuls (HF parity); TF32 would cost ~3 decimal digits.
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     grid = (triton.cdiv(max_seqlen, config.block_m), batch, num_heads)
