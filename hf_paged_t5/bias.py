@@ -16,6 +16,12 @@ import torch
 from torch import nn
 
 
+# Attribute set (True) on a table that its owner never writes in place (the patched model's: it
+# builds new ones when the weights change), so the prefill kernel may keep the band tiles it
+# derives on it even when it is an inference tensor, which has no version counter.
+KEEP_BAND_TILES = "_hf_paged_t5_keep_band"
+
+
 def table_distance(attention: nn.Module) -> int:
     """Largest distance a table for `attention` stores explicitly."""
     return attention.relative_attention_max_distance

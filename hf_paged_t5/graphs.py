@@ -75,6 +75,7 @@ class DecodeGraphs:
         self._pool_generation: tuple = ()
         # captured loop updates kept across calls (`keep_update`), most recently used last
         self._updates: collections.OrderedDict = collections.OrderedDict()
+        self.captures = 0  # graphs captured into this object's keeping, ever (decode steps, kept updates)
 
     def clear(self) -> None:
         """Drop every captured step, and with them their memory pool: a pool handle whose graphs
@@ -98,6 +99,7 @@ class DecodeGraphs:
         tensors, which a later call refills) for later calls; at most `MAX_KEPT_UPDATES`, least
         recently used dropped first. They go with the decode graphs (`clear`)."""
         self._updates[(id(static), key)] = (static, state)
+        self.captures += 1
         while len(self._updates) > MAX_KEPT_UPDATES:
             self._updates.popitem(last=False)
 
@@ -140,6 +142,7 @@ class DecodeGraphs:
             if static is None:
                 static = self._capture(step_fn, pool, key, device)
                 self._graphs[key] = static
+                self.captures += 1
         else:
             static = self._buffers(pool, key, device)
             static.logits = logits_like.new_empty((key[0], 1, logits_like.shape[-1]))

@@ -98,6 +98,8 @@ class PagedRuntime:
             build = bias_mod.causal_bias_table if causal else bias_mod.bidirectional_bias_table
             by_module: dict[int, torch.Tensor] = {}
             tables = [by_module.setdefault(id(m), build(m)) for m in modules]
+            for table in by_module.values():  # never written in place: replaced when the weights change
+                setattr(table, bias_mod.KEEP_BAND_TILES, True)
             self._tables[key] = (stamp, tables)
             self.graphs.clear()  # captured steps read the old tables
         return self._tables[key][1]

@@ -125,7 +125,9 @@ def pool_record(model, memory: int) -> Record:
     runtime = model._hf_paged_t5
     pool = runtime.pool
     assert pool is not None, "the paged path did not run"
-    graphs = len(getattr(getattr(runtime, "graphs", None), "_graphs", ()))
+    # every graph captured and kept so far (decode steps, and small batches' kept updates, which
+    # replace one another within a bound): memory may change only when this count does
+    graphs = getattr(getattr(runtime, "graphs", None), "captures", 0)
     return Record(memory, graphs, pool.num_blocks, pool.manager.num_free, pool.is_idle())
 
 
