@@ -89,6 +89,7 @@ class GreedyStep:
         """Refill every tensor the captured update reads with this call's values (device copies, no
         sync): the prompt, the counters, the rows' blocks, the EOS ids, pad id and min-length masks."""
         self.prompt_len = input_ids.shape[1]
+        self.sequences.zero_()  # as a fresh state's (columns past the length are never returned)
         self.sequences[:, : self.prompt_len].copy_(input_ids)
         self.cur_len.fill_(self.prompt_len)
         self.unfinished.fill_(True)

@@ -369,3 +369,87 @@ def test_user_generation_config_takes_model_defaults(batch, model_default):
     user = GenerationConfig(max_new_tokens=7 if "num_beams" in model_default else None, min_new_tokens=2)
     ref, out = _hf_and_patched(model, input_ids=ids, attention_mask=mask, generation_config=user)
     assert ref.shape == out.shape and torch.equal(ref, out)
+
+
+def _greedy_args(input_ids, eos, minimum, pad=0, max_length=9):
+    from transformers import LogitsProcessorList, MinNewTokensLengthLogitsProcessor
+
+    config = GenerationConfig(max_length=max_length, pad_token_id=pad)
+    config._pad_token_tensor = torch.tensor(pad)
+    processors = LogitsProcessorList(
+        [MinNewTokensLengthLogitsProcessor(input_ids.shape[1], minimum, torch.tensor(eos))])
+    criteria = StoppingCriteriaList([MaxLengthCriteria(max_length), EosTokenCriteria(torch.tensor(eos))])
+    return input_ids, config, processors, criteria
+
+
+def _greedy_state(input_ids, eos, minimum, owned, pad=0, state=None, vocab=20, block_size=4):
+    """A GreedyStep over CPU buffers for `input_ids` (fresh, or `state` refilled by `reset`)."""
+    rows = input_ids.shape[0]
+    args = _greedy_args(input_ids, eos, minimum, pad)
+    if state is not None:
+        assert state.signature(*args, owned, vocab, block_size) == state.kept_signature  # a real reuse
+        state.reset(*args, owned)
+        return state
+    buffers = (torch.zeros(rows, 1, vocab), torch.zeros(rows, 1, dtype=torch.long), torch.zeros(rows, dtype=torch.int32),
+               torch.zeros(rows, dtype=torch.int32))
+    state = greedy_graph.GreedyStep(*args, *buffers, owned.clone(), block_size)
+    state.kept_signature = state.signature(*args, owned, vocab, block_size)
+    return state
+
+
+def _run_updates(state, seed, steps=6):
+    """Feed the update `steps` seeded logits; return every tensor it writes, per step."""
+    g = torch.Generator().manual_seed(seed)
+    trace = []
+    for _ in range(steps):
+        state.logits.copy_(torch.randn(state.logits.shape, generator=g))
+        state.logits[:, 0, [3, 5]] += 4.0  # the EOS ids win often: rows end, get padded
+        state.run()
+        trace.append([t.clone() for t in (state.sequences, state.cur_len, state.unfinished, state.all_done,
+                                          state.step_ids, state.slot_mapping, state.self_seq_lens)])
+    return trace
+
+
+def test_kept_greedy_state_refilled_equals_a_fresh_one():
+    """`GreedyStep.reset` (what a kept, captured update's next call runs instead of a new capture)
+    refills everything the update reads: the same writes, step by step, as a fresh state for the
+    second call — other prompt, EOS id, pad id, minimum's EOS mask, blocks — after a first call that ended
+    rows and moved every counter."""
+    owned_a = torch.tensor([[3, 7, 1], [4, 0, 2], [6, 5, 8]], dtype=torch.int32)
+    owned_b = torch.tensor([[8, 2, 6], [1, 3, 0], [7, 4, 5]], dtype=torch.int32)
+    first = _greedy_state(torch.tensor([[0, 2], [0, 6], [0, 1]]), [3], 2, owned_a)
+    _run_updates(first, seed=1)
+    assert not first.unfinished.all()  # the first call ended rows
+    second = dict(input_ids=torch.tensor([[0, 9], [0, 4], [0, 1]]), eos=[5], minimum=2, owned=owned_b, pad=7)
+    reused = _run_updates(_greedy_state(**second, state=first), seed=2)
+    fresh = _run_updates(_greedy_state(**second), seed=2)
+    assert not fresh[-1][2].all()  # the second call ended rows too
+    for step, (a, b) in enumerate(zip(reused, fresh)):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y), step
+    # what a captured update bakes in makes another signature: the minimum, the prompt length it
+    # skips, the number of EOS ids, the rows' block count
+    sig = lambda *a: greedy_graph.GreedyStep.signature(*_greedy_args(*a), owned_b, 20, 4)  # noqa: E731
+    ids = second["input_ids"]
+    base = sig(ids, [5], 2)
+    assert sig(torch.tensor([[7, 3], [2, 2], [9, 9]]), [3], 2) == base
+    assert len({base, sig(ids, [5], 3), sig(ids[:, :1], [5], 2), sig(ids, [5, 6], 2)}) == 4
+    assert greedy_graph.GreedyStep.signature(*_greedy_args(ids, [5], 2), owned_b[:, :2], 20, 4) != base
+
+
+def test_kept_updates_are_bounded_and_tied_to_their_static_step():
+    """`DecodeGraphs.keep_update` keeps at most MAX_KEPT_UPDATES (least recently used dropped), a
+    kept update serves only the static step it was captured on, and `clear` drops them all."""
+    kept = graphs.DecodeGraphs()
+    statics = [object() for _ in range(graphs.MAX_KEPT_UPDATES + 1)]
+    for i, static in enumerate(statics):
+        kept.keep_update(static, ("k",), f"state{i}")
+        if i == 0:
+            assert kept.cached_update(statics[0], ("k",)) == "state0"
+    assert kept.cached_update(statics[0], ("k",)) is None  # the oldest went first
+    assert kept.cached_update(statics[-1], ("k",)) == f"state{len(statics) - 1}"
+    assert kept.cached_update(statics[-1], ("other",)) is None and kept.cached_update(object(), ("k",)) is None
+    assert kept.cached_update(statics[1], None) is None
+    assert kept.captures == len(statics)
+    kept.clear()
+    assert kept.cached_update(statics[-1], ("k",)) is None
