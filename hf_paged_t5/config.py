@@ -32,7 +32,10 @@ class PagedCacheConfig:
             or "auto" (triton on CUDA devices, torch elsewhere).
         cuda_graphs: capture the decode step as a CUDA graph per batch-size bucket, and the
             greedy / beam-search update (token choice, cache reorder, next step's inputs) as one
-            graph per `generate()` call; False runs the same steps eagerly.
+            graph per `generate()` call (a greedy call of at most 16 rows keeps its update for
+            later calls of the same shape); a model on one GPU then runs each `generate()` on the
+            stream the graphs are captured on. False runs the same steps eagerly on the caller's
+            stream.
         max_graph_batch: largest batch size served by a captured graph; larger batches
             run the same step eagerly.
     """
