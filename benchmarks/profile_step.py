@@ -108,7 +108,7 @@ def phase_ms(model, kw: dict, calls: int = 5) -> dict:
     return {k: sorted(r.get(k, 0.0) for r in rows)[len(rows) // 2] for k in rows[0]}
 
 
-def run(name: str, batch: int, beams: int, table: str | None, new: int = 64, args_new: int = 16) -> None:
+def run(name: str, batch: int, beams: int, table: str | None, new: int = 64, table_new: int = 16) -> None:
     model = hp.patch_model(make(name, "sdpa", torch.bfloat16))
     ids, mask = inputs(batch, 512)
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, num_beams=beams)
@@ -131,7 +131,7 @@ def run(name: str, batch: int, beams: int, table: str | None, new: int = 64, arg
         replay = (time.perf_counter() - t0) / 100 * 1e3
         if table:
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                model.generate(**{**kw, "max_new_tokens": args_new, "min_new_tokens": args_new})
+                model.generate(**{**kw, "max_new_tokens": table_new, "min_new_tokens": table_new})
             with open(table, "a") as f:
                 f.write(f"\n##### {name} b{batch} beams{beams}\n")
                 f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=45))
@@ -157,7 +157,7 @@ def main() -> None:
     for name in args.models.split(","):
         for b in args.batch.split(","):
             for k in args.beams.split(","):
-                run(name, int(b), int(k), args.table, args_new=args.table_new_tokens)
+                run(name, int(b), int(k), args.table, table_new=args.table_new_tokens)
 
 
 if __name__ == "__main__":

@@ -49,7 +49,8 @@ def main() -> None:
     ap.add_argument("--rows", default="256,64")
     ap.add_argument("--orders", default="random,longest-first,shortest-first",
                     help="row orders to time (the kernel's grid follows the rows)")
-    ap.add_argument("--configs", default="all", help="'all' or 'few' (default, splits 2 and 4)")
+    ap.add_argument("--configs", default="all",
+                    help="'all' (default: splits 2-16, fused or not) or 'few' (splits 2 and 4)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU ok)")
     args = ap.parse_args()

@@ -196,7 +196,8 @@ def _paged_allowed(runtime: PagedRuntime, module: nn.Module, kwargs: dict) -> bo
 
 def _make_encoder_forward(runtime: PagedRuntime, original):
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, return_dict=None, **kwargs):
-        if not _paged_allowed(runtime, self, kwargs) or set(kwargs) - {"output_attentions", "output_hidden_states", "use_cache"}:
+        unknown = set(kwargs) - {"output_attentions", "output_hidden_states", "use_cache"}
+        if unknown or not _paged_allowed(runtime, self, kwargs):
             return original(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
                             return_dict=return_dict, **kwargs)
         if (input_ids is None) == (inputs_embeds is None):
