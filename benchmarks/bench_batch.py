@@ -102,9 +102,17 @@ class StopSoon(StoppingCriteria):
         return torch.full((input_ids.shape[0],), self.calls >= 2, dtype=torch.bool, device=input_ids.device)
 
 
+def captures(model) -> int:
+    """CUDA graphs captured so far by the patched model (0 unpatched): a timed run that captures
+    pays for it, and the JSON says how many it did."""
+    runtime = getattr(model, "_hf_paged_t5", None)
+    return runtime.graphs.captures if runtime is not None else 0
+
+
 def run_static(model, items, batch_size: int, device: str, deadline: float) -> dict:
     """Static batches until done or `deadline`; useful tokens, inputs measured, seconds."""
     tokens = inputs = 0
+    captured = captures(model)
     sync(device)
     start = time.perf_counter()
     for batch in static_batches(items, batch_size):
@@ -115,7 +123,8 @@ def run_static(model, items, batch_size: int, device: str, deadline: float) -> d
             break
     sync(device)
     seconds = time.perf_counter() - start
-    return dict(batch_size=batch_size, tokens=tokens, inputs=inputs, seconds=seconds, tokens_per_s=tokens / seconds)
+    return dict(batch_size=batch_size, tokens=tokens, inputs=inputs, seconds=seconds, tokens_per_s=tokens / seconds,
+                graph_captures=captures(model) - captured)
 
 
 def run_static_halving(model, items, batch_size: int, device: str, deadline: float) -> dict:
@@ -172,13 +181,15 @@ def warm_static_paged(model, items, batch_size: int, device: str) -> None:
 def run_batch_generator(model, items, device: str, batch_tokens: int, batch_rows: int) -> dict:
     gen = hp.BatchGenerator(model, max_batch_tokens=batch_tokens, max_batch_rows=batch_rows)
     requests = [hp.BatchRequest(ids, max_new_tokens=n, min_new_tokens=n) for ids, n in items]
+    captured = captures(model)
     sync(device)
     start = time.perf_counter()
     tokens = sum(result.num_new_tokens for _, result in gen.as_completed(requests))
     sync(device)
     seconds = time.perf_counter() - start
     assert tokens == sum(n for _, n in items), "BatchGenerator did not produce the forced lengths"
-    return dict(tokens=tokens, inputs=len(items), seconds=seconds, tokens_per_s=tokens / seconds)
+    return dict(tokens=tokens, inputs=len(items), seconds=seconds, tokens_per_s=tokens / seconds,
+                graph_captures=captures(model) - captured)
 
 
 def stats(values) -> dict:
@@ -249,14 +260,16 @@ def main() -> None:
                         device, args.batch_tokens, args.batch_rows)
     print("BatchGenerator", flush=True)
     batch_gen = run_batch_generator(model, items, device, args.batch_tokens, args.batch_rows)
-    print(f"  {batch_gen['tokens_per_s']:.0f} tok/s over {batch_gen['seconds']:.1f} s", flush=True)
+    print(f"  {batch_gen['tokens_per_s']:.0f} tok/s over {batch_gen['seconds']:.1f} s "
+          f"({batch_gen['graph_captures']} graphs captured while timed)", flush=True)
 
     print("patched generate(), static batches: sweep", flush=True)
     static_deadline = time.perf_counter() + 0.4 * max(deadline - time.perf_counter(), 0.0)
     size, static_sweep = sweep(model, probe, args.static_batch_sizes, device, static_deadline, warm_all=True)
     warm_static_paged(model, items, size, device)
     static = run_static(model, items, size, device, static_deadline)
-    print(f"  batch {size}: {static['tokens_per_s']:.0f} tok/s over {static['inputs']} inputs", flush=True)
+    print(f"  batch {size}: {static['tokens_per_s']:.0f} tok/s over {static['inputs']} inputs "
+          f"({static['graph_captures']} graphs captured while timed)", flush=True)
 
     hp.unpatch_model(model)
     gc.collect()

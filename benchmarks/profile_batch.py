@@ -67,13 +67,19 @@ def main() -> None:
     args = ap.parse_args()
     model = make_model("t5-large", torch.bfloat16, "cuda")
     items = workload(args.num_inputs, model.config.vocab_size, seed=1, quick=False)
-    hp.patch_model(model, hp.PagedCacheConfig(max_tokens=args.batch_tokens + args.batch_rows * 32))
+    # graphs serve up to max(256, --batch-rows) rows (the default max_graph_batch is 256)
+    config = hp.PagedCacheConfig(max_tokens=args.batch_tokens + args.batch_rows * 32,
+                                 max_graph_batch=max(256, args.batch_rows))
+    hp.patch_model(model, config)
+    graphs = model._hf_paged_t5.graphs
     job(model, items[: len(items) // 4], args.batch_rows, args.batch_tokens)  # warm: graphs
     spent, calls = instrument()
+    captured = graphs.captures
     n, wall = job(model, items, args.batch_rows, args.batch_tokens)
     steps = calls["_decode (graph launch)"]
     print(f"{n} tokens in {wall:.2f} s = {n / wall:.0f} tok/s; {steps} decode steps, "
-          f"{calls['rows'] / max(steps, 1):.1f} rows/step, {wall / max(steps, 1) * 1e3:.2f} ms/step")
+          f"{calls['rows'] / max(steps, 1):.1f} rows/step, {wall / max(steps, 1) * 1e3:.2f} ms/step, "
+          f"{graphs.captures - captured} graphs captured while timed")
     for name, s in spent.most_common():
         print(f"  host {name:28s} {s:7.3f} s  {calls[name]:6d} calls  {s / max(calls[name], 1) * 1e3:8.3f} ms/call")
     sub = items[: len(items) // 4]

@@ -14,7 +14,10 @@ Bookkeeping is in numpy over fixed row and source *slots* (a slot is reused afte
     _cross_lens: [max_rows] int32, encoder tokens per source
 A decode step serves the rows in `order` (row slots), in that order. Unused table entries are 0 and
 never read (the kernels stop at each row's length). Widths only grow, so captured CUDA graphs keyed
-on them are reused.
+on them are reused. A row's self-table width is reserved when it joins, for the most tokens it may
+hold (`add_row(max_tokens=...)`), not when it first needs it: the width then takes its final bucket
+with the first admission round, and the job's steps replay the few graphs of that width (one per
+batch bucket) instead of capturing new ones each time a row's length crosses a power of two.
 
 `num_held` counts the distinct blocks this cache holds, so the generator knows how much of what it
 promised its requests is still to be allocated. When the pool runs short, allocation asks the pool
@@ -100,8 +103,13 @@ class BatchCache:
         slots = np.asarray(blocks, dtype=np.int64)[pos // bs] * bs + pos % bs
         return source, torch.from_numpy(slots)
 
-    def add_row(self, source: int) -> int:
-        """A new empty row attending to `source`; returns its row slot."""
+    def add_row(self, source: int, max_tokens: int = 0) -> int:
+        """A new empty row attending to `source`, which will hold at most `max_tokens` decoder tokens
+        (its table width is reserved now; 0: grow when needed); returns its row slot."""
+        width = blocks_for(max_tokens, self.block_size)
+        if width > self._self_table.shape[1]:
+            self._self_table = _widen(self._self_table, width)
+        self.self_width = max(self.self_width, width)
         row = self._free_rows.pop()
         self._live_rows.add(row)
         self._source_of[row] = source

@@ -170,7 +170,8 @@ class BatchRun:
         self._encode_chunk(chunk, pool)
         gen, cache = self.gen, self.cache
         for request in admitted:
-            request.rows = [cache.add_row(request.source) for _ in range(request.expand)]
+            # a row holds the start token's K/V, max_new - 1 more and the late step's (see _peek)
+            request.rows = [cache.add_row(request.source, 1 + request.max_new) for _ in range(request.expand)]
             request.histories = [[] for _ in range(request.expand)]
             request.live = list(range(request.expand))
             if self.rows is not None:

@@ -249,8 +249,9 @@ def _resolve_config(
     if config.num_beams == 1 and not config.do_sample and config.num_return_sequences > 1:
         raise ValueError("greedy search returns one sequence per input: num_return_sequences must be 1")
     model._prepare_special_tokens(config, False, device=device)
-    if config._eos_token_tensor is None:
-        raise ValueError("BatchGenerator needs an eos_token_id (in the generation config or model config)")
+    if config._eos_token_tensor is None or config._eos_token_tensor.numel() == 0:
+        raise ValueError("BatchGenerator needs an eos_token_id (in the generation config or model config); "
+                         "to force every output's length, give min_new_tokens = max_new_tokens")
     if config.max_new_tokens is not None:
         max_new = config.max_new_tokens
     else:

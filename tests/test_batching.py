@@ -137,6 +137,34 @@ def test_pool_grows_at_most_once_per_admission_round(monkeypatch):
     assert pool.is_idle()
 
 
+@pytest.mark.parametrize("num_beams", [1, 2])
+def test_table_widths_are_set_at_admission_not_grown_per_step(monkeypatch, num_beams):
+    """The decode graphs are keyed on the block tables' widths: a row's self-table width is reserved
+    when it is admitted, for the most tokens it may hold (start token + max_new), so every step of an
+    admission round has the same widths; growing them as rows lengthen would capture a new graph
+    each time a length crossed a power of two."""
+    import hf_paged_t5.batch_run as br
+
+    model = patched()
+    widths = []
+    inner = br._decode
+
+    def spy(runtime, model_, cache, ids):
+        self_table, _, cross_table, _ = cache.host_tables()
+        widths.append((self_table.shape[1], cross_table.shape[1]))
+        return inner(runtime, model_, cache, ids)
+
+    monkeypatch.setattr(br, "_decode", spy)
+    inputs = make_inputs()
+    requests = [hp.BatchRequest(ids, max_new_tokens=m, min_new_tokens=m) for ids, m in zip(inputs, MAX_NEW)]
+    gen = hp.BatchGenerator(model, max_batch_rows=len(inputs) * num_beams, num_beams=num_beams)
+    results = list(gen.generate(requests))  # one admission round: every input fits
+    assert set(widths) == {(blocks_for(1 + max(MAX_NEW), 4), blocks_for(max(LENGTHS), 4))}
+    assert len(widths) >= max(MAX_NEW)  # the longest row's steps all ran at that width
+    for ids, m, result in zip(inputs, MAX_NEW, results):
+        assert result.sequences == alone(model, ids, max_new_tokens=m, min_new_tokens=m, num_beams=num_beams)[0]
+
+
 @pytest.mark.parametrize("early_stopping", [True, False, "never"])
 def test_beam_search_matches_generate_alone(early_stopping):
     model = patched(seed=3)
@@ -389,6 +417,8 @@ def test_refusals():
         hp.BatchGenerator(model, num_beams=4, max_batch_rows=2)
     with pytest.raises(ValueError, match="no tokenizer"):
         list(hp.BatchGenerator(model).generate(["a text"]))
+    with pytest.raises(ValueError, match="needs an eos_token_id.*min_new_tokens = max_new_tokens"):
+        hp.BatchGenerator(model, eos_token_id=[])
     with pytest.raises(ValueError, match="per-input eos_token_id cannot be combined"):
         gen = hp.BatchGenerator(model, bad_words_ids=[[5]])
         list(gen.generate([hp.BatchRequest([3, 4, 5], eos_token_id=7)]))
