@@ -210,7 +210,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--hf-batch-sizes", default=None, help="HF sweep (default 16,32,64)")
     ap.add_argument("--static-batch-sizes", default=None, help="static paged sweep (default 32,64,128)")
     ap.add_argument("--batch-tokens", type=int, default=262144, help="BatchGenerator max_batch_tokens")
-    ap.add_argument("--batch-rows", type=int, default=256, help="BatchGenerator max_batch_rows")
+    ap.add_argument("--batch-rows", type=int, default=512, help="BatchGenerator max_batch_rows")
     ap.add_argument("--time-budget", type=float, default=210.0, help="seconds for the whole run, roughly")
     ap.add_argument("--quick", action="store_true", help="tiny model and workload (a smoke run, CPU is fine)")
     args = ap.parse_args()
@@ -252,11 +252,12 @@ def main() -> None:
     max_src, max_new = max(len(ids) for ids, _ in items), max(n for _, n in items)
     static_need = max(args.static_batch_sizes) * (max_src + max_new + 2 * 16)
     pool_tokens = max(args.batch_tokens + args.batch_rows * 2 * 16, static_need)
-    hp.patch_model(model, hp.PagedCacheConfig(max_tokens=pool_tokens))
+    # graphs serve every BatchGenerator step (the static sizes are below the default limit)
+    hp.patch_model(model, hp.PagedCacheConfig(max_tokens=pool_tokens, max_graph_batch=max(512, args.batch_rows)))
     print(f"KV pool: {pool_tokens} tokens", flush=True)
     print("warm-up: BatchGenerator", flush=True)
     longest = (max((ids for ids, _ in items), key=len), max_new)  # the widest graphs early
-    run_batch_generator(model, [longest] + workload(max(len(items) // 8, 8), vocab, 3, args.quick),
+    run_batch_generator(model, [longest] + workload(max(len(items) // 4, 8), vocab, 3, args.quick),
                         device, args.batch_tokens, args.batch_rows)
     print("BatchGenerator", flush=True)
     batch_gen = run_batch_generator(model, items, device, args.batch_tokens, args.batch_rows)

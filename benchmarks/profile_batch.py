@@ -4,7 +4,7 @@ Same workload and model as bench_batch.py (t5-large shape, bf16). Wraps BatchRun
 perf_counter (no syncs added), and runs the job once more under a CUDA-only profiler to sum kernel
 time (GPU busy) against wall time.
 
-    python benchmarks/profile_batch.py [--num-inputs 2000] [--batch-rows 256]
+    python benchmarks/profile_batch.py [--num-inputs 2000] [--batch-rows 512]
 """
 
 from __future__ import annotations
@@ -62,14 +62,14 @@ def job(model, items, rows, tokens):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--num-inputs", type=int, default=2000)
-    ap.add_argument("--batch-rows", type=int, default=256)
+    ap.add_argument("--batch-rows", type=int, default=512)
     ap.add_argument("--batch-tokens", type=int, default=262144)
     args = ap.parse_args()
     model = make_model("t5-large", torch.bfloat16, "cuda")
     items = workload(args.num_inputs, model.config.vocab_size, seed=1, quick=False)
-    # graphs serve up to max(256, --batch-rows) rows (the default max_graph_batch is 256)
+    # graphs serve up to max(512, --batch-rows) rows (the default max_graph_batch is 512)
     config = hp.PagedCacheConfig(max_tokens=args.batch_tokens + args.batch_rows * 32,
-                                 max_graph_batch=max(256, args.batch_rows))
+                                 max_graph_batch=max(512, args.batch_rows))
     hp.patch_model(model, config)
     graphs = model._hf_paged_t5.graphs
     job(model, items[: len(items) // 4], args.batch_rows, args.batch_tokens)  # warm: graphs

@@ -32,19 +32,11 @@ import numpy as np
 import torch
 
 from .cache import KVPool, StepMetadata
+from .stacks import upload  # noqa: F401  (re-exported: the batching modules' one upload)
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
-
-
-def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`host` (a CPU tensor) on `device` without waiting for the device: a plain `.to(cuda)` from
-    pageable memory synchronizes the stream, i.e. waits for every queued step. The pinned copy is
-    held by PyTorch's host allocator until the transfer has read it."""
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 class BatchCache:

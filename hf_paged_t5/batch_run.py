@@ -189,11 +189,13 @@ class BatchRun:
         real = np.arange(lengths[0]) < lengths[:, None]  # [n, L] bool, the real tokens, row-major as packed
         ids = np.full(real.shape, self.gen.pad_id, dtype=np.int64)
         ids[real] = np.concatenate([r.ids for r in chunk])
-        ids, mask = upload(torch.from_numpy(ids), device), upload(torch.from_numpy(real.astype(np.int64)), device)
+        ids = upload(torch.from_numpy(ids), device)
         tables = runtime.bias_tables(encoder, causal=False)
-        hidden = encoder_forward(encoder, runtime.ops_for, tables, None, mask, input_ids=ids)  # [n, L, d]
-        index = upload(torch.from_numpy(np.flatnonzero(real)), hidden.device)
-        packed = hidden.reshape(-1, hidden.shape[-1])[index]  # [total_tokens, d_model]
+        # the mask stays on the host: the encoder then packs the tokens without reading anything back
+        # from the device, so the host queues the encoder behind the decode steps instead of waiting
+        # for them to finish
+        packed = encoder_forward(encoder, runtime.ops_for, tables, None, torch.from_numpy(real), input_ids=ids,
+                                 packed=True)  # [total_tokens, d_model]
         slots = []
         for request in chunk:
             request.source, source_slots = self.cache.add_source(len(request.ids))

@@ -32,13 +32,27 @@ def module_device(module: nn.Module) -> torch.device:
     return next(module.parameters()).device
 
 
-def pack_tokens(mask: torch.Tensor) -> tuple[torch.Tensor, list[int], torch.Tensor, int]:
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`host` (a CPU tensor) on `device` without waiting for the device: a plain `.to(cuda)` from
+    pageable memory synchronizes the stream, i.e. waits for every queued step. The pinned copy is
+    held by PyTorch's host allocator until the transfer has read it."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def pack_tokens(mask: torch.Tensor, device: Optional[torch.device] = None) -> tuple[torch.Tensor, list[int], torch.Tensor, int]:
     """Where the real tokens of a padded batch are.
 
-    mask: [batch, seq_len], nonzero = real token (padding may be left or right)
+    mask: [batch, seq_len], nonzero = real token (padding may be left or right). A mask on the
+        device is read back (one sync); a CPU mask is not: the results are uploaded without
+        waiting for the device (what `BatchGenerator` gives, whose steps must not wait).
+    device: where `index` and `cu_seqlens` go (default: the mask's device)
     returns: flat index [total_tokens] into batch*seq_len, per-row lengths (host ints),
-        cu_seqlens [batch + 1] int32 on mask's device, max length
+        cu_seqlens [batch + 1] int32, max length
     """
+    device = mask.device if device is None else torch.device(device)
     real = mask.bool()
     lens = real.sum(dim=1).tolist()
     if any(n == 0 for n in lens):
@@ -50,7 +64,9 @@ def pack_tokens(mask: torch.Tensor) -> tuple[torch.Tensor, list[int], torch.Tens
     index = real.reshape(-1).nonzero().squeeze(1)
     cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(lens), 0)
-    return index, lens, cu.to(mask.device), max(lens)
+    if index.device.type == "cpu":
+        index = upload(index, device)
+    return index.to(device), lens, upload(cu, device), max(lens)
 
 
 def ff_chunk_tokens(d_ff: int, element_size: int, tokens: int) -> int:
@@ -96,24 +112,26 @@ def encoder_forward(
     inputs_embeds: Optional[torch.Tensor],
     attention_mask: Optional[torch.Tensor],
     input_ids: Optional[torch.Tensor] = None,
+    packed: bool = False,
 ) -> torch.Tensor:
     """T5 encoder over the real tokens only (varlen); padded positions of the output are 0.
 
     inputs_embeds: [batch, seq_len, d_model], or None with input_ids [batch, seq_len]: then only
     the real tokens are embedded (no [batch, seq_len, d_model] copy of the embeddings is made);
-    attention_mask: [batch, seq_len] or None
+    attention_mask: [batch, seq_len] or None; on the CPU, nothing here waits for the device
     bias_tables[i]: layer i's bidirectional table (see bias.py)
-    returns: last_hidden_state [batch, seq_len, d_model]
+    packed: return the real tokens only, [total_tokens, d_model] row by row (no padded copy)
+    returns: last_hidden_state [batch, seq_len, d_model] (or packed, above)
     """
     source = inputs_embeds if inputs_embeds is not None else input_ids
     batch, seq_len = source.shape[:2]
     if attention_mask is None:
         attention_mask = torch.ones(batch, seq_len, dtype=torch.long, device=source.device)
-    index, _, cu_seqlens, max_seqlen = pack_tokens(attention_mask)
+    index, _, cu_seqlens, max_seqlen = pack_tokens(attention_mask, source.device)
     if inputs_embeds is None:
-        hidden = stack.embed_tokens(input_ids.reshape(-1)[index.to(input_ids.device)])
+        hidden = stack.embed_tokens(input_ids.reshape(-1)[index])
     else:
-        hidden = inputs_embeds.reshape(batch * seq_len, -1)[index.to(inputs_embeds.device)]
+        hidden = inputs_embeds.reshape(batch * seq_len, -1)[index]
     d_model = hidden.shape[-1]
     hidden = stack.dropout(hidden)
     # The residual stream `hidden` and the pending sub-layer output `out` are added inside
@@ -138,8 +156,8 @@ def encoder_forward(
     hidden, _ = attn_ops.add_norm(ops, stack.final_layer_norm, hidden, out)
     del out
     hidden = stack.dropout(hidden)
-    if hidden.shape[0] == batch * seq_len:
-        return hidden.reshape(batch, seq_len, d_model)  # no padding: `index` is every position in order
+    if packed or hidden.shape[0] == batch * seq_len:
+        return hidden if packed else hidden.reshape(batch, seq_len, d_model)  # no padding: every position in order
     padded = hidden.new_zeros(batch * seq_len, d_model)
     padded[index.to(padded.device)] = hidden
     return padded.reshape(batch, seq_len, d_model)

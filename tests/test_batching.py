@@ -453,8 +453,10 @@ def test_cuda_graph_steps_match_generate_alone(num_beams, max_graph_batch):
 ])
 def test_decode_steps_never_wait_for_the_gpu(monkeypatch, max_graph_batch, kw):
     """Once the graphs are captured and the pool sized (a first run of the same job), a greedy or
-    sampling decode step, graph or eager, with its token choice, late read-back and retirements, makes
-    no synchronizing CUDA call: torch's sync debug mode raises on one. The results do not change."""
+    sampling step, graph or eager — admission, the encoder over the admitted inputs (their mask stays
+    on the host) and their cross K/V, the decode step with its token choice, late read-back and
+    retirements — makes no synchronizing CUDA call: torch's sync debug mode raises on one. The
+    results do not change."""
     model = make_model("t5", seed=10, device="cuda")
     hp.patch_model(model, hp.PagedCacheConfig(block_size=16, max_graph_batch=max_graph_batch))
     inputs = make_inputs([5, 40, 3, 17, 90, 30, 2, 64, 8, 33], seed=10)
@@ -462,7 +464,7 @@ def test_decode_steps_never_wait_for_the_gpu(monkeypatch, max_graph_batch, kw):
     gen = hp.BatchGenerator(model, max_batch_rows=6, **kw)
     torch.manual_seed(0)
     first = [r.sequences for r in gen.generate(requests)]
-    original = BatchRun._decode_step
+    original = BatchRun._step
 
     def strict(self):
         torch.cuda.set_sync_debug_mode("error")
@@ -471,7 +473,7 @@ def test_decode_steps_never_wait_for_the_gpu(monkeypatch, max_graph_batch, kw):
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
-    monkeypatch.setattr(BatchRun, "_decode_step", strict)
+    monkeypatch.setattr(BatchRun, "_step", strict)
     torch.manual_seed(0)
     assert [r.sequences for r in gen.generate(requests)] == first
     assert model._hf_paged_t5.pool.is_idle()

@@ -158,3 +158,22 @@ def test_only_real_tokens_are_embedded():
     real = mask.bool()
     torch.testing.assert_close(out[real], ref[real], rtol=0, atol=3e-5)
     assert not out[~real].any()
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_packed_encoder_output_is_the_real_rows(side):
+    """`encoder_forward(packed=True)` (BatchGenerator's call) returns the real tokens only, row by
+    row, equal to the padded output's real positions; a CPU mask for device inputs is accepted."""
+    model = make_model("t5", seed=6)
+    ids, mask = make_batch([5, 11, 2], padding_side=side)
+    runtime = hp.patch_model(model, hp.PagedCacheConfig(backend="torch"))._hf_paged_t5
+    try:
+        tables = runtime.bias_tables(model.encoder, causal=False)
+        with torch.no_grad():
+            padded = stacks.encoder_forward(model.encoder, runtime.ops_for, tables, None, mask, input_ids=ids)
+            packed = stacks.encoder_forward(model.encoder, runtime.ops_for, tables, None, mask.bool(),
+                                            input_ids=ids, packed=True)
+    finally:
+        hp.unpatch_model(model)
+    assert packed.shape == (18, model.config.d_model)
+    torch.testing.assert_close(packed, padded[mask.bool()], rtol=0, atol=0)
