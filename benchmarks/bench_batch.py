@@ -14,6 +14,8 @@ small sweep on a probe subset. Model: random weights with the t5-large shape, bf
 HF is slow, so it runs on a random subset (`--hf-inputs`) and, like the static paged run, stops at
 its share of `--time-budget` (batches run in shuffled order, so a partial run is a random sample); the
 JSON says how many inputs each system measured. Graphs are captured before timing (warm-up runs).
+BatchGenerator runs the whole job `--batch-repeats` times (2) and reports the median (of two, the
+slower); the JSON lists every run, with the graphs captured and Triton kernels compiled while timed.
 
     python benchmarks/bench_batch.py [--out DIR] [--num-inputs 2000] [--hf-inputs 256] [--time-budget 210]
     python benchmarks/bench_batch.py --quick --device cpu     # tiny smoke run of the whole script
@@ -112,7 +114,7 @@ def captures(model) -> int:
 def run_static(model, items, batch_size: int, device: str, deadline: float) -> dict:
     """Static batches until done or `deadline`; useful tokens, inputs measured, seconds."""
     tokens = inputs = 0
-    captured = captures(model)
+    captured, compiled = captures(model), COMPILES.count
     sync(device)
     start = time.perf_counter()
     for batch in static_batches(items, batch_size):
@@ -124,7 +126,7 @@ def run_static(model, items, batch_size: int, device: str, deadline: float) -> d
     sync(device)
     seconds = time.perf_counter() - start
     return dict(batch_size=batch_size, tokens=tokens, inputs=inputs, seconds=seconds, tokens_per_s=tokens / seconds,
-                graph_captures=captures(model) - captured)
+                graph_captures=captures(model) - captured, triton_compiles=COMPILES.count - compiled)
 
 
 def run_static_halving(model, items, batch_size: int, device: str, deadline: float) -> dict:
@@ -178,18 +180,50 @@ def warm_static_paged(model, items, batch_size: int, device: str) -> None:
             generate_batch(model, [([5] * src, new)] * batch_size, device, stop_after=StopSoon)
 
 
+class Compiles:
+    """Counts Triton kernel compilations (a JIT compile inside a timed run is a one-time stall of
+    ~0.1-1 s); a no-op where this Triton has no post-compile hook."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        try:
+            from triton import knobs
+        except ImportError:
+            return
+        previous = knobs.runtime.jit_post_compile_hook
+
+        def hook(*args, **kwargs):
+            self.count += 1
+            return previous(*args, **kwargs) if previous else None
+
+        knobs.runtime.jit_post_compile_hook = hook
+
+
+COMPILES = Compiles()
+
+
 def run_batch_generator(model, items, device: str, batch_tokens: int, batch_rows: int) -> dict:
+    """One BatchGenerator job over `items`, timed; with the slowest steps (a stall: a graph capture,
+    a kernel compile, the pool growing) and what was captured or compiled while timed."""
     gen = hp.BatchGenerator(model, max_batch_tokens=batch_tokens, max_batch_rows=batch_rows)
     requests = [hp.BatchRequest(ids, max_new_tokens=n, min_new_tokens=n) for ids, n in items]
-    captured = captures(model)
+    captured, compiled = captures(model), COMPILES.count
+    step_seconds = []
     sync(device)
-    start = time.perf_counter()
-    tokens = sum(result.num_new_tokens for _, result in gen.as_completed(requests))
+    start = last = time.perf_counter()
+    tokens = 0
+    for _, result in gen.as_completed(requests):
+        tokens += result.num_new_tokens
+        now = time.perf_counter()
+        step_seconds.append(now - last)
+        last = now
     sync(device)
     seconds = time.perf_counter() - start
     assert tokens == sum(n for _, n in items), "BatchGenerator did not produce the forced lengths"
+    gaps = sorted(step_seconds, reverse=True)
     return dict(tokens=tokens, inputs=len(items), seconds=seconds, tokens_per_s=tokens / seconds,
-                graph_captures=captures(model) - captured)
+                graph_captures=captures(model) - captured, triton_compiles=COMPILES.count - compiled,
+                slowest_gaps_ms=[round(g * 1e3, 1) for g in gaps[:5]])
 
 
 def stats(values) -> dict:
@@ -211,6 +245,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--static-batch-sizes", default=None, help="static paged sweep (default 32,64,128)")
     ap.add_argument("--batch-tokens", type=int, default=262144, help="BatchGenerator max_batch_tokens")
     ap.add_argument("--batch-rows", type=int, default=512, help="BatchGenerator max_batch_rows")
+    ap.add_argument("--batch-repeats", type=int, default=2,
+                    help="timed BatchGenerator jobs over all inputs; the median is reported (of two, the slower)")
     ap.add_argument("--time-budget", type=float, default=210.0, help="seconds for the whole run, roughly")
     ap.add_argument("--quick", action="store_true", help="tiny model and workload (a smoke run, CPU is fine)")
     args = ap.parse_args()
@@ -260,9 +296,15 @@ def main() -> None:
     run_batch_generator(model, [longest] + workload(max(len(items) // 4, 8), vocab, 3, args.quick),
                         device, args.batch_tokens, args.batch_rows)
     print("BatchGenerator", flush=True)
-    batch_gen = run_batch_generator(model, items, device, args.batch_tokens, args.batch_rows)
-    print(f"  {batch_gen['tokens_per_s']:.0f} tok/s over {batch_gen['seconds']:.1f} s "
-          f"({batch_gen['graph_captures']} graphs captured while timed)", flush=True)
+    repeats = []
+    for _ in range(args.batch_repeats):
+        repeats.append(run_batch_generator(model, items, device, args.batch_tokens, args.batch_rows))
+        r = repeats[-1]
+        print(f"  {r['tokens_per_s']:.0f} tok/s over {r['seconds']:.1f} s ({r['graph_captures']} graphs captured, "
+              f"{r['triton_compiles']} Triton compiles while timed; slowest gaps between results "
+              f"{r['slowest_gaps_ms']} ms)", flush=True)
+    batch_gen = sorted(repeats, key=lambda r: r["seconds"])[len(repeats) // 2]  # the median; of two, the slower
+    batch_gen = dict(batch_gen, repeats=[r["tokens_per_s"] for r in repeats])
 
     print("patched generate(), static batches: sweep", flush=True)
     static_deadline = time.perf_counter() + 0.4 * max(deadline - time.perf_counter(), 0.0)
