@@ -146,7 +146,7 @@ def _attend_keys(
     return acc, l_i, m_new
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_keys", "keys_per_split", "dense_len", "stride_table_batch"])  # workload sizes: see kernels/__init__.py
 def _paged_decode_kernel(
     query_ptr,  # [batch, num_heads, head_dim]
     key_cache_ptr,  # [num_blocks, block_size, num_heads, head_dim]
@@ -261,7 +261,7 @@ def _paged_decode_kernel(
                 )  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])  # workload sizes: see kernels/__init__.py
 def _combine_splits_kernel(
     part_ptr,  # [batch, num_heads, num_splits, BLOCK_D + 2] fp32: weighted V sum, running max (log2), sum
     out_ptr,  # [batch, num_heads, head_dim]

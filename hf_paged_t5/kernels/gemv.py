@@ -20,7 +20,7 @@ from ._checks import check_device, check_float
 MAX_ROWS = 4
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])  # workload sizes: see kernels/__init__.py
 def _gemv_kernel(
     x_ptr,  # [rows, K]
     weight_ptr,  # [N, K]

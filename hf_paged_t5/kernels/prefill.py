@@ -35,7 +35,7 @@ _NO_BIAS, _TABLE_BIAS, _DENSE_BIAS = 0, 1, 2
 _WIDE_BLOCK = 1024
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["reach"])  # workload sizes: see kernels/__init__.py
 def _wide_table_kernel(
     bias_ptr,  # [num_heads, entries] distance table
     wide_ptr,  # [num_heads, 2 * reach + 1, 4] fp32, layout: `_wide_table`
@@ -58,7 +58,7 @@ def _wide_table_kernel(
     tl.store(wide_ptr + head * (4 * (2 * reach + 1)) + cols, bias.to(tl.float32) * 1.4426950408889634, mask=live)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["first_offset"])  # workload sizes: see kernels/__init__.py
 def _band_tiles_kernel(
     bias_ptr,  # [num_heads, 2 * max_distance + 1] bidirectional distance table
     band_ptr,  # [num_heads, tiles, BLOCK_M, BLOCK_N], the table's dtype, layout: `_band_tiles`
@@ -186,7 +186,7 @@ def _attend_tile(
     return acc, l_i, m_new
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_seqlen", "reach", "band_first", "band_count"])  # workload sizes: see kernels/__init__.py
 def _prefill_kernel(
     query_ptr,  # [total_tokens, num_heads, head_dim]
     key_ptr,  # [total_tokens, num_heads, head_dim]
