@@ -68,6 +68,9 @@ def main() -> None:
         print(f"{len(records)} inputs on {state.num_processes} process(es) in "
               f"{time.perf_counter() - start:.1f} s -> {args.output}")
     state.wait_for_everyone()
+    # torch.distributed's threads torn down at interpreter exit instead can abort a process
+    # ("terminate called without an active exception"; seen on a loaded 2-core machine)
+    state.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from . import attention as attn_ops
-from .batch_cache import BatchCache, blocks_for, upload
+from .batch_cache import MIN_GRAPH_ROWS, BatchCache, blocks_for, upload
 from .batch_decoding import BeamGroup
 from .batch_rows import DecodeRows
 from .block_manager import PoolExhaustedError
@@ -87,7 +87,7 @@ class BatchRun:
         pool = self.gen.runtime.get_pool(self.gen.model.decoder)
         if self.cache is None:
             gen = self.gen
-            self.cache = BatchCache(pool, gen.max_batch_rows)
+            self.cache = BatchCache(pool, gen.max_batch_rows, min(MIN_GRAPH_ROWS, gen.runtime.config.max_graph_batch))
             if gen.num_beams == 1:
                 self.rows = DecodeRows(gen.max_batch_rows, gen.rules, gen.config.do_sample, gen.start_id, gen.device)
         elif self.cache.pool is not pool:

@@ -27,6 +27,14 @@ def bucket(n: int, minimum: int = 1) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def graph_key(cache, rows: int, tables, capture: bool = True) -> tuple[int, int, int]:
+    """(rows served, self-table width, cross-table width) of the static step for `rows` rows of
+    `cache` with its `host_tables()`: a graph serves a power-of-two bucket of batch sizes, at
+    least the cache's `min_graph_rows` where it has one; eager buffers need no padded rows."""
+    rows_key = bucket(rows, getattr(cache, "min_graph_rows", 1)) if capture else rows
+    return rows_key, bucket(tables[0].shape[1], 4), bucket(tables[2].shape[1], 4)
+
+
 @dataclasses.dataclass
 class _StaticStep:
     """Static buffers of one captured graph.
@@ -135,8 +143,7 @@ class DecodeGraphs:
             self.clear()  # a new or re-allocated pool: captured addresses are stale
             self._pool_generation = (id(pool), pool.generation)
         tables = cache.host_tables()
-        # a graph serves a bucket of batch sizes; eager buffers need no padded rows
-        key = (bucket(rows) if capture else rows, bucket(tables[0].shape[1], 4), bucket(tables[2].shape[1], 4))
+        key = graph_key(cache, rows, tables, capture)
         if capture:
             static = self._graphs.get(key)
             if static is None:

@@ -165,6 +165,31 @@ def test_table_widths_are_set_at_admission_not_grown_per_step(monkeypatch, num_b
         assert result.sequences == alone(model, ids, max_new_tokens=m, min_new_tokens=m, num_beams=num_beams)[0]
 
 
+def test_a_draining_job_uses_one_graph_bucket(monkeypatch):
+    """A job's decode graphs serve at least `min_graph_rows` rows (padded): as rows finish, the
+    steps keep the graph key they had (one capture for the job here) instead of stepping down
+    through every power of two, whose small-batch kernel configurations compile on first capture."""
+    import hf_paged_t5.batch_run as br
+    from hf_paged_t5.graphs import graph_key
+
+    model = patched()
+    keys, rows = set(), set()
+    inner = br._decode
+
+    def spy(runtime, model_, cache, ids):
+        keys.add(graph_key(cache, ids.shape[0], cache.host_tables()))
+        rows.add(ids.shape[0])
+        return inner(runtime, model_, cache, ids)
+
+    monkeypatch.setattr(br, "_decode", spy)
+    inputs = make_inputs()
+    requests = [hp.BatchRequest(ids, max_new_tokens=m, min_new_tokens=m) for ids, m in zip(inputs, MAX_NEW)]
+    results = list(hp.BatchGenerator(model, max_batch_rows=len(inputs)).generate(requests))
+    assert [r.num_new_tokens for r in results] == MAX_NEW
+    assert len(rows) >= 5  # the job drained through many row counts...
+    assert keys == {(64, 8, 8)}  # ...under one graph key: 64 rows, 7 self blocks (26 tokens), 8 cross blocks
+
+
 @pytest.mark.parametrize("early_stopping", [True, False, "never"])
 def test_beam_search_matches_generate_alone(early_stopping):
     model = patched(seed=3)

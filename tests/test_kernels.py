@@ -746,11 +746,13 @@ def test_gpu_new_workload_sizes_compile_nothing():
         for config in configs:
             assert rel_err(paged_decode(q, *caches, bias_table=causal_table, config=config), ref) < 2e-2
 
-    run([40, 7], [37, 5], 1)  # compiles each configuration once
+    # Key counts (16 x table width) where 3 requested splits stay 3 (the wrapper merges splits of
+    # fewer keys: 2 would be another configuration, SPLITS_P2): widths 9-12, 17-24 or 25-36 blocks.
+    run([40, 7], [37, 5], 7)  # width 10: compiles each configuration once
     knobs.runtime.jit_post_compile_hook = hook
     try:
-        for prefill_lens, decode_lens, extra_cols in (
-            ([1], [1], 0), ([48, 16], [16, 48, 130], 2), ([33, 100, 2], [1, 17], 5), ([17], [200, 3, 64, 9], 12),
+        for prefill_lens, decode_lens, extra_cols in (  # widths 10, 21, 17, 32
+            ([1], [1], 9), ([48, 16], [16, 48, 130], 12), ([33, 100, 2], [1, 17], 15), ([17], [200, 3, 64, 9], 19),
         ):
             run(prefill_lens, decode_lens, extra_cols)
     finally:
