@@ -50,7 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="task_specific_params key, e.g. translation_en_to_de (default: from the command)")
     parser.add_argument("--batch-tokens", type=int, default=65536,
                         help="KV tokens the running requests may hold together (default: 65536)")
-    parser.add_argument("--batch-rows", type=int, default=None, help="decoder rows per step (default: 256)")
+    parser.add_argument("--batch-rows", type=int, default=None,
+                        help="decoder rows per step (default: the pool config's max_graph_batch, 512)")
     parser.add_argument("--num-beams", type=int, default=None, help="beam search with K beams")
     parser.add_argument("--max-new-tokens", type=int, default=None)
     parser.add_argument("--min-new-tokens", type=int, default=None)
