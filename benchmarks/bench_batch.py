@@ -35,6 +35,7 @@ import json
 import os
 import random
 import time
+from typing import Optional
 
 import torch
 import transformers
@@ -116,7 +117,7 @@ def captures(model) -> int:
 def run_static(model, items, batch_size: int, device: str, deadline: float) -> dict:
     """Static batches until done or `deadline`; useful tokens, inputs measured, seconds."""
     tokens = inputs = 0
-    captured, compiled = captures(model), COMPILES.count
+    captured, compiled = captures(model), compiles()
     sync(device)
     start = time.perf_counter()
     for batch in static_batches(items, batch_size):
@@ -128,7 +129,7 @@ def run_static(model, items, batch_size: int, device: str, deadline: float) -> d
     sync(device)
     seconds = time.perf_counter() - start
     return dict(batch_size=batch_size, tokens=tokens, inputs=inputs, seconds=seconds, tokens_per_s=tokens / seconds,
-                graph_captures=captures(model) - captured, triton_compiles=COMPILES.count - compiled)
+                graph_captures=captures(model) - captured, triton_compiles=compiles() - compiled)
 
 
 def run_static_halving(model, items, batch_size: int, device: str, deadline: float) -> dict:
@@ -201,7 +202,12 @@ class Compiles:
         knobs.runtime.jit_post_compile_hook = hook
 
 
-COMPILES = Compiles()
+COMPILES: Optional[Compiles] = None  # installed by main(): importing this module hooks nothing
+
+
+def compiles() -> int:
+    """Triton compiles so far (0 before main() installs the counter)."""
+    return COMPILES.count if COMPILES is not None else 0
 
 
 def run_batch_generator(model, items, device: str, batch_tokens: int, batch_rows: int) -> dict:
@@ -209,7 +215,7 @@ def run_batch_generator(model, items, device: str, batch_tokens: int, batch_rows
     a kernel compile, the pool growing) and what was captured or compiled while timed."""
     gen = hp.BatchGenerator(model, max_batch_tokens=batch_tokens, max_batch_rows=batch_rows)
     requests = [hp.BatchRequest(ids, max_new_tokens=n, min_new_tokens=n) for ids, n in items]
-    captured, compiled = captures(model), COMPILES.count
+    captured, compiled = captures(model), compiles()
     step_seconds = []
     sync(device)
     start = last = time.perf_counter()
@@ -224,7 +230,7 @@ def run_batch_generator(model, items, device: str, batch_tokens: int, batch_rows
     assert tokens == sum(n for _, n in items), "BatchGenerator did not produce the forced lengths"
     gaps = sorted(step_seconds, reverse=True)
     return dict(tokens=tokens, inputs=len(items), seconds=seconds, tokens_per_s=tokens / seconds,
-                graph_captures=captures(model) - captured, triton_compiles=COMPILES.count - compiled,
+                graph_captures=captures(model) - captured, triton_compiles=compiles() - compiled,
                 slowest_gaps_ms=[round(g * 1e3, 1) for g in gaps[:5]])
 
 
@@ -266,7 +272,9 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
+    global COMPILES
     args = parse_args()
+    COMPILES = Compiles()
     t0 = time.perf_counter()
     deadline = t0 + args.time_budget
     device = args.device

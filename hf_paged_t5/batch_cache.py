@@ -3,7 +3,7 @@
 Unlike `PagedEncoderDecoderCache` (one `generate()` call, a fixed batch), a `BatchCache` lives for a
 whole batch job. Requests join it when admitted and leave it the moment they finish, returning their
 blocks to the pool at once. It offers what `patch._decode` and `graphs.DecodeGraphs.run` need of a
-cache: `pool`, `begin_step`, `host_tables`, `device_self_table` and `metadata`.
+cache: `pool`, `min_graph_rows`, `begin_step`, `host_tables`, `device_self_table` and `metadata`.
 
 Bookkeeping is in numpy over fixed row and source *slots* (a slot is reused after its row leaves):
     _self_table: [max_rows, self_width] int32, block ids of each row's decoder tokens
@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from .cache import KVPool, StepMetadata
-from .stacks import upload  # noqa: F401  (re-exported: the batching modules' one upload)
+from .stacks import upload
 
 
 MIN_GRAPH_ROWS = 64
@@ -57,12 +57,12 @@ class BatchCache:
     Args:
         pool: the model's pool.
         max_rows: the most rows (and sources) alive at once.
-        min_graph_rows: the fewest rows a captured decode graph serves (see the module docstring).
     """
 
-    def __init__(self, pool: KVPool, max_rows: int, min_graph_rows: int = MIN_GRAPH_ROWS) -> None:
+    def __init__(self, pool: KVPool, max_rows: int) -> None:
         self.pool = pool
-        self.min_graph_rows = min_graph_rows
+        # the fewest rows a captured decode graph serves (see the module docstring)
+        self.min_graph_rows = min(MIN_GRAPH_ROWS, pool.config.max_graph_batch)
         self.block_size = pool.block_size
         self.max_rows = max_rows
         self._self_table = np.zeros((max_rows, 4), dtype=np.int32)

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from transformers import GenerationConfig, LogitsProcessorList
 
-from .batch_cache import upload
+from .stacks import upload
 
 # Processors that read the scores only, never `input_ids`: they run on all rows at once.
 SCORES_ONLY = frozenset(

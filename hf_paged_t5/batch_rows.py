@@ -31,7 +31,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from .batch_cache import upload
+from .stacks import upload
 from .batch_decoding import LogitsRules, RowLimits
 
 

@@ -29,13 +29,13 @@ import numpy as np
 import torch
 
 from . import attention as attn_ops
-from .batch_cache import MIN_GRAPH_ROWS, BatchCache, blocks_for, upload
+from .batch_cache import BatchCache, blocks_for
 from .batch_decoding import BeamGroup
 from .batch_rows import DecodeRows
 from .block_manager import PoolExhaustedError
 from .cache import KVPool
 from .patch import _decode
-from .stacks import encoder_forward, module_device
+from .stacks import encoder_forward, module_device, upload
 
 if TYPE_CHECKING:
     from .batching import BatchGenerator, BatchResult, Request
@@ -87,7 +87,7 @@ class BatchRun:
         pool = self.gen.runtime.get_pool(self.gen.model.decoder)
         if self.cache is None:
             gen = self.gen
-            self.cache = BatchCache(pool, gen.max_batch_rows, min(MIN_GRAPH_ROWS, gen.runtime.config.max_graph_batch))
+            self.cache = BatchCache(pool, gen.max_batch_rows)
             if gen.num_beams == 1:
                 self.rows = DecodeRows(gen.max_batch_rows, gen.rules, gen.config.do_sample, gen.start_id, gen.device)
         elif self.cache.pool is not pool:

@@ -44,6 +44,8 @@ class PagedEncoderDecoderCache(Cache):
         max_self_tokens: decoder tokens each row may reach (sizes the self block tables).
     """
 
+    min_graph_rows = 1  # a call's batch is fixed: its graph serves the smallest bucket holding it
+
     def __init__(self, pool: KVPool, num_sources: int, expand: int, max_self_tokens: int) -> None:
         super().__init__(layers=[])
         self.pool = pool

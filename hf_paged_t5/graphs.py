@@ -30,8 +30,8 @@ def bucket(n: int, minimum: int = 1) -> int:
 def graph_key(cache, rows: int, tables, capture: bool = True) -> tuple[int, int, int]:
     """(rows served, self-table width, cross-table width) of the static step for `rows` rows of
     `cache` with its `host_tables()`: a graph serves a power-of-two bucket of batch sizes, at
-    least the cache's `min_graph_rows` where it has one; eager buffers need no padded rows."""
-    rows_key = bucket(rows, getattr(cache, "min_graph_rows", 1)) if capture else rows
+    least the cache's `min_graph_rows`; eager buffers need no padded rows."""
+    rows_key = bucket(rows, cache.min_graph_rows) if capture else rows
     return rows_key, bucket(tables[0].shape[1], 4), bucket(tables[2].shape[1], 4)
 
 

@@ -64,9 +64,8 @@ def pack_tokens(mask: torch.Tensor, device: Optional[torch.device] = None) -> tu
     index = real.reshape(-1).nonzero().squeeze(1)
     cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(lens), 0)
-    if index.device.type == "cpu":
-        index = upload(index, device)
-    return index.to(device), lens, upload(cu, device), max(lens)
+    index = upload(index, device) if index.device.type == "cpu" else index.to(device)
+    return index, lens, upload(cu, device), max(lens)
 
 
 def ff_chunk_tokens(d_ff: int, element_size: int, tokens: int) -> int:
