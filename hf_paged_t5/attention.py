@@ -57,15 +57,33 @@ class OnDevice:
         return fn
 
 
+def _unhooked(module: nn.Module) -> bool:
+    """Whether calling `module` runs its class's forward and nothing else: no accelerate hook, no
+    forward hook or pre-hook of its own or global (a user's, a quantizer's), no replaced forward."""
+    return (
+        not hasattr(module, "_hf_hook") and "forward" not in module.__dict__
+        and not module._forward_hooks and not module._forward_pre_hooks
+        and not nn.modules.module._global_forward_hooks and not nn.modules.module._global_forward_pre_hooks
+    )
+
+
+def _plain_linear(layer: nn.Module) -> bool:
+    """A bias-free `nn.Linear` whose call is exactly `x @ weight.T`."""
+    return type(layer) is nn.Linear and layer.bias is None and _unhooked(layer)
+
+
+# HF's T5-family RMSNorm classes: `weight * x / sqrt(mean(x^2) + variance_epsilon)`, in HF's dtype order
+_RMS_NORMS = frozenset({"T5LayerNorm", "MT5LayerNorm", "UMT5LayerNorm"})
+
+
 def project(ops: ModuleType, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """`layer(x)`, on the backend's few-row GEMV kernel when it serves this product.
 
-    Only a plain bias-free `nn.Linear` with no accelerate hook qualifies: a quantized or hooked
-    layer runs its own forward.
+    Only a plain linear layer qualifies (`_plain_linear`): a LoRA, quantized or hooked layer runs
+    its own forward, so its adapter, dequantization or hook applies as in stock HF.
     """
-    if type(layer) is nn.Linear and layer.bias is None and not hasattr(layer, "_hf_hook"):
-        if ops.gemv_supports(x, layer.weight):
-            return ops.gemv(x, layer.weight)
+    if _plain_linear(layer) and ops.gemv_supports(x, layer.weight):
+        return ops.gemv(x, layer.weight)
     return layer(x)
 
 
@@ -203,8 +221,13 @@ def add_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(layer_norm(hidden + out), hidden + out) with HF's fp16 clamp in between; `out` may be None.
 
-    One fused kernel where HF's order allows it (no fp16 clamp, one device, one dtype).
+    One fused kernel where HF's order allows it (no fp16 clamp, one device, one dtype). A norm
+    that is not HF's own T5 RMSNorm as it is (apex's fused norm, a hooked one) runs its own forward.
     """
+    if type(layer_norm).__name__ not in _RMS_NORMS or not _unhooked(layer_norm):
+        total = hidden if out is None else clamp_fp16(hidden + out)
+        total = total.to(layer_norm.weight.device)
+        return layer_norm(total), total
     device = layer_norm.weight.device
     eps = layer_norm.variance_epsilon
     fusable = (

@@ -166,6 +166,8 @@ class BatchGenerator:
         """(input index, result) as each input finishes. Closing the iterator early, or an
         exception, returns every block the job holds to the pool."""
         run = BatchRun(self, inputs)
+        with self.runtime.lock:
+            self.runtime.check_weights()  # once per job (a decode step must not sync)
         try:
             while (finished := run.step()) is not None:
                 for result in finished:

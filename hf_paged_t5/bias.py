@@ -34,17 +34,24 @@ def table_distance_of(table: torch.Tensor, causal: bool) -> int:
 
 @torch.no_grad()
 def causal_bias_table(attention: nn.Module) -> torch.Tensor:
-    """Decoder self-attention table, float32 [num_heads, D + 1], index `min(q - k, D)`."""
+    """Decoder self-attention table, float32 [num_heads, D + 1], index `min(q - k, D)` (float64
+    for a float64 model)."""
     d = table_distance(attention)
     # One query at position d over keys 0..d: key k sits at distance d - k.
     values = attention.compute_bias(1, d + 1, past_seen_tokens=d)  # [1, num_heads, 1, d + 1]
-    return values[0, :, 0, :].flip(-1).float().contiguous()
+    return values[0, :, 0, :].flip(-1).to(_table_dtype(values)).contiguous()
 
 
 @torch.no_grad()
 def bidirectional_bias_table(attention: nn.Module) -> torch.Tensor:
-    """Encoder table, float32 [num_heads, 2D + 1], index `clamp(k - q, -D, D) + D`."""
+    """Encoder table, float32 [num_heads, 2D + 1], index `clamp(k - q, -D, D) + D` (float64 for
+    a float64 model)."""
     d = table_distance(attention)
     # One query at position d over keys 0..2d: key k sits at relative position k - d.
     values = attention.compute_bias(1, 2 * d + 1, past_seen_tokens=d)  # [1, num_heads, 1, 2d + 1]
-    return values[0, :, 0, :].float().contiguous()
+    return values[0, :, 0, :].to(_table_dtype(values)).contiguous()
+
+
+def _table_dtype(values: torch.Tensor) -> torch.dtype:
+    """float32, or float64 for a float64 model (whose attention the torch backend runs in float64)."""
+    return torch.promote_types(values.dtype, torch.float32)

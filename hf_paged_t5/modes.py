@@ -61,6 +61,7 @@ FALLBACK_KWARGS = {
     "synced_gpus": "synced_gpus is served by stock HF",
     "negative_prompt_ids": "classifier-free guidance with a negative prompt is served by stock HF",
     "tokenizer": None,  # only used by stop_strings, which HF's stopping criteria handle
+    "labels": None,  # never forwarded to the model by HF's generate() (Seq2SeqTrainer passes them)
     "streamer": None,
     "logits_processor": None,
     "stopping_criteria": None,

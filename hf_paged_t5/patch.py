@@ -8,6 +8,9 @@ attributes, and `unpatch_model` restores exactly what was there.
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
+import functools
 import inspect
 import logging
 import threading
@@ -17,18 +20,19 @@ from typing import Any, Optional
 import torch
 from torch import nn
 from transformers.generation import GenerationMode
-from transformers.generation.stopping_criteria import MaxLengthCriteria
+from transformers.generation.stopping_criteria import MaxLengthCriteria, StopStringCriteria, StoppingCriteriaList
 from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
 
-from . import beam_graph, greedy_graph
+from . import beam_graph, greedy_graph, hf_cache
 from . import bias as bias_mod
 from .attention import OnDevice, backend_ops, project
 from .cache import KVPool, LayerSpec, PagedEncoderDecoderCache
 from .config import PagedCacheConfig
 from .loop import beam_loop, sample_loop
 from .modes import fallback_reason
+from .probe import output_scale
 from .graphs import DecodeGraphs, generation_stream, graphable
-from .stacks import decoder_layers, encoder_forward, module_device, store_cross
+from .stacks import EMPTY_ROW, decoder_layers, encoder_forward, mask_rows, module_device, store_cross
 
 logger = logging.getLogger(__name__)
 
@@ -68,10 +72,12 @@ class PagedRuntime:
         # walking every parameter costs ~1 ms of host time per walk on a large model.
         self.call_devices: Optional[frozenset] = None
         self.warned: set[str] = set()
-        self._tables: dict[str, tuple[tuple, list[torch.Tensor]]] = {}
+        self._tables: dict[str, _BiasTables] = {}  # "encoder" / "decoder" -> that stack's tables
         self._device_ops: dict[tuple[str, torch.device], OnDevice] = {}
         sig = inspect.signature(type(model).forward).parameters if self.is_seq2seq else {}
         self.cache_kwarg = "cache" if "cache" in sig else "past_key_values"
+        # what the class's forward multiplies the decoder output by before lm_head (probe.py)
+        self.output_scale = output_scale(model) if self.is_seq2seq else None
 
     # ---- per-layer resources ------------------------------------------------------------
     def ops_for(self, device: torch.device):
@@ -86,23 +92,37 @@ class PagedRuntime:
         return ops
 
     def bias_tables(self, stack: nn.Module, causal: bool) -> list[torch.Tensor]:
-        """One table per layer (T5 shares layer 0's; UMT5 has its own), rebuilt when weights move."""
-        from .attention import layer_bias_module
-
+        """One table per layer (T5 shares layer 0's; UMT5 has its own), rebuilt when a weight it
+        was built from is replaced or moved. A change in place, also through `.data` (which bumps
+        no version counter), is found by `check_weights`, once per call: here nothing syncs."""
         key = "decoder" if causal else "encoder"
-        modules = [layer_bias_module(stack.block, i) for i in range(len(stack.block))]
-        stamp = tuple((m.relative_attention_bias.weight.data_ptr(), m.relative_attention_bias.weight.device,
-                       m.relative_attention_bias.weight._version) for m in modules)
+        weights = _bias_weights(stack)
         cached = self._tables.get(key)
-        if cached is None or cached[0] != stamp:
-            build = bias_mod.causal_bias_table if causal else bias_mod.bidirectional_bias_table
-            by_module: dict[int, torch.Tensor] = {}
-            tables = [by_module.setdefault(id(m), build(m)) for m in modules]
-            for table in by_module.values():  # never written in place: replaced when the weights change
-                setattr(table, bias_mod.KEEP_BAND_TILES, True)
-            self._tables[key] = (stamp, tables)
-            self.graphs.clear()  # captured steps read the old tables
-        return self._tables[key][1]
+        if cached is not None and cached.stamp == _stamp(weights):
+            return cached.tables
+        build = bias_mod.causal_bias_table if causal else bias_mod.bidirectional_bias_table
+        by_module: dict[int, torch.Tensor] = {}
+        tables = [by_module.setdefault(id(m), build(m)) for m in _bias_modules(stack)]
+        for table in by_module.values():  # never written in place: replaced when the weights change
+            setattr(table, bias_mod.KEEP_BAND_TILES, True)
+        self._tables[key] = _BiasTables(_stamp(weights), _flat_copy(weights), tables, weights)
+        self.graphs.clear()  # captured steps read the old tables
+        return tables
+
+    def check_weights(self) -> None:
+        """Drop the bias tables whose weights changed since they were built, in place included (the
+        weights are compared with the copy the tables keep: one host sync for all); `bias_tables`
+        rebuilds them. Called once per generate() call and batch job, and by a standalone encoder
+        call: not per decode step."""
+        entries = [(key, t) for key, t in self._tables.items() if t.stamp == _stamp(t.weights)]
+        stale = [key for key, t in self._tables.items() if t.stamp != _stamp(t.weights)]
+        if entries:
+            changed = [(t.snapshot != _flat_copy(t.weights)).any() for _, t in entries]
+            device = changed[0].device
+            flags = torch.stack([c.to(device) for c in changed]).tolist()
+            stale += [key for (key, _), flag in zip(entries, flags) if flag]
+        for key in stale:
+            del self._tables[key]
 
     def layer_specs(self, decoder: nn.Module) -> list[LayerSpec]:
         """One pool spec per decoder layer: its device, the model's dtype, its head shape."""
@@ -127,10 +147,48 @@ class PagedRuntime:
             self.pool = KVPool(self.config, specs)
         return self.pool
 
-    def warn_once(self, reason: str) -> None:
+    def warn_once(self, reason: str, what: str = "this generate()") -> None:
+        """Log once per model and reason that `what` runs on stock HF, and why (a generate() that
+        falls back for a reason its encoder shares logs it once)."""
         if reason not in self.warned:
             self.warned.add(reason)
-            logger.warning("hf_paged_t5: running this generate() on stock HF: %s", reason)
+            logger.warning("hf_paged_t5: running %s on stock HF: %s", what, reason)
+
+
+@dataclasses.dataclass
+class _BiasTables:
+    """One stack's bias tables and what they were built from.
+
+    stamp: (data_ptr, device, dtype, shape) of each weight; snapshot: a flat copy of the weights;
+    tables: one table per layer (`bias.py`); weights: the distinct bias weights of the stack
+    """
+
+    stamp: tuple
+    snapshot: torch.Tensor
+    tables: list[torch.Tensor]
+    weights: list[torch.Tensor]
+
+
+def _stamp(weights: list[torch.Tensor]) -> tuple:
+    return tuple((w.data_ptr(), w.device, w.dtype, w.shape) for w in weights)
+
+
+def _bias_modules(stack: nn.Module) -> list[nn.Module]:
+    """The attention module whose relative bias each layer of `stack` uses."""
+    from .attention import layer_bias_module
+
+    return [layer_bias_module(stack.block, i) for i in range(len(stack.block))]
+
+
+def _bias_weights(stack: nn.Module) -> list[torch.Tensor]:
+    """The distinct relative-bias weights of `stack`'s layers (one for T5, one per layer for UMT5)."""
+    return list({id(m): m.relative_attention_bias.weight for m in _bias_modules(stack)}.values())
+
+
+def _flat_copy(weights: list[torch.Tensor]) -> torch.Tensor:
+    """A copy of the weights as one flat tensor (`torch.cat` always allocates)."""
+    with torch.no_grad():
+        return torch.cat([w.detach().reshape(-1) for w in weights])
 
 
 def _set(runtime: PagedRuntime, module: nn.Module, name: str, value: Any) -> None:
@@ -159,8 +217,45 @@ def patch_model(model: nn.Module, config: Optional[PagedCacheConfig] = None) -> 
     if runtime.is_seq2seq:
         _set(runtime, model, "forward", types.MethodType(_make_forward(runtime, model.forward), model))
         _set(runtime, model, "generate", types.MethodType(_make_generate(runtime, model.generate), model))
+    for module in {id(m): m for m, _, _ in runtime.originals.values()}.values():
+        _set(runtime, module, "__reduce_ex__", _unpatched_reduce(runtime, module))
+    _set(runtime, model, "__deepcopy__", _patched_deepcopy(runtime, model))
     setattr(model, _ATTR, runtime)
     return model
+
+
+def _unpatched_reduce(runtime: PagedRuntime, module: nn.Module):
+    """`module.__reduce_ex__` while patched: pickle (`torch.save`) and `copy.deepcopy` see the
+    module as it was before `patch_model` (the patched methods close over the runtime, its lock
+    and pool, which neither can copy). A pickled patched model loads unpatched."""
+
+    def reduce_ex(protocol):
+        func, args, state, *rest = type(module).__reduce_ex__(module, protocol)
+        state = dict(state)
+        state.pop(_ATTR, None)
+        for (_, name), (owner, value, had) in runtime.originals.items():
+            if owner is module:
+                if had:
+                    state[name] = value
+                else:
+                    state.pop(name, None)
+        return (func, args, state, *rest)
+
+    return reduce_ex
+
+
+def _patched_deepcopy(runtime: PagedRuntime, model: nn.Module):
+    """`model.__deepcopy__` while patched: an unpatched deep copy (`_unpatched_reduce`), patched
+    with the same config; the copy gets its own runtime, pool and graphs."""
+
+    def deepcopy(memo):
+        func, args, state, *_ = model.__reduce_ex__(4)
+        new = func(*args)
+        memo[id(model)] = new
+        new.__setstate__(copy.deepcopy(state, memo))
+        return patch_model(new, runtime.config)
+
+    return deepcopy
 
 
 def unpatch_model(model: nn.Module) -> nn.Module:
@@ -184,8 +279,26 @@ def is_patched(model: nn.Module) -> bool:
 
 
 # ---- the patched methods ------------------------------------------------------------------
+def _like(original, fn):
+    """`fn` (an unbound `(self, ...)` function standing in for the bound method `original`) with
+    `original`'s name, docs and signature: HF (`_validate_model_kwargs`, the Trainer's column
+    filter, `generate()`'s attention-mask check) reads `inspect.signature(model.forward)`."""
+    functools.update_wrapper(fn, original)
+    sig = inspect.signature(original)
+    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    fn.__signature__ = sig.replace(parameters=[self_param, *sig.parameters.values()])
+    return fn
+
+
+def _output_flags(module: nn.Module, kwargs: dict) -> tuple[bool, bool]:
+    """(output_attentions, output_hidden_states) as HF's stacks read them: the call's value, else
+    the module's config (`capture_outputs`: `kwargs.get(name, config.name)`)."""
+    return tuple(bool(kwargs.get(name, getattr(module.config, name, False)))
+                 for name in ("output_attentions", "output_hidden_states"))
+
+
 def _paged_allowed(runtime: PagedRuntime, module: nn.Module, kwargs: dict) -> bool:
-    if module.training or kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
+    if module.training or any(_output_flags(module, kwargs)):
         return False
     if runtime.owner == threading.get_ident() and not torch.is_grad_enabled():
         return True  # inside this thread's paged generate(), which checked the weights' devices
@@ -197,7 +310,13 @@ def _paged_allowed(runtime: PagedRuntime, module: nn.Module, kwargs: dict) -> bo
 def _make_encoder_forward(runtime: PagedRuntime, original):
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, return_dict=None, **kwargs):
         unknown = set(kwargs) - {"output_attentions", "output_hidden_states", "use_cache"}
-        if unknown or not _paged_allowed(runtime, self, kwargs):
+        stock = unknown or not _paged_allowed(runtime, self, kwargs)
+        if not stock and attention_mask is not None:
+            reason = mask_rows(attention_mask)[1]
+            if reason is not None:
+                runtime.warn_once(reason, "the encoder")
+                stock = True
+        if stock:
             return original(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
                             return_dict=return_dict, **kwargs)
         if (input_ids is None) == (inputs_embeds is None):
@@ -205,13 +324,17 @@ def _make_encoder_forward(runtime: PagedRuntime, original):
         source = input_ids if inputs_embeds is None else inputs_embeds
         if source.shape[0] == 0 or source.shape[1] == 0:
             raise ValueError(f"empty input: the encoder got inputs of shape {tuple(source.shape[:2])}")
+        if runtime.owner != threading.get_ident():  # a call of its own, not one inside generate()
+            runtime.check_weights()
         tables = runtime.bias_tables(self, causal=False)
         # given input_ids, only the real tokens are embedded (inside encoder_forward)
         hidden = encoder_forward(self, runtime.ops_for, tables, inputs_embeds, attention_mask, input_ids=input_ids)
         out = BaseModelOutput(last_hidden_state=hidden)
+        if return_dict is None:
+            return_dict = getattr(self.config, "return_dict", True)
         return out if return_dict is not False else (hidden,)
 
-    return forward
+    return _like(original, forward)
 
 
 def _make_forward(runtime: PagedRuntime, original):
@@ -245,7 +368,7 @@ def _make_forward(runtime: PagedRuntime, original):
             logits = _decode(runtime, self, cache, ids)
         return Seq2SeqLMOutput(logits=logits, **{key: cache})
 
-    return forward
+    return _like(original, forward)
 
 
 def _decode_step(runtime: PagedRuntime, model: nn.Module, cache, device: torch.device, rows: int):
@@ -260,7 +383,7 @@ def _decode_step(runtime: PagedRuntime, model: nn.Module, cache, device: torch.d
             and (_one_cuda_device(runtime.call_devices) if runtime.call_devices is not None else graphable(model))
             and runtime.config.resolve_backend(device) == "triton"
         )
-        scale = model.model_dim**-0.5 if _scales_output(model.config) else None
+        scale = runtime.output_scale
         tables = runtime.bias_tables(model.decoder, causal=True)
         pool = cache.pool  # not `cache` itself: the plan is stored on the cache (no reference cycle)
 
@@ -291,11 +414,6 @@ def _decode(runtime: PagedRuntime, model: nn.Module, cache: PagedEncoderDecoderC
     return step(ids, meta_for)
 
 
-def _scales_output(config) -> bool:
-    value = getattr(config, "scale_decoder_outputs", None)
-    return bool(config.tie_word_embeddings if value is None else value)
-
-
 def _make_generate(runtime: PagedRuntime, original):
     def generate(self, inputs=None, generation_config=None, **kwargs):
         # HF's own merge: the user's config (or the model's), unset fields from model.generation_config,
@@ -309,33 +427,45 @@ def _make_generate(runtime: PagedRuntime, original):
             reason = "weights offloaded by accelerate (meta device) are served by stock HF"
         if reason is None and runtime.owner == threading.get_ident():
             reason = "a generate() nested in a running generate() of the same model is served by stock HF"
+        if reason is None:
+            source, source_lens, reason = _encoder_inputs(self, gen_config, model_kwargs)
         if reason is not None:
             runtime.warn_once(reason)
             return original(inputs, generation_config, **kwargs)
         return _paged_generate(runtime, self, original, inputs, generation_config, gen_config, model_kwargs, kwargs,
-                               devices)
+                               devices, source, source_lens)
 
-    return generate
+    return _like(original, generate)
 
 
-def _paged_generate(runtime, model, original, inputs, generation_config, gen_config, model_kwargs, kwargs, devices):
-    ids = model_kwargs.get("input_ids")
-    embeds = model_kwargs.get("inputs_embeds")
-    source = ids if ids is not None else embeds
+def _encoder_inputs(model: nn.Module, gen_config, model_kwargs: dict):
+    """(the encoder's input tensor, real tokens per row, None) of a generate() call, or
+    (None, None, reason) where the paged path cannot serve its attention mask. Bad input raises.
+
+    With neither input_ids nor inputs_embeds, HF starts the encoder from one BOS token per row
+    (`_prepare_model_inputs`, which raises HF's own error when the model has no bos_token_id).
+    """
+    source = model_kwargs.get("input_ids")
     if source is None:
-        raise ValueError("generate() needs input_ids (or inputs_embeds) for the encoder")
+        source = model_kwargs.get("inputs_embeds")
+    if source is None:
+        source = model._prepare_model_inputs(None, gen_config.bos_token_id, dict(model_kwargs))[0]
     if source.shape[0] == 0:
         raise ValueError("generate() got an empty batch (batch size 0); pass at least one input")
     if source.shape[1] == 0:
         raise ValueError("generate() got zero-length inputs; each input needs at least one token")
-    _check_devices(model, source, model_kwargs.get("attention_mask"))
     mask = model_kwargs.get("attention_mask")
-    source_lens = mask.bool().sum(1).tolist() if mask is not None else [source.shape[1]] * source.shape[0]
-    if any(n == 0 for n in source_lens):
-        raise ValueError(
-            f"rows {[i for i, n in enumerate(source_lens) if n == 0]} of attention_mask are all padding; "
-            "give each input at least one real token"
-        )
+    _check_devices(model, source, mask)
+    if mask is None:
+        return source, [source.shape[1]] * source.shape[0], None
+    lens, reason = mask_rows(mask)
+    if reason == EMPTY_ROW:  # HF's decoder attends over every encoder position of such a row
+        return None, None, reason
+    return source, lens, None  # (a hole: the encoder forward runs HF's, the decoder stays paged)
+
+
+def _paged_generate(runtime, model, original, inputs, generation_config, gen_config, model_kwargs, kwargs, devices,
+                    source, source_lens):
     expand = max(gen_config.num_beams or 1, gen_config.num_return_sequences or 1)
     dec_ids = model_kwargs.get("decoder_input_ids")
     start_len = (dec_ids.shape[1] + 1) if dec_ids is not None else 1
@@ -354,19 +484,35 @@ def _paged_generate(runtime, model, original, inputs, generation_config, gen_con
         runtime.owner, runtime.call_devices = threading.get_ident(), devices
         cache = None
         try:
+            runtime.check_weights()
             pool = runtime.get_pool(model.decoder)
             needed = PagedEncoderDecoderCache.blocks_needed(source_lens, expand, max_self_tokens, pool.block_size)
             pool.reserve(needed)
             cache = PagedEncoderDecoderCache(pool, len(source_lens), expand, max_self_tokens)
             loop = _lean_loop(runtime, cache, gen_config, kwargs.get("streamer"))
             if loop is not None:
-                kwargs = {**kwargs, "custom_generate": loop}
+                kwargs = {**_stop_strings_as_criteria(kwargs, gen_config), "custom_generate": loop}
             with _encoder_outputs_per_source(model, expand):
-                return hand_over(original(inputs, generation_config, **kwargs, **{runtime.cache_kwarg: cache}))
+                result = original(inputs, generation_config, **kwargs, **{runtime.cache_kwarg: cache})
+            # an output that holds the cache gets HF's own, filled from the blocks released below
+            result = hf_cache.replace_paged_cache(result, cache, model_kwargs.get("attention_mask"), source.shape[1])
+            return hand_over(result)
         finally:
             runtime.owner = runtime.call_devices = None
             if cache is not None:
                 cache.release()
+
+
+def _stop_strings_as_criteria(kwargs: dict, gen_config) -> dict:
+    """generate()'s kwargs with `stop_strings` turned into HF's own `StopStringCriteria`, given
+    with the other stopping criteria. HF drops the tokenizer when `custom_generate` is a callable
+    (it pops `tokenizer` before picking the callable's extra arguments), so it would not find one
+    for the stop strings. Without a tokenizer, HF's own error is left to say so."""
+    if not gen_config.stop_strings or kwargs.get("tokenizer") is None:
+        return kwargs
+    criteria = StoppingCriteriaList(kwargs.get("stopping_criteria") or [])
+    criteria.append(StopStringCriteria(stop_strings=gen_config.stop_strings, tokenizer=kwargs["tokenizer"]))
+    return {**kwargs, "stopping_criteria": criteria, "stop_strings": None}
 
 
 @contextlib.contextmanager

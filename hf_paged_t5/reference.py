@@ -9,11 +9,12 @@ KV pool layout (one pair per decoder layer, made in `cache.py`):
 A slot is `block_id * block_size + offset`; `block_table[row, i]` is the block holding
 tokens `[i * block_size, (i + 1) * block_size)` of that row.
 
-Bias tables (made in `bias.py`), float32:
+Bias tables (made in `bias.py`), float32 (float64 for a float64 model):
     causal:        [num_heads, max_distance + 1], index `min(q_pos - k_pos, max_distance)`
     bidirectional: [num_heads, 2 * max_distance + 1], index `clamp(k_pos - q_pos, ±max_distance) + max_distance`
 Attention scores are `scale * q·k + bias`; T5 uses scale 1.0. Softmax and accumulation are
-float32; outputs have the query's dtype.
+float32 (float64 for float64 inputs, so that a float64 model checks the algorithm against stock
+HF in float64 with no float32 rounding in between); outputs have the query's dtype.
 """
 
 from __future__ import annotations
@@ -70,18 +71,19 @@ def _bias_rows(
     else:
         max_distance = (bias_table.shape[1] - 1) // 2
         index = rel.clamp(-max_distance, max_distance) + max_distance
-    return bias_table.float()[:, index]
+    return bias_table[:, index]
 
 
 def _attend(q, k, v, scale, bias, mask):
     """q [Lq, H, D], k/v [Lk, H, D], bias [H|1, Lq, Lk] or None, mask [Lq, Lk] bool or None."""
-    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    scores = torch.einsum("qhd,khd->hqk", q.to(dtype), k.to(dtype)) * scale
     if bias is not None:
-        scores = scores + bias.float()
+        scores = scores + bias.to(dtype)
     if mask is not None:
         scores = scores.masked_fill(~mask[None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    return torch.einsum("hqk,khd->qhd", probs, v.float())
+    return torch.einsum("hqk,khd->qhd", probs, v.to(dtype))
 
 
 def paged_decode(

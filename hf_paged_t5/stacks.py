@@ -68,6 +68,30 @@ def pack_tokens(mask: torch.Tensor, device: Optional[torch.device] = None) -> tu
     return index, lens, upload(cu, device), max(lens)
 
 
+EMPTY_ROW = "a row of attention_mask has no real token (all zeros)"
+HOLE = "attention_mask has zeros between a row's real tokens (a hole)"
+
+
+def mask_rows(mask: torch.Tensor) -> tuple[list[int], Optional[str]]:
+    """(real tokens per row, why `pack_tokens` cannot serve `mask` exactly or None). Not served:
+    a row with no real token (HF's encoder then attends over every position of that row), and
+    zeros between a row's ones (HF keeps the tokens after such a hole at their original
+    distances; packing would close it up). One host read of [batch + 2] numbers.
+
+    mask: [batch, seq_len], nonzero = real token; the reason is EMPTY_ROW, HOLE or None
+    """
+    if mask.numel() == 0:
+        return [0] * mask.shape[0], None  # an empty batch or empty rows: the callers' own checks say so
+    real = mask.bool()
+    lens = real.sum(dim=1)
+    positions = torch.arange(real.shape[1], device=real.device)
+    first = torch.where(real, positions, real.shape[1]).amin(dim=1)
+    last = torch.where(real, positions, -1).amax(dim=1)
+    flags = torch.stack([(lens == 0).any(), ((last - first + 1 != lens) & (lens > 0)).any()])
+    *row_lens, empty, holes = torch.cat([lens, flags.to(lens.dtype)]).tolist()
+    return row_lens, (EMPTY_ROW if empty else HOLE if holes else None)
+
+
 def ff_chunk_tokens(d_ff: int, element_size: int, tokens: int) -> int:
     """Rows per encoder feed-forward chunk over `tokens` rows: [rows, d_ff] elements of
     `element_size` bytes fit in FF_CHUNK_BYTES, but at least FF_MIN_CHUNK_TOKENS rows and at most

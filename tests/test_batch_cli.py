@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, pipeline
 
 import hf_paged_t5 as hp
-from hf_paged_t5 import batching, tiny
+from hf_paged_t5 import batching, cli, tiny
 from hf_paged_t5.__main__ import main
 
 TEXTS = [tiny.CORPUS[i] for i in range(9)] + [" ".join(tiny.CORPUS[10:14]), "Short."]
@@ -113,9 +114,242 @@ def test_generate_fields_and_line_number_ids(checkpoint, tmp_path):
     assert sorted(r["key"] for r in read(output)) == [0, 1, 2]
 
 
-def test_bad_input_is_reported(checkpoint, tmp_path, caplog):
+# ---- bad input: one error line, exit status 2, before the model loads, the output untouched ----
+
+
+class ModelLoaded(Exception):
+    """Raised by the stand-in load_model: validation let the job through to the weights."""
+
+
+@pytest.fixture
+def no_load(monkeypatch):
+    """Replaces cli.load_model by one that records its call and raises ModelLoaded."""
+    calls = []
+
+    def load_model(*args, **kwargs):
+        calls.append((args, kwargs))
+        raise ModelLoaded
+
+    monkeypatch.setattr(cli, "load_model", load_model)
+    return calls
+
+
+@pytest.fixture
+def files(tmp_path):
+    """(checkpoint stand-in: config.json with T5's task_specific_params, input file, output path)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(
+        {"model_type": "t5", "task_specific_params": dict(tiny.T5_TASK_SPECIFIC_PARAMS)}))
     source = tmp_path / "in.jsonl"
+    source.write_text('{"id": 1, "text": "a"}\n{"id": 2, "text": "b"}\n')
+    return model, source, tmp_path / "out.jsonl"
+
+
+def job(command, model, source, output, *extra):
+    return main([command, "--model", str(model), "--input", str(source), "--output", str(output),
+                 "--no-progress", *extra])
+
+
+def assert_refused(status, caplog, no_load, message):
+    """Exit status 2, exactly one error record (one line) containing `message`, and no model load."""
+    assert status == 2
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "\n" not in errors[0], errors
+    assert message in errors[0], errors[0]
+    assert not no_load
+
+
+def test_valid_job_reaches_the_model_load(files, no_load):
+    model, source, output = files
+    with pytest.raises(ModelLoaded):
+        job("translate", model, source, output, "--task", "translation", "--max-new-tokens", "3",
+            "--min-new-tokens", "0", "--batch-rows", "1", "--batch-tokens", "1", "--num-beams", "1")
+    assert len(no_load) == 1 and not output.exists()
+
+
+def test_duplicate_id(files, caplog, no_load):
+    model, source, output = files
     source.write_text('{"id": 1, "text": "a"}\n{"id": 1, "text": "b"}\n')
-    assert main(["generate", "--model", checkpoint, "--input", str(source), "--output",
-                 str(tmp_path / "o.jsonl"), "--no-progress"]) == 2
-    assert "duplicate id 1" in caplog.text
+    assert_refused(job("generate", model, source, output), caplog, no_load, "in.jsonl:2: duplicate id 1")
+    assert not output.exists()
+
+
+def test_missing_input(files, caplog, no_load):
+    model, source, output = files
+    status = job("generate", model, source.with_name("none.jsonl"), output)
+    assert_refused(status, caplog, no_load, "none.jsonl: no such file; give an existing, readable JSONL file")
+    assert not output.exists()
+
+
+def test_input_is_a_directory(files, caplog, no_load, tmp_path):
+    model, _, output = files
+    assert_refused(job("generate", model, tmp_path, output), caplog, no_load,
+                   f"--input {tmp_path}: is a directory; give an existing")
+    assert not output.exists()
+
+
+def test_input_line_not_json(files, caplog, no_load):
+    model, source, output = files
+    source.write_text('{"id": 1, "text": "a"}\n{"id": 2, "text": \n')
+    assert_refused(job("summarize", model, source, output), caplog, no_load,
+                   "in.jsonl:2: not JSON")
+    assert "fix or remove the line" in caplog.text and not output.exists()
+
+
+def test_input_line_without_text_field(files, caplog, no_load):
+    model, source, output = files
+    source.write_text('{"id": 1, "text": "a"}\n{"id": 2, "body": "b"}\n')
+    assert_refused(job("summarize", model, source, output), caplog, no_load,
+                   "in.jsonl:2: expected an object with a string field 'text'; "
+                   "fix the line or name the field with --text-field")
+    assert not output.exists()
+
+
+def test_input_not_utf8(files, caplog, no_load):
+    model, source, output = files
+    source.write_bytes(b'{"id": 1, "text": "a"}\n{"id": 2, "text": "\xff"}\n')
+    assert_refused(job("summarize", model, source, output), caplog, no_load,
+                   "in.jsonl:2: not UTF-8 text")
+    assert not output.exists()
+
+
+def test_output_directory_missing(files, caplog, no_load):
+    model, source, output = files
+    output = output.parent / "missing" / "out.jsonl"
+    assert_refused(job("summarize", model, source, output), caplog, no_load,
+                   "does not exist; create it or give another path")
+    assert not output.parent.exists()
+
+
+def test_output_is_a_directory(files, caplog, no_load, tmp_path):
+    model, source, _ = files
+    assert_refused(job("summarize", model, source, tmp_path), caplog, no_load,
+                   f"--output {tmp_path}: is a directory; give a file path")
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl", "model"]
+
+
+def test_output_is_the_input(files, caplog, no_load):
+    model, source, _ = files
+    before = source.read_text()
+    assert_refused(job("summarize", model, source, source), caplog, no_load,
+                   "is the --input file; give another path")
+    assert source.read_text() == before
+
+
+def test_output_not_writable(files, caplog, no_load, monkeypatch):
+    model, source, output = files
+    monkeypatch.setattr(os, "access", lambda path, mode: False)  # a chmod would not stop root
+    assert_refused(job("summarize", model, source, output), caplog, no_load,
+                   f"--output {output}: cannot create a file in {output.parent}; fix its permissions")
+    caplog.clear()
+    output.write_text("")
+    assert_refused(job("summarize", model, source, output), caplog, no_load,
+                   "not readable and writable; fix its permissions or give another path")
+    assert output.read_text() == ""
+
+
+def test_output_with_a_bad_line_is_left_as_it_was(files, caplog, no_load):
+    model, source, output = files
+    text = '{"id": 1, "output": "x", "num_new_tokens": 1}\nnot a result\n{"id": 2, "outp'
+    output.write_text(text)
+    assert_refused(job("summarize", model, source, output), caplog, no_load,
+                   "out.jsonl:2: not a result line with 'id'")
+    assert "fix or remove the line, or give another --output" in caplog.text
+    assert output.read_text() == text  # the half-written last line is not cut off either
+
+
+def test_half_written_line_survives_a_refused_job(files, caplog, no_load):
+    model, source, output = files
+    text = '{"id": 1, "output": "x", "num_new_tokens": 1}\n{"id": 2, "outp'
+    output.write_text(text)
+    assert_refused(job("summarize", model.with_name("nope"), source, output), caplog, no_load,
+                   "no such directory")
+    assert output.read_text() == text
+
+
+def test_model_directory_missing(files, caplog, no_load):
+    model, source, output = files
+    assert_refused(job("summarize", model.with_name("nope"), source, output), caplog, no_load,
+                   f"--model {model.with_name('nope')}: no such directory; give a local checkpoint directory")
+    assert "Repo id" not in caplog.text and not output.exists()
+
+
+def test_model_is_a_file(files, caplog, no_load):
+    model, source, output = files
+    assert_refused(job("summarize", model / "config.json", source, output), caplog, no_load,
+                   "config.json: no such directory")
+    assert not output.exists()
+
+
+def test_model_without_config(files, caplog, no_load):
+    model, source, output = files
+    (model / "config.json").unlink()
+    assert_refused(job("summarize", model, source, output), caplog, no_load,
+                   f"--model {model}: has no config.json; give a directory written by save_pretrained()")
+    assert not output.exists()
+
+
+def test_model_config_not_json(files, caplog, no_load):
+    model, source, output = files
+    (model / "config.json").write_text("{")
+    assert_refused(job("summarize", model, source, output), caplog, no_load,
+                   "config.json: cannot be read as JSON")
+    assert not output.exists()
+
+
+def test_unknown_task_names_the_models_tasks(files, caplog, no_load):
+    model, source, output = files
+    assert_refused(job("translate", model, source, output, "--task", "translation_en_to_xx"), caplog, no_load,
+                   "--task translation_en_to_xx: not a task of this model (its task_specific_params have: "
+                   "summarization, translation_en_to_de, translation_en_to_fr, translation_en_to_ro); "
+                   "give one of those or leave --task out")
+    assert not output.exists()
+
+
+def test_task_for_a_model_without_tasks(files, caplog, no_load):
+    model, source, output = files
+    (model / "config.json").write_text(json.dumps({"model_type": "t5"}))
+    assert_refused(job("summarize", model, source, output, "--task", "summarization"), caplog, no_load,
+                   "--task summarization: the model's config has no task_specific_params; leave --task out")
+    assert not output.exists()
+
+
+@pytest.mark.parametrize("option, value, lowest", [
+    ("--batch-tokens", "0", 1), ("--batch-rows", "0", 1), ("--num-beams", "0", 1),
+    ("--max-new-tokens", "0", 1), ("--min-new-tokens", "-1", 0),
+])
+def test_numeric_option_out_of_range(files, caplog, no_load, option, value, lowest):
+    model, source, output = files
+    assert_refused(job("summarize", model, source, output, option, value), caplog, no_load,
+                   f"{option} {value}: must be >= {lowest}; give a larger value")
+    assert not output.exists()
+
+
+def test_min_new_tokens_above_max(files, caplog, no_load):
+    model, source, output = files
+    assert_refused(job("summarize", model, source, output, "--min-new-tokens", "5", "--max-new-tokens", "4"),
+                   caplog, no_load, "--min-new-tokens 5 is larger than --max-new-tokens 4; lower the first")
+    assert not output.exists()
+
+
+def test_task_minimum_above_max_new_tokens_warns(files, caplog, no_load):
+    model, source, output = files  # summarization's defaults: min_length 30
+    with pytest.raises(ModelLoaded):
+        job("summarize", model, source, output, "--max-new-tokens", "5")
+    assert "minimum length (29 new tokens) is larger than the maximum (5)" in caplog.text
+
+
+def test_bad_device(files, caplog, no_load):
+    model, source, output = files
+    assert_refused(job("summarize", model, source, output, "--device", "gpu"), caplog, no_load,
+                   "--device gpu: not a device name; use cpu, cuda or cuda:N")
+    assert not output.exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available")
+def test_cuda_device_without_cuda(files, caplog, no_load):
+    model, source, output = files
+    assert_refused(job("summarize", model, source, output, "--device", "cuda"), caplog, no_load,
+                   "--device cuda: CUDA is not available on this machine; use --device cpu")
+    assert not output.exists()

@@ -1,0 +1,406 @@
+"""The drop-in contract beyond generate()'s tokens: what HF's users and HF's own code read of a model.
+
+Signatures, encoder models and their output flags, the output scale per class, weights edited in
+place, stop strings, precomputed encoder outputs, generate() with no inputs, the returned cache,
+copies and pickles, Seq2SeqTrainer, and projections that are not plain Linear layers (LoRA,
+hooks). Each compares with stock HF on the same weights (tests/oracle.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import io
+import logging
+
+import pytest
+import torch
+from conftest import make_batch, make_model
+from oracle import (
+    CONFIG,
+    assert_exact_in_float64,
+    assert_generate_floats,
+    assert_same_tokens,
+    assert_within_stock_error,
+    case_seed,
+    fp64_twin,
+    stock_and_paged,
+)
+from transformers import MT5EncoderModel, T5EncoderModel, UMT5EncoderModel
+from transformers.cache_utils import EncoderDecoderCache
+from transformers.modeling_outputs import BaseModelOutput
+
+import hf_paged_t5 as hp
+from hf_paged_t5 import tiny
+from hf_paged_t5.probe import output_scale
+
+ENCODERS = {"t5": T5EncoderModel, "mt5": MT5EncoderModel, "umt5": UMT5EncoderModel}
+
+
+def _encoder_model(family, seed, **config):
+    """An encoder-only model of `family` with the weights of make_model's; `config` is set on the
+    config before the model is built (as HF's tests set output flags)."""
+    seq2seq = make_model("t5v1_1" if family == "t5" else family, seed=seed)
+    model_config = copy.deepcopy(seq2seq.config)
+    if config.get("output_attentions"):
+        model_config._attn_implementation = "eager"  # HF returns attention weights from eager attention only
+    for key, value in config.items():
+        setattr(model_config, key, value)
+    model = ENCODERS[family](model_config).eval()
+    model.load_state_dict(seq2seq.state_dict(), strict=False)
+    return model
+
+
+def _patched(model):
+    return hp.patch_model(model, CONFIG)
+
+
+# ---- what HF reads of the model ------------------------------------------------------------
+def test_patched_methods_keep_their_signatures():
+    model = make_model("t5", seed=case_seed("signature"))
+    stock = {name: inspect.signature(getattr(model, name)) for name in ("forward", "generate")}
+    stock_encoder = inspect.signature(model.encoder.forward)
+    _patched(model)
+    assert {name: inspect.signature(getattr(model, name)) for name in ("forward", "generate")} == stock
+    assert inspect.signature(model.encoder.forward) == stock_encoder
+    assert model.forward.__name__ == "forward" and model.generate.__doc__ == type(model).generate.__doc__
+
+
+@pytest.mark.parametrize("family,tie", [("t5", True), ("t5", False), ("mt5", True), ("mt5", False),
+                                        ("umt5", True), ("umt5", False)])
+def test_output_scale_is_what_the_class_does(family, tie):
+    """mT5's config forces tie_word_embeddings=True, but MT5ForConditionalGeneration never rescales:
+    the scale is read from the class's forward, and the patched logits are the class's."""
+    model = make_model(family, seed=case_seed("scale", family, tie), tie_word_embeddings=tie)
+    ids, mask = make_batch([6, 3], seed=case_seed("scale", family, tie))
+    dec = torch.zeros(2, 1, dtype=torch.long)
+    stock = model(input_ids=ids, attention_mask=mask, decoder_input_ids=dec).logits
+    hidden = model.decoder(input_ids=dec, encoder_hidden_states=model.encoder(ids, mask)[0],
+                           encoder_attention_mask=mask)[0]
+    unscaled = model.lm_head(hidden)
+    scale = output_scale(model)
+    expected = unscaled if scale is None else model.lm_head(hidden * scale)
+    torch.testing.assert_close(stock, expected, rtol=0, atol=0)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=3, output_logits=True, return_dict_in_generate=True)
+    stock_out, paged_out = stock_and_paged(model, **kw)
+    ratio = (paged_out.logits[0] / stock_out.logits[0]).median()
+    assert abs(float(ratio) - 1) < 1e-3, f"paged logits are {float(ratio):.4f}x stock's"
+
+
+# ---- encoder models and the output flags HF reads from the config --------------------------
+@pytest.mark.parametrize("family", list(ENCODERS))
+def test_encoder_model_matches_stock(family):
+    seed = case_seed("encoder", family)
+    model = _encoder_model(family, seed)
+    ids, mask = make_batch([11, 5, 8], padding_side="left" if seed % 2 else "right", seed=seed)
+    with torch.no_grad():  # with autograd on, the encoder is stock HF's (the kernels have no backward)
+        stock = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        ref = fp64_twin(model)(input_ids=ids, attention_mask=mask).last_hidden_state
+        paged = _patched(model)(input_ids=ids, attention_mask=mask).last_hidden_state
+    real = mask.bool()
+    assert_within_stock_error(paged[real], stock[real], ref[real], "last_hidden_state")
+    # the paged encoder ran: it leaves padded positions at zero (stock HF: values no one reads; README)
+    assert torch.equal(paged[~real], torch.zeros_like(paged[~real]))
+
+
+@pytest.mark.parametrize("family", list(ENCODERS))
+@pytest.mark.parametrize("flag", ["output_hidden_states", "output_attentions"])
+@pytest.mark.parametrize("where", ["config", "call"])
+def test_encoder_output_flags_match_stock(family, flag, where):
+    """A flag set on the config (not passed) is read as HF reads it: the call runs stock HF."""
+    seed = case_seed("flags", family, flag, where)
+    model = _encoder_model(family, seed, **({flag: True} if where == "config" else {}))
+    if flag == "output_attentions":
+        model.set_attn_implementation("eager")  # HF returns attention weights from eager attention only
+    ids, mask = make_batch([7, 4], seed=seed)
+    kwargs = {} if where == "config" else {flag: True}
+    with torch.no_grad():
+        stock = model(input_ids=ids, attention_mask=mask, **kwargs)
+        paged = _patched(model)(input_ids=ids, attention_mask=mask, **kwargs)
+    name = flag.removeprefix("output_")
+    assert getattr(stock, name) is not None and len(getattr(paged, name)) == len(getattr(stock, name))
+    for a, b in zip(getattr(stock, name), getattr(paged, name)):
+        assert torch.equal(a, b)
+
+
+def test_encoder_return_dict_from_config():
+    model = _encoder_model("t5", case_seed("return_dict"))
+    model.config.return_dict = False
+    ids, mask = make_batch([5, 3])
+    with torch.no_grad():
+        stock = model(input_ids=ids, attention_mask=mask)
+        paged = _patched(model)(input_ids=ids, attention_mask=mask)
+    assert type(stock) is type(paged) is tuple and len(stock) == len(paged) == 1
+    torch.testing.assert_close(paged[0][mask.bool()], stock[0][mask.bool()])
+    assert not paged[0][~mask.bool()].any(), "the paged encoder ran (padded positions are zeros)"
+
+
+def test_generate_with_config_output_flags():
+    """model.config.output_hidden_states set after loading: generate()'s outputs stay stock's."""
+    seed = case_seed("config flags generate")
+    model = make_model("t5", seed=seed)
+    model.config.output_hidden_states = True
+    model.encoder.config.output_hidden_states = True
+    ids, mask = make_batch([8, 6], seed=seed)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, return_dict_in_generate=True, output_scores=True)
+    stock, paged = stock_and_paged(model, **kw)
+    assert_same_tokens(stock, paged)
+    assert set(stock.keys()) == set(paged.keys())
+    assert_exact_in_float64(model, **kw)
+
+
+# ---- weights changed by the user -------------------------------------------------------------
+@pytest.mark.parametrize("family", ["t5", "umt5"])
+@pytest.mark.parametrize("how", ["data", "copy_", "assign"])
+def test_bias_weight_edited_after_a_call(family, how):
+    """A cached bias table must notice a change through .data (no version bump), in place, or a new Parameter."""
+    seed = case_seed("bias edit", family, how)
+    model = make_model(family, seed=seed)
+    ids, mask = make_batch([10, 7], seed=seed)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, output_logits=True, return_dict_in_generate=True)
+    _patched(model).generate(**kw)
+    for stack in (model.encoder, model.decoder):
+        bias = stack.block[0].layer[0].SelfAttention.relative_attention_bias
+        new = torch.randn_like(bias.weight) * 2
+        if how == "data":
+            bias.weight.data.copy_(new)
+        elif how == "copy_":
+            with torch.no_grad():
+                bias.weight.copy_(new)
+        else:
+            bias.weight = torch.nn.Parameter(new)
+    paged = model.generate(**kw)
+    hp.unpatch_model(model)
+    stock = model.generate(**kw)
+    assert_same_tokens(stock, paged)
+    assert_generate_floats(model, stock, paged, **kw)
+
+
+# ---- generate() arguments that stock HF serves -----------------------------------------------
+def test_stop_strings_with_tokenizer():
+    tok = tiny.build_tokenizer()
+    model = tiny.build_model("tiny", vocab_size=len(tok), seed=case_seed("stop strings"))
+    enc = tok(list(tiny.CORPUS[:1]), return_tensors="pt")
+    probe = model.generate(**enc, max_new_tokens=12)
+    stop = tok.decode(probe[0, 3:5])  # a string the model does produce
+    kw = dict(**enc, max_new_tokens=12, stop_strings=[stop], tokenizer=tok)
+    stock, paged = stock_and_paged(model, **kw)
+    assert_same_tokens(stock, paged)
+    assert stock.shape[1] < probe.shape[1], f"the stop string {stop!r} ended the call early"
+
+
+def test_precomputed_encoder_outputs():
+    seed = case_seed("encoder_outputs")
+    model = make_model("t5", seed=seed)
+    ids, mask = make_batch([9, 5], seed=seed)
+    encoder_outputs = model.get_encoder()(input_ids=ids, attention_mask=mask)
+    kw = dict(encoder_outputs=BaseModelOutput(last_hidden_state=encoder_outputs.last_hidden_state),
+              attention_mask=mask, max_new_tokens=6)
+    stock, paged = stock_and_paged(model, expect_paged=False, **kw)
+    assert_same_tokens(stock, paged)
+
+
+def test_generate_without_inputs():
+    """HF starts the encoder from one BOS token."""
+    model = make_model("t5", seed=case_seed("no inputs"), bos_token_id=5)
+    stock, paged = stock_and_paged(model, max_new_tokens=6)
+    assert_same_tokens(stock, paged)
+    model.config.bos_token_id = model.generation_config.bos_token_id = None
+    with pytest.raises(ValueError, match="bos_token_id"):
+        _patched(model).generate(max_new_tokens=6)
+
+
+def test_labels_are_ignored_as_stock_ignores_them():
+    seed = case_seed("labels")
+    model = make_model("t5", seed=seed)
+    ids, mask = make_batch([6, 4], seed=seed)
+    stock, paged = stock_and_paged(model, input_ids=ids, attention_mask=mask, labels=ids, max_new_tokens=5)
+    assert_same_tokens(stock, paged)
+
+
+# ---- the cache handed back ------------------------------------------------------------------
+@pytest.mark.parametrize("num_beams", [1, 2])
+def test_returned_cache_is_hfs_and_continues(num_beams):
+    seed = case_seed("returned cache", num_beams)
+    model = make_model("t5", seed=seed)
+    ids, mask = make_batch([9, 6], padding_side="left", seed=seed)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, min_new_tokens=5, return_dict_in_generate=True,
+              num_beams=num_beams)
+    stock, paged = stock_and_paged(model, **kw)
+    assert_same_tokens(stock, paged)
+    ref = fp64_twin(model).generate(**kw)
+    assert_same_tokens(stock, ref)  # a well-conditioned case: the fp64 cache holds the same rows
+    key = "cache" if "cache" in stock else "past_key_values"
+    a, b, r = stock[key], paged[key], ref[key]
+    assert isinstance(b, EncoderDecoderCache) and b.get_seq_length() == a.get_seq_length()
+    real = mask.bool().repeat_interleave(num_beams, 0)[:, None, :, None]  # HF's padded cross K/V: never read
+
+    def tensors(cache, part, masked=False):
+        layers = getattr(cache, part).layers
+        return [t * real if masked else t for layer in layers for t in (layer.keys, layer.values)]
+
+    assert_within_stock_error(tensors(b, "self_attention_cache"), tensors(a, "self_attention_cache"),
+                              tensors(r, "self_attention_cache"), "self-attention K/V")
+    cross = [tensors(c, "cross_attention_cache", masked=True) for c in (b, a, r)]
+    assert_within_stock_error(*cross, "cross-attention K/V")
+    if num_beams == 1:  # continue both from their own cache: stock HF serves a given cache
+        more = dict(input_ids=ids, attention_mask=mask, decoder_input_ids=stock.sequences, max_new_tokens=3,
+                    min_new_tokens=3)
+        cont_stock = model.generate(**more, **{key: a})
+        cont_paged = model.generate(**more, **{key: b})
+        assert_same_tokens(cont_stock, cont_paged)
+
+
+# ---- copies and pickles ----------------------------------------------------------------------
+def test_deepcopy_gives_a_patched_copy_with_its_own_pool():
+    seed = case_seed("deepcopy")
+    model = make_model("t5", seed=seed)
+    ids, mask = make_batch([8, 5], seed=seed)
+    stock = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6)
+    _patched(model).generate(input_ids=ids, attention_mask=mask, max_new_tokens=6)
+    clone = copy.deepcopy(model)
+    assert hp.is_patched(clone) and clone._hf_paged_t5 is not model._hf_paged_t5
+    assert clone.forward.__self__ is clone and clone.encoder.forward.__self__ is clone.encoder
+    assert clone._hf_paged_t5.config == model._hf_paged_t5.config
+    assert torch.equal(clone.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6), stock)
+    assert clone._hf_paged_t5.pool is not model._hf_paged_t5.pool
+    hp.unpatch_model(clone)
+    assert not any(k in clone.__dict__ for k in ("forward", "generate", "__reduce_ex__", "__deepcopy__"))
+
+
+def test_torch_save_loads_an_unpatched_model():
+    seed = case_seed("pickle")
+    model = make_model("t5", seed=seed)
+    ids, mask = make_batch([8, 5], seed=seed)
+    stock = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6)
+    _patched(model)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert not hp.is_patched(loaded)
+    assert "forward" not in loaded.__dict__ and "forward" not in loaded.encoder.__dict__
+    assert torch.equal(loaded.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6), stock)
+    assert hp.is_patched(model), "pickling leaves the model itself patched"
+
+
+# ---- Seq2SeqTrainer -------------------------------------------------------------------------
+@pytest.mark.parametrize("remove_unused_columns", [True, False])
+def test_seq2seq_trainer_predict_with_generate(tmp_path, remove_unused_columns):
+    from transformers import DataCollatorForSeq2Seq, Seq2SeqTrainer, Seq2SeqTrainingArguments
+
+    tok = tiny.build_tokenizer()
+    model = tiny.build_model("tiny", vocab_size=len(tok), seed=case_seed("trainer"))
+    texts = list(tiny.CORPUS[:10])
+    data = [{**tok("summarize: " + t), "labels": tok(t[:30])["input_ids"]} for t in texts]
+
+    def predict(m):
+        args = Seq2SeqTrainingArguments(
+            output_dir=str(tmp_path), per_device_eval_batch_size=4, predict_with_generate=True,
+            generation_max_length=12, generation_num_beams=2, report_to=[], use_cpu=True,
+            remove_unused_columns=remove_unused_columns,
+        )
+        trainer = Seq2SeqTrainer(model=m, args=args, data_collator=DataCollatorForSeq2Seq(tok, model=m),
+                                 processing_class=tok)
+        return trainer.predict(data)
+
+    stock = predict(model)
+    patched = _patched(copy.deepcopy(model))
+    paged = predict(patched)
+    assert patched._hf_paged_t5.pool is not None, "generation ran on the paged path"
+    assert (stock.predictions == paged.predictions).all()
+    assert stock.metrics["test_loss"] == pytest.approx(paged.metrics["test_loss"], rel=1e-5)
+
+
+# ---- projections that are not plain Linear layers -------------------------------------------
+class _Shifted(torch.nn.Module):
+    """A projection that is not an nn.Linear: the base layer plus a low-rank delta (like LoRA)."""
+
+    def __init__(self, base: torch.nn.Linear, rank: int = 2) -> None:
+        super().__init__()
+        self.base = base
+        self.down = torch.nn.Linear(base.in_features, rank, bias=False)
+        self.up = torch.nn.Linear(rank, base.out_features, bias=False)
+        torch.nn.init.normal_(self.up.weight, std=0.5)
+
+    @property
+    def weight(self):
+        return self.base.weight
+
+    def forward(self, x):
+        return self.base(x) + self.up(self.down(x))
+
+
+def _wrap_projections(model):
+    for stack in (model.encoder, model.decoder):
+        for block in stack.block:
+            for layer in block.layer[:-1]:
+                attn = getattr(layer, "SelfAttention", None) or layer.EncDecAttention
+                for name in ("q", "k", "v", "o"):
+                    setattr(attn, name, _Shifted(getattr(attn, name)))
+    model.lm_head = _Shifted(model.lm_head)
+
+
+def test_non_linear_projections_run_their_own_forward():
+    seed = case_seed("wrapped projections")
+    model = make_model("t5v1_1", seed=seed)
+    torch.manual_seed(seed)
+    _wrap_projections(model)
+    ids, mask = make_batch([9, 6], seed=seed)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, num_beams=2, output_logits=True,
+              return_dict_in_generate=True)
+    stock, paged = stock_and_paged(model, **kw)
+    assert_same_tokens(stock, paged)
+    assert_exact_in_float64(model, **kw)
+
+
+def test_forward_hooks_on_plain_linears_run():
+    """A forward hook on a plain Linear (a user's, a quantizer's) runs as in stock HF."""
+    seed = case_seed("hooks")
+    model = make_model("t5", seed=seed)
+    ids, mask = make_batch([7, 4], seed=seed)
+    calls = []
+
+    def hook(module, args, output):
+        calls.append(1)
+        return output * 1.5
+
+    model.decoder.block[0].layer[0].SelfAttention.q.register_forward_hook(hook)
+    model.lm_head.register_forward_hook(hook)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, output_logits=True, return_dict_in_generate=True)
+    stock, paged = stock_and_paged(model, **kw)
+    assert_same_tokens(stock, paged)
+    assert calls
+    assert_exact_in_float64(model, **kw)
+
+
+def test_peft_lora_adapters_are_applied():
+    """LoRA on every projection, non-zero adapters: the paged path serves them through peft's layers."""
+    peft = pytest.importorskip("peft")
+    seed = case_seed("lora")
+    model = make_model("t5v1_1", seed=seed)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q", "k", "v", "o", "wi_0", "wi_1", "wo"],
+                             init_lora_weights=False)
+    torch.manual_seed(seed)
+    peft_model = peft.get_peft_model(model, config)
+    model = peft_model.base_model.model.eval()  # the HF model, its projections now LoRA layers
+    ids, mask = make_batch([9, 6], seed=seed)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, output_logits=True, return_dict_in_generate=True)
+    with peft_model.disable_adapter():
+        without = model.generate(**kw)
+    stock, paged = stock_and_paged(model, **kw)
+    shift = float((stock.logits[0] - without.logits[0]).abs().max())
+    assert shift > 1e-2 * float(stock.logits[0].abs().max()), "the adapters change the logits"
+    assert_same_tokens(stock, paged)
+    assert_exact_in_float64(model, **kw)
+
+
+def test_fallback_reasons_are_logged_once(caplog):
+    seed = case_seed("log once")
+    model = _patched(make_model("t5", seed=seed))
+    ids, mask = make_batch([6, 6], seed=seed)
+    mask[0, 2] = 0
+    with caplog.at_level(logging.WARNING, logger="hf_paged_t5"):
+        for _ in range(3):
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3)
+    assert len([r for r in caplog.records if "hole" in r.getMessage()]) == 1
