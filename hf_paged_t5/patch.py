@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from transformers.generation import GenerationMode
 from transformers.generation.stopping_criteria import MaxLengthCriteria, StopStringCriteria, StoppingCriteriaList
-from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
+from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions, Seq2SeqLMOutput
 
 from . import beam_graph, greedy_graph, hf_cache
 from . import bias as bias_mod
@@ -329,7 +329,8 @@ def _make_encoder_forward(runtime: PagedRuntime, original):
         tables = runtime.bias_tables(self, causal=False)
         # given input_ids, only the real tokens are embedded (inside encoder_forward)
         hidden = encoder_forward(self, runtime.ops_for, tables, inputs_embeds, attention_mask, input_ids=input_ids)
-        out = BaseModelOutput(last_hidden_state=hidden)
+        # the class T5's stacks return (a caller that compiles generate() sees one type either way)
+        out = BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=hidden)
         if return_dict is None:
             return_dict = getattr(self.config, "return_dict", True)
         return out if return_dict is not False else (hidden,)

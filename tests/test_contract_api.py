@@ -103,6 +103,18 @@ def test_encoder_model_matches_stock(family):
     assert torch.equal(paged[~real], torch.zeros_like(paged[~real]))
 
 
+def test_encoder_stack_returns_stocks_output_class():
+    """The same output type on the paged path as on stock (a torch.compile'd generate() whose calls
+    mix both, e.g. a mask with a hole in one batch only, would otherwise recompile)."""
+    model = make_model("t5", seed=case_seed("output class"))
+    ids, mask = make_batch([6, 4])
+    with torch.no_grad():
+        stock = model.encoder(input_ids=ids, attention_mask=mask)
+        paged = _patched(model).encoder(input_ids=ids, attention_mask=mask)
+    assert type(paged) is type(stock)
+    assert not paged.last_hidden_state[~mask.bool()].any(), "the paged encoder ran"
+
+
 @pytest.mark.parametrize("family", list(ENCODERS))
 @pytest.mark.parametrize("flag", ["output_hidden_states", "output_attentions"])
 @pytest.mark.parametrize("where", ["config", "call"])
