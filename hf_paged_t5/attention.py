@@ -239,12 +239,3 @@ def add_norm(
     total = hidden if out is None else clamp_fp16(hidden + out)
     total = total.to(device)
     return ops.rms_norm(hidden=total, weight=layer_norm.weight, eps=eps)[0], total
-
-
-def layer_bias_module(blocks: nn.ModuleList, index: int) -> Optional[nn.Module]:
-    """The attention module whose relative bias layer `index` uses (T5: layer 0's; UMT5: its own)."""
-    own = blocks[index].layer[0].SelfAttention
-    if getattr(own, "has_relative_attention_bias", False):
-        return own
-    first = blocks[0].layer[0].SelfAttention
-    return first if getattr(first, "has_relative_attention_bias", False) else None

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import functools
 import inspect
 import logging
@@ -72,7 +71,7 @@ class PagedRuntime:
         # walking every parameter costs ~1 ms of host time per walk on a large model.
         self.call_devices: Optional[frozenset] = None
         self.warned: set[str] = set()
-        self._tables: dict[str, _BiasTables] = {}  # "encoder" / "decoder" -> that stack's tables
+        self.tables = bias_mod.BiasTableCache(on_rebuild=self.graphs.clear)  # captured steps read them
         self._device_ops: dict[tuple[str, torch.device], OnDevice] = {}
         sig = inspect.signature(type(model).forward).parameters if self.is_seq2seq else {}
         self.cache_kwarg = "cache" if "cache" in sig else "past_key_values"
@@ -92,37 +91,13 @@ class PagedRuntime:
         return ops
 
     def bias_tables(self, stack: nn.Module, causal: bool) -> list[torch.Tensor]:
-        """One table per layer (T5 shares layer 0's; UMT5 has its own), rebuilt when a weight it
-        was built from is replaced or moved. A change in place, also through `.data` (which bumps
-        no version counter), is found by `check_weights`, once per call: here nothing syncs."""
-        key = "decoder" if causal else "encoder"
-        weights = _bias_weights(stack)
-        cached = self._tables.get(key)
-        if cached is not None and cached.stamp == _stamp(weights):
-            return cached.tables
-        build = bias_mod.causal_bias_table if causal else bias_mod.bidirectional_bias_table
-        by_module: dict[int, torch.Tensor] = {}
-        tables = [by_module.setdefault(id(m), build(m)) for m in _bias_modules(stack)]
-        for table in by_module.values():  # never written in place: replaced when the weights change
-            setattr(table, bias_mod.KEEP_BAND_TILES, True)
-        self._tables[key] = _BiasTables(_stamp(weights), _flat_copy(weights), tables, weights)
-        self.graphs.clear()  # captured steps read the old tables
-        return tables
+        """Each layer's bias table of `stack` (`bias.BiasTableCache`; no host sync)."""
+        return self.tables.get(stack, causal)
 
     def check_weights(self) -> None:
-        """Drop the bias tables whose weights changed since they were built, in place included (the
-        weights are compared with the copy the tables keep: one host sync for all); `bias_tables`
-        rebuilds them. Called once per generate() call and batch job, and by a standalone encoder
-        call: not per decode step."""
-        entries = [(key, t) for key, t in self._tables.items() if t.stamp == _stamp(t.weights)]
-        stale = [key for key, t in self._tables.items() if t.stamp != _stamp(t.weights)]
-        if entries:
-            changed = [(t.snapshot != _flat_copy(t.weights)).any() for _, t in entries]
-            device = changed[0].device
-            flags = torch.stack([c.to(device) for c in changed]).tolist()
-            stale += [key for (key, _), flag in zip(entries, flags) if flag]
-        for key in stale:
-            del self._tables[key]
+        """Once per generate() call and batch job: drop bias tables whose weights were written in
+        place (one host sync); never per decode step."""
+        self.tables.check()
 
     def layer_specs(self, decoder: nn.Module) -> list[LayerSpec]:
         """One pool spec per decoder layer: its device, the model's dtype, its head shape."""
@@ -153,42 +128,6 @@ class PagedRuntime:
         if reason not in self.warned:
             self.warned.add(reason)
             logger.warning("hf_paged_t5: running %s on stock HF: %s", what, reason)
-
-
-@dataclasses.dataclass
-class _BiasTables:
-    """One stack's bias tables and what they were built from.
-
-    stamp: (data_ptr, device, dtype, shape) of each weight; snapshot: a flat copy of the weights;
-    tables: one table per layer (`bias.py`); weights: the distinct bias weights of the stack
-    """
-
-    stamp: tuple
-    snapshot: torch.Tensor
-    tables: list[torch.Tensor]
-    weights: list[torch.Tensor]
-
-
-def _stamp(weights: list[torch.Tensor]) -> tuple:
-    return tuple((w.data_ptr(), w.device, w.dtype, w.shape) for w in weights)
-
-
-def _bias_modules(stack: nn.Module) -> list[nn.Module]:
-    """The attention module whose relative bias each layer of `stack` uses."""
-    from .attention import layer_bias_module
-
-    return [layer_bias_module(stack.block, i) for i in range(len(stack.block))]
-
-
-def _bias_weights(stack: nn.Module) -> list[torch.Tensor]:
-    """The distinct relative-bias weights of `stack`'s layers (one for T5, one per layer for UMT5)."""
-    return list({id(m): m.relative_attention_bias.weight for m in _bias_modules(stack)}.values())
-
-
-def _flat_copy(weights: list[torch.Tensor]) -> torch.Tensor:
-    """A copy of the weights as one flat tensor (`torch.cat` always allocates)."""
-    with torch.no_grad():
-        return torch.cat([w.detach().reshape(-1) for w in weights])
 
 
 def _set(runtime: PagedRuntime, module: nn.Module, name: str, value: Any) -> None:
