@@ -30,7 +30,8 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, metavar="PATH",
-                        help="checkpoint directory (model + tokenizer)")
+                        help="checkpoint directory (model + tokenizer); offline, "
+                             "`python -m hf_paged_t5 checkpoint DIR` writes a random-weight one")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="default: bfloat16 on a GPU, float32 on the CPU "

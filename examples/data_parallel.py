@@ -6,10 +6,11 @@
     torchrun --nproc_per_node 2 examples/data_parallel.py --device cpu ...             # two CPU processes
 
 Same options and output as `batch_jsonl.py` (default task: summarization). Every process loads
-the model on its own device (`PartialState().device`: cuda:0, cuda:1, ...) and patches it. The
-batches are formed once from all inputs (sorted by length), so each batch, and so each output,
-is the same whatever the number of processes; `split_between_processes` hands each process
-every N-th batch. The main process gathers the results and writes them in input order.
+the model on its own device (`PartialState().device`: cuda:0, cuda:1, ...; `--device` overrides
+it) and patches it. The inputs, sorted by length, are dealt out in turn: of N processes, process
+r takes inputs r, r + N, r + 2N, ..., so each gets its share (the same count, give or take one,
+and short and long inputs alike) whatever `--batch-size`, and makes its own batches from it.
+The main process gathers the results and writes them in input order.
 """
 
 from __future__ import annotations
@@ -34,11 +35,13 @@ from batch_jsonl import (
 )
 
 
-def interleave(items: list, parts: int) -> list:
-    """Reorder so that cutting the list into `parts` contiguous shares (as `split_between_processes`
-    does, earlier shares one longer) gives share r the items r, r + parts, r + 2 * parts, ...:
-    short and long batches spread evenly over the processes."""
-    return [item for r in range(parts) for item in items[r::parts]]
+def share(items: list, rank: int, num_processes: int) -> list:
+    """The items of process `rank`: items[rank], items[rank + num_processes], ...
+
+    Every process gets len(items) // num_processes items or one more, so none is left idle while
+    there are at least as many items as processes.
+    """
+    return items[rank::num_processes]
 
 
 def main() -> None:
@@ -55,13 +58,16 @@ def main() -> None:
     prefix, kwargs = job_kwargs(model, args)
     records = read_jsonl(args.input, args.text_field)
     texts = [prefix + r[args.text_field] for r in records]
-    batches = interleave(make_batches(tokenizer, texts, args.batch_size), state.num_processes)
+    # Every input, shortest first (make_batches' order); this process's share keeps that order,
+    # so its consecutive runs of --batch-size are batches of similar lengths.
+    order = [i for batch in make_batches(tokenizer, texts, args.batch_size) for i in batch]
+    mine = share(order, state.process_index, state.num_processes)
+    batches = [mine[i : i + args.batch_size] for i in range(0, len(mine), args.batch_size)]
     start = time.perf_counter()
-    with state.split_between_processes(batches) as my_batches:
-        outputs = generate_all(model, tokenizer, texts, my_batches, **kwargs)
-        seconds = time.perf_counter() - start
-        print(f"process {state.process_index} on {state.device}: {len(outputs)} inputs in {seconds:.1f} s",
-              flush=True)
+    outputs = generate_all(model, tokenizer, texts, batches, **kwargs)
+    seconds = time.perf_counter() - start
+    print(f"process {state.process_index} of {state.num_processes} on {model.device}: {len(outputs)} inputs "
+          f"in {seconds:.1f} s", flush=True)
     gathered = gather_object(sorted(outputs.items()))  # [(index, text)] of every process
     if state.is_main_process:
         write_jsonl(args.output, records, dict(gathered))

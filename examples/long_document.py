@@ -103,7 +103,8 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", required=True, metavar="PATH",
-                        help="checkpoint directory (model + tokenizer)")
+                        help="checkpoint directory (model + tokenizer); offline, "
+                             "`python -m hf_paged_t5 checkpoint DIR` writes a random-weight one")
     parser.add_argument("--file", help="text file (default: a synthetic report of --target-tokens tokens)")
     parser.add_argument("--target-tokens", type=int, default=4096)
     parser.add_argument("--mode", choices=("full", "chunked"), default="full")

@@ -38,7 +38,8 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", required=True, metavar="PATH",
-                        help="checkpoint directory (model + tokenizer)")
+                        help="checkpoint directory (model + tokenizer); offline, "
+                             "`python -m hf_paged_t5 checkpoint DIR` writes a random-weight one")
     parser.add_argument("--file", help="text file to summarize (default: a short embedded news article)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,

@@ -34,7 +34,8 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", required=True, metavar="PATH",
-                        help="checkpoint directory (model + tokenizer)")
+                        help="checkpoint directory (model + tokenizer); offline, "
+                             "`python -m hf_paged_t5 checkpoint DIR` writes a random-weight one")
     parser.add_argument("--task", default="translation_en_to_de", help="translation_<src>_to_<tgt>")
     parser.add_argument("--file", help="one sentence per line (default: a few embedded English sentences)")
     parser.add_argument("--batch-size", type=int, default=8)

@@ -13,6 +13,11 @@ summarize / translate add the T5 task prefix and generation defaults of the mode
 `task_specific_params` ("summarization", "translation_xx_to_yy"), as the pipelines do; the
 command-line options override the defaults. Progress: a tqdm bar with documents done and tokens/s.
 
+At the default log level a job reports the task entry it uses (with translate and no --task: the
+language pair it picked), how many inputs are done and to run, and ends with one line: documents,
+new tokens, seconds, tokens/s and the output path. A rerun over a finished output says so in one
+line and exits 0 without loading the model.
+
 Options, the input, the output and the checkpoint's config.json (task names) are checked before the
 weights load; a problem is one line on stderr, exit status 2, and the output is left as it was.
 """
@@ -49,7 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input", required=True, help="JSONL file, one object per line")
     parser.add_argument("--output", required=True, help="JSONL results, appended; a rerun skips done ids")
     parser.add_argument("--text-field", default="text", help="input field holding the text (default: text)")
-    parser.add_argument("--id-field", default="id", help="input field holding the id (default: id)")
+    parser.add_argument("--id-field", default="id",
+                        help="input field holding the id (default: id); a line without one gets its line "
+                             "number, from 0")
     parser.add_argument("--task", default=None,
                         help="task_specific_params key, e.g. translation_en_to_de (default: from the command)")
     parser.add_argument("--batch-tokens", type=int, default=65536,
@@ -133,17 +140,29 @@ def task_key(params_by_task: dict, command: str, task: Optional[str]) -> Optiona
     return key
 
 
-def task_settings(config: dict, command: str, task: Optional[str]) -> tuple[str, dict]:
-    """(prefix, generation kwargs) from config.json's `task_specific_params`, as the pipelines read them."""
+def task_settings(config: dict, command: str, task: Optional[str]) -> tuple[Optional[str], str, dict]:
+    """(task key, prefix, generation kwargs) from config.json's `task_specific_params`, as the pipelines read them.
+
+    The key is None for a command without task defaults (generate, no --task).
+    """
     params_by_task = config.get("task_specific_params") or {}
     key = task_key(params_by_task, command, task)
     params = dict(params_by_task.get(key) or {}) if key else {}
     prefix = params.pop("prefix", None)
     if prefix is None:
         prefix = config.get("prefix") or ""
-    if key:
-        logger.info("task %r: prefix %r, generation defaults %s", key, prefix, params)
-    return prefix, params
+    return key, prefix, params
+
+
+def log_task(key: Optional[str], prefix: str, defaults: dict, task: Optional[str]) -> None:
+    """One line naming the task entry in use, its prefix and its generation defaults."""
+    if not key:
+        return
+    picked = ""
+    if task in (None, "translation") and key.startswith("translation_"):
+        # translate without a language pair took the model's first one: say which
+        picked = " (the model's first translation task; --task picks another)"
+    logger.info("task %r%s: prefix %r, generation defaults %s", key, picked, prefix, defaults)
 
 
 def generation_kwargs(defaults: dict, args: argparse.Namespace) -> dict:
@@ -279,25 +298,43 @@ def run_job(command: str, args: argparse.Namespace) -> int:
     records = read_inputs(args.input, args.text_field, args.id_field)
     check_output(args.output, args.input)
     done, complete_bytes = done_ids(args.output, args.id_field)
-    prefix, defaults = task_settings(read_model_config(args.model), command, args.task)
+    key, prefix, defaults = task_settings(read_model_config(args.model), command, args.task)
     kwargs = generation_kwargs(defaults, args)
-    warn_length_conflict(kwargs)
     todo = [(record_id, text) for record_id, text in records if json.dumps(record_id) not in done]
     if not records:
         logger.warning("%s: no input lines; nothing to do", args.input)
-    logger.info("%d inputs, %d already done, %d to run", len(records), len(records) - len(todo), len(todo))
-    if not todo:
         return 0
+    if not todo:
+        logger.info("%d inputs, %d already done, nothing to run; output: %s",
+                    len(records), len(records), args.output)
+        return 0
+    log_task(key, prefix, defaults, args.task)
+    warn_length_conflict(kwargs)
+    logger.info("%d inputs, %d already done, %d to run", len(records), len(records) - len(todo), len(todo))
     model, tokenizer, _ = load_model(args.model, device=device, dtype=DTYPES[args.dtype])
     if not is_patched(model):
         patch_model(model)
     generator = BatchGenerator(model, tokenizer, max_batch_tokens=args.batch_tokens,
                                max_batch_rows=args.batch_rows, **kwargs)
-    texts = (prefix + text for _, text in todo)
     drop_half_written_line(args.output, complete_bytes)
+    start = time.perf_counter()
+    new_tokens = write_results(generator, todo, prefix, args, len(records))
+    seconds = time.perf_counter() - start
+    logger.info("%d documents, %d new tokens in %.1f s (%.0f tokens/s); output: %s",
+                len(todo), new_tokens, seconds, new_tokens / seconds if seconds else 0.0, args.output)
+    return 0
+
+
+def write_results(generator: BatchGenerator, todo: list[tuple[Any, str]], prefix: str,
+                  args: argparse.Namespace, total: int) -> int:
+    """Generate for `todo` ([(id, text)]), appending each result to the output as it finishes; returns new tokens.
+
+    `total` (all inputs, done ones included) sizes the progress bar.
+    """
+    texts = (prefix + text for _, text in todo)
     start, new_tokens = time.perf_counter(), 0
     with open(args.output, "a", encoding="utf-8") as out, tqdm(
-        total=len(records), initial=len(records) - len(todo), unit="doc", disable=args.no_progress
+        total=total, initial=total - len(todo), unit="doc", disable=args.no_progress
     ) as bar:
         for index, result in generator.as_completed(texts):
             record = {args.id_field: todo[index][0], "output": result.text, "num_new_tokens": result.num_new_tokens}
@@ -306,7 +343,7 @@ def run_job(command: str, args: argparse.Namespace) -> int:
             new_tokens += result.num_new_tokens
             bar.update(1)
             bar.set_postfix_str(f"{new_tokens / (time.perf_counter() - start):.0f} tok/s")
-    return 0
+    return new_tokens
 
 
 def command_runner(command: str):

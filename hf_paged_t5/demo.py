@@ -5,6 +5,9 @@ Works offline: with no model path it builds a random-weight T5 and a locally tra
 The same padded batch runs through stock HF greedy (or beam) search, then through
 `patch_model(model)`; the report gives both outputs, their token agreement and the time per
 generated token of each. The model is unpatched at the end.
+
+`python -m hf_paged_t5 checkpoint DIR` writes that random-weight model and tokenizer to DIR, a
+checkpoint for the commands and examples that take `--model PATH`.
 """
 
 from __future__ import annotations
@@ -272,7 +275,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-beams", type=int, default=1, metavar="K", help="beam width (default: 1, greedy)")
     parser.add_argument("--max-new-tokens", type=int, default=32, metavar="N", help="tokens to generate (default: 32)")
     parser.add_argument("--repeats", type=int, default=3, metavar="R",
-                        help="timed generate() calls per path after one warm-up; the median is reported")
+                        help="timed generate() calls per path after one warm-up; the median is reported "
+                             "(default: 3)")
     parser.add_argument("--texts", nargs="+", metavar="TEXT", default=None,
                         help="input texts (default: a few embedded summarize/translate prompts)")
 
@@ -290,3 +294,18 @@ def cli(args: argparse.Namespace) -> int:
     )
     print(format_report(result))
     return 0 if result.paged_ran else 1
+
+
+def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `checkpoint` subcommand's options."""
+    parser.add_argument("path", metavar="DIR", help="directory to write (created if missing)")
+    parser.add_argument("--shape", choices=sorted(tiny.SHAPES), default="tiny",
+                        help="T5 layout of the random-weight model (default: tiny)")
+
+
+def checkpoint_cli(args: argparse.Namespace) -> int:
+    """Write the embedded random-weight model and its tokenizer to `args.path` (`tiny.save_demo_checkpoint`)."""
+    path = tiny.save_demo_checkpoint(args.path, shape=args.shape)
+    logger.info("wrote a random-weight T5 (%s shape) and its tokenizer to %s; give it as --model %s",
+                args.shape, path, path)
+    return 0

@@ -7,6 +7,9 @@ transformers' own registry, with the behaviour of transformers 4: one record per
 `model.config.task_specific_params`, and the v4 length warnings. The pipelines only call
 `model.generate(...)`, so a model patched by `hf_paged_t5.patch_model` runs its paged generate.
 
+`import hf_paged_t5` does not import this module: `pipeline_hook` calls `register_pipelines()` once
+`transformers.pipelines` is imported.
+
 Two hooks are needed besides `PIPELINE_REGISTRY.register_pipeline`, both undone by
 `unregister_pipelines()`:
 - transformers >= 5.2x lists these task names in `transformers.pipelines.REMOVED_TASKS` and
@@ -24,12 +27,52 @@ import torch
 import transformers.pipelines as hf_pipelines
 from transformers import AutoModelForSeq2SeqLM, Pipeline
 
+from . import pipeline_hook
+
 logger = logging.getLogger(__name__)
 
 # "translation_en_to_de" -> ("en", "de"); language codes hold no underscore, as in transformers 4.
 _TRANSLATION_TASK = re.compile(r"translation_([^_]+)_to_([^_]+)")
 # What `pipeline(task)` loads when no model is given (as transformers 4 did, from the Hub).
 _DEFAULT_MODEL = MappingProxyType({"model": ("google-t5/t5-small", "main")})
+# The two forms, (in new tokens, in tokens), of the minimum and of the maximum output length.
+_MIN_LENGTH = ("min_new_tokens", "min_length")
+_MAX_LENGTH = ("max_new_tokens", "max_length")
+
+
+def _new_tokens(kwargs: dict, names: tuple[str, str]) -> int | None:
+    """The limit that `names` (`_MIN_LENGTH` or `_MAX_LENGTH`) set in `kwargs`, in new tokens; None if unset."""
+    new_tokens_name, length_name = names
+    if kwargs.get(new_tokens_name) is not None:
+        return kwargs[new_tokens_name]
+    if kwargs.get(length_name) is not None:
+        return kwargs[length_name] - 1  # an encoder-decoder's length counts the decoder start token
+    return None
+
+
+def _without_overridden_lengths(defaults: dict, given: dict) -> dict:
+    """A copy of `defaults` without the length limits that `given`, which takes priority, replaces or contradicts.
+
+    A limit of a kind `given` sets (a minimum or a maximum, in tokens or in new tokens) goes, and so
+    does a minimum above `given`'s maximum or a maximum below `given`'s minimum. Kept, generate()
+    would pick one of two maxima and warn, or warn that the minimum cannot be reached, about
+    lengths the user never asked for.
+    """
+    kept = dict(defaults)
+    for names in (_MIN_LENGTH, _MAX_LENGTH):
+        if _new_tokens(given, names) is not None:
+            for name in names:
+                kept.pop(name, None)
+    given_min, given_max = _new_tokens(given, _MIN_LENGTH), _new_tokens(given, _MAX_LENGTH)
+    kept_min, kept_max = _new_tokens(kept, _MIN_LENGTH), _new_tokens(kept, _MAX_LENGTH)
+    contradicted = []
+    if given_max is not None and kept_min is not None and kept_min > given_max:
+        contradicted += _MIN_LENGTH
+    if given_min is not None and kept_max is not None and kept_max < given_min:
+        contradicted += _MAX_LENGTH
+    for name in contradicted:
+        kept.pop(name, None)
+    return kept
 
 
 def _translation_languages(task: str) -> tuple[str, str] | None:
@@ -48,8 +91,10 @@ class Text2TextGenerationPipeline(Pipeline):
 
     Generation parameters, lowest priority first: the pipeline defaults below (only where the
     model's generation config leaves them unset), the task's `task_specific_params` entry, the
-    kwargs given to `pipeline(...)`, the kwargs of the call. A `generation_config` passed by the
-    user is taken as complete: only explicit kwargs are added to it.
+    kwargs given to `pipeline(...)`, the kwargs of the call. A length limit given by a higher
+    source drops the lower sources' limits of the same kind (minimum or maximum, in tokens or new
+    tokens) and those it contradicts (a task minimum above the user's maximum). A
+    `generation_config` passed by the user is taken as complete: only explicit kwargs are added to it.
     """
 
     return_name = "generated"
@@ -145,20 +190,13 @@ class Text2TextGenerationPipeline(Pipeline):
             return dict(call_kwargs)
         task_params = self._task_params(task_key)
         task_params.pop("prefix", None)
-        # A length the user gives, in tokens or in new tokens, replaces the task's length of that kind;
-        # keeping both would make generate() pick one and warn.
-        for pair in (("max_new_tokens", "max_length"), ("min_new_tokens", "min_length")):
-            if any(name in call_kwargs for name in pair):
-                for name in pair:
-                    task_params.pop(name, None)
-        kwargs = {**task_params, **call_kwargs}
+        kwargs = {**_without_overridden_lengths(task_params, call_kwargs), **call_kwargs}
         model_set = self.model.generation_config.to_diff_dict()
         defaults = dict(self.generation_defaults)
         if self.model.generation_config.pad_token_id is None and self.tokenizer.pad_token_id is not None:
             defaults["pad_token_id"] = self.tokenizer.pad_token_id
         # A default max_new_tokens would override a max_length set by the task, the user or the model.
-        if "max_length" in kwargs or "max_length" in model_set:
-            defaults.pop("max_new_tokens")
+        defaults = _without_overridden_lengths(defaults, {**model_set, **kwargs})
         kwargs.update({k: v for k, v in defaults.items() if k not in kwargs and k not in model_set})
         return kwargs
 
@@ -338,7 +376,11 @@ def register_pipelines() -> None:
 
 
 def unregister_pipelines() -> None:
-    """Restore transformers' registry as it was before `register_pipelines`. No-op if not registered."""
+    """Restore transformers' registry as it was before `register_pipelines`. No-op if not registered.
+
+    Also cancels the registration `import hf_paged_t5` leaves pending (`pipeline_hook`).
+    """
+    pipeline_hook.remove()
     hook = _installed_hook()
     if hook is None:
         return

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +16,9 @@ from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, pipeline
 
 import hf_paged_t5 as hp
 from hf_paged_t5 import batching, cli, tiny
-from hf_paged_t5.__main__ import main
+from hf_paged_t5.__main__ import build_parser, main
+
+REPO = Path(__file__).resolve().parent.parent
 
 TEXTS = [tiny.CORPUS[i] for i in range(9)] + [" ".join(tiny.CORPUS[10:14]), "Short."]
 IDS = [f"doc-{i}" for i in range(len(TEXTS) - 1)] + [7]  # string ids and one int id
@@ -105,13 +112,48 @@ def test_translate_uses_task_prefix(checkpoint, input_file, tmp_path):
         assert by_id[json.dumps(record_id)] == tokenizer.decode(out[0], skip_special_tokens=True)
 
 
-def test_generate_fields_and_line_number_ids(checkpoint, tmp_path):
+def test_generate_fields_line_number_ids_and_summary_line(checkpoint, tmp_path, caplog):
     source = tmp_path / "in.jsonl"
     source.write_text("".join(json.dumps({"body": t}) + "\n" for t in TEXTS[:3]))
     output = tmp_path / "out.jsonl"
-    assert main(["generate", "--model", checkpoint, "--input", str(source), "--output", str(output),
-                 "--text-field", "body", "--id-field", "key", "--no-progress", "--max-new-tokens", "3"]) == 0
-    assert sorted(r["key"] for r in read(output)) == [0, 1, 2]
+    with caplog.at_level(logging.INFO, logger="hf_paged_t5.cli"):
+        assert main(["generate", "--model", checkpoint, "--input", str(source), "--output", str(output),
+                     "--text-field", "body", "--id-field", "key", "--no-progress", "--max-new-tokens", "3"]) == 0
+    records = read(output)
+    assert sorted(r["key"] for r in records) == [0, 1, 2]
+    tokens = sum(r["num_new_tokens"] for r in records)
+    summary = rf"3 documents, {tokens} new tokens in [0-9.]+ s \([0-9]+ tokens/s\); output: "
+    summary += re.escape(str(output))
+    assert [m for m in caplog.messages if re.fullmatch(summary, m)] == [caplog.messages[-1]], caplog.messages
+
+
+def test_rerun_over_a_finished_output_says_so_in_one_line(files):
+    model, source, output = files  # `model` holds a config.json and no weights: a load would fail
+    output.write_text("".join(json.dumps({"id": i, "output": "x", "num_new_tokens": 1}) + "\n" for i in (1, 2)))
+    before = output.read_text()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-m", "hf_paged_t5", "summarize", "--model", str(model), "--input",
+                           str(source), "--output", str(output)], capture_output=True, text=True, env=env,
+                          cwd=REPO, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    # Log records only: a Python warning some installed package prints on import is not ours.
+    logged = [line for line in proc.stderr.splitlines() if re.match(r"(DEBUG|INFO|WARNING|ERROR|CRITICAL) ", line)]
+    assert logged == [f"INFO hf_paged_t5.cli: 2 inputs, 2 already done, nothing to run; output: {output}"], proc.stderr
+    assert proc.stdout == "" and output.read_text() == before
+
+
+@pytest.mark.parametrize("where", ["before", "after", "none"])
+def test_verbose_before_or_after_the_command(where):
+    command = ["summarize", "--model", "m", "--input", "i", "--output", "o"]
+    argv = {"before": ["-v", *command], "after": [*command[:1], "-v", *command[1:]], "none": command}[where]
+    assert build_parser().parse_args(argv).verbose is (where != "none")
+
+
+def test_command_help_lists_verbose_and_no_progress(capsys):
+    with pytest.raises(SystemExit):
+        main(["translate", "--help"])
+    out = capsys.readouterr().out
+    assert "-v, --verbose" in out and "--no-progress" in out
 
 
 # ---- bad input: one error line, exit status 2, before the model loads, the output untouched ----
@@ -331,6 +373,14 @@ def test_min_new_tokens_above_max(files, caplog, no_load):
     assert_refused(job("summarize", model, source, output, "--min-new-tokens", "5", "--max-new-tokens", "4"),
                    caplog, no_load, "--min-new-tokens 5 is larger than --max-new-tokens 4; lower the first")
     assert not output.exists()
+
+
+def test_translate_without_task_names_the_pair_it_picked(files, caplog, no_load):
+    model, source, output = files
+    with caplog.at_level(logging.INFO, logger="hf_paged_t5.cli"), pytest.raises(ModelLoaded):
+        job("translate", model, source, output)
+    picked = "task 'translation_en_to_de' (the model's first translation task; --task picks another): prefix"
+    assert [m for m in caplog.messages if m.startswith(picked)], caplog.messages
 
 
 def test_task_minimum_above_max_new_tokens_warns(files, caplog, no_load):

@@ -17,7 +17,8 @@ def test_benchmark_script_compiles(script):
     py_compile.compile(str(script), doraise=True)
 
 
-@pytest.mark.parametrize("name", ["bench_generate.py", "diag_memory.py", "bench_batch.py", "bench_kernels.py"])
+@pytest.mark.parametrize("name", ["bench_generate.py", "diag_memory.py", "bench_batch.py", "bench_kernels.py",
+                                  "bench_import.py"])
 def test_benchmark_script_parses_its_arguments(name):
     proc = subprocess.run([sys.executable, str(BENCH / name), "--help"], capture_output=True, text=True,
                           cwd=BENCH.parent, env={"PYTHONPATH": f"{BENCH.parent}:{BENCH}", "PATH": ""}, timeout=120)

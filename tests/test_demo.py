@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -74,3 +76,24 @@ def test_parser_rejects_unknown_commands_and_bad_options():
         parser.parse_args(["nope"])
     with pytest.raises(SystemExit, match="must be >= 1"):
         main(["demo", "--num-beams", "0"])
+
+
+def test_demo_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "the median is reported (default: 3)" in help_text, help_text
+    assert "-v, --verbose" in help_text
+
+
+def test_checkpoint_command_writes_a_loadable_checkpoint(tmp_path, caplog):
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+    path = tmp_path / "ckpt"
+    with caplog.at_level(logging.INFO, logger="hf_paged_t5.demo"):
+        assert main(["checkpoint", str(path)]) == 0
+    assert [m for m in caplog.messages if "wrote a random-weight T5" in m and str(path) in m], caplog.messages
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForSeq2SeqLM.from_pretrained(path)
+    assert model.config.task_specific_params["summarization"]["prefix"] == "summarize: "
+    assert len(tokenizer) <= model.config.vocab_size

@@ -9,6 +9,7 @@ No script may fall back to stock HF (that logs a warning naming the reason).
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -67,8 +68,10 @@ def runs(checkpoint, job_input, tmp_path_factory):
         "dp_one": ([EXAMPLES / "data_parallel.py", *model, *job, "--output", out / "dp1.jsonl"],
                    out / "dp1.jsonl"),
         # Two CPU processes under torchrun: what `accelerate launch --num_processes 2` does on GPUs.
+        # One batch would hold every input: each process must still get half of them.
         "dp_two": (["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                    EXAMPLES / "data_parallel.py", *model, *job, "--output", out / "dp2.jsonl"],
+                    EXAMPLES / "data_parallel.py", *model, *job, "--batch-size", str(NUM_RECORDS + 2),
+                    "--output", out / "dp2.jsonl"],
                    out / "dp2.jsonl"),
         "demo": ([EXAMPLES / "demo.py", "--model", checkpoint, "--max-new-tokens", "8", "--repeats", "1"],
                  None),
@@ -113,6 +116,15 @@ def value(text: str, label: str) -> str:
     raise AssertionError(f"no line starting with {label!r} in:\n{text[-3000:]}")
 
 
+def example_module(name: str):
+    """The script examples/<name>.py imported as a module (its neighbours importable, as when it runs)."""
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(EXAMPLES))
+
+
 def read_jsonl(path) -> list[dict]:
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f]
@@ -154,11 +166,7 @@ def test_batch_jsonl_in_input_order_and_equal_to_stock_hf(runs, checkpoint, job_
     assert all(r["text"] == i["text"] for r, i in zip(records, inputs))
     assert all(isinstance(r["output"], str) for r in records)
     # The same batches on the unpatched model, in this process: the same texts.
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        import batch_jsonl
-    finally:
-        sys.path.remove(str(EXAMPLES))
+    batch_jsonl = example_module("batch_jsonl")
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
@@ -180,9 +188,23 @@ def test_data_parallel_one_process_without_launcher(runs):
 
 def test_data_parallel_two_processes_match_one(runs):
     out = finished(runs, "dp_two")
-    assert "on 2 process(es)" in out and "process 0 on" in out and "process 1 on" in out, out
+    assert "on 2 process(es)" in out, out
+    half = NUM_RECORDS // 2
+    for rank in (0, 1):
+        assert f"process {rank} of 2 on cpu: {half} inputs" in out, out
     finished(runs, "dp_one")
     assert read_jsonl(runs["dp_two"][2]) == read_jsonl(runs["dp_one"][2])
+
+
+@pytest.mark.parametrize("num_items", [0, 1, 2, 3, 7, 8, 30])
+@pytest.mark.parametrize("num_processes", [1, 2, 3, 4])
+def test_data_parallel_share_gives_every_process_its_part(num_items, num_processes):
+    data_parallel = example_module("data_parallel")
+    items = [f"input-{i}" for i in range(num_items)]
+    shares = [data_parallel.share(items, rank, num_processes) for rank in range(num_processes)]
+    assert sorted(item for part in shares for item in part) == sorted(items)  # each item once
+    assert max(map(len, shares)) - min(map(len, shares)) <= 1
+    assert all(part == sorted(part, key=items.index) for part in shares)  # the given (length) order kept
 
 
 def test_demo_script(runs):
@@ -195,7 +217,7 @@ def test_quickstart_notebook(checkpoint, runs, monkeypatch):
     nbformat = pytest.importorskip("nbformat")
     for name, item in _env().items():
         monkeypatch.setenv(name, item)  # the kernel inherits this environment
-    monkeypatch.setenv("HF_PAGED_T5_MODEL", str(checkpoint))
+    monkeypatch.delenv("HF_PAGED_T5_MODEL", raising=False)  # the notebook writes (and removes) its own
     notebook = nbformat.read(EXAMPLES / "quickstart.ipynb", as_version=4)
     client = nbclient.NotebookClient(notebook, kernel_name="python3", timeout=TIMEOUT,
                                      resources={"metadata": {"path": str(checkpoint)}})
@@ -208,3 +230,4 @@ def test_quickstart_notebook(checkpoint, runs, monkeypatch):
     assert "identical: True" in printed, printed
     assert "stock again: True" in printed, printed
     assert FALLBACK not in printed, printed
+    assert "temporary checkpoint removed: True" in printed, printed

@@ -171,9 +171,61 @@ def test_task_generation_defaults_and_overrides(model, tokenizer, fake_generate_
     expected = dict(num_beams=4, no_repeat_ngram_size=3, length_penalty=2.0, early_stopping=True)
     assert {key: first[key] for key in expected} == expected
     assert (first["max_length"], first["min_length"]) == (8, 2) and "max_new_tokens" not in first
-    # The user's max_new_tokens replaces the task's max_length instead of competing with it.
-    assert second["max_new_tokens"] == 4 and "max_length" not in second
-    assert (second["num_beams"], second["length_penalty"], second["min_length"]) == (2, 1.0, 30)
+    # The user's max_new_tokens replaces the task's max_length instead of competing with it, and the
+    # task's min_length (30), which it could never reach, goes too.
+    assert second["max_new_tokens"] == 4 and "max_length" not in second and "min_length" not in second
+    assert (second["num_beams"], second["length_penalty"]) == (2, 1.0)
+
+
+# The tiny model's summarization task sets min_length=30 and max_length=200 (29 and 199 new tokens).
+@pytest.mark.parametrize(
+    "given, lengths_kept",
+    [
+        (dict(max_new_tokens=20), {}),  # the minimum is above the user's maximum
+        (dict(max_length=15), {}),
+        (dict(max_new_tokens=29), dict(min_length=30)),  # 29 new tokens: the minimum is reachable
+        # The task's maximum is below the user's minimum; the pipeline's default maximum takes its place.
+        (dict(min_new_tokens=250), dict(max_new_tokens=256)),
+        (dict(min_length=10), dict(max_length=200)),
+        (dict(max_new_tokens=20, min_length=0), {}),
+    ],
+)
+def test_user_lengths_drop_the_task_lengths_they_override_or_contradict(
+    model, tokenizer, fake_generate_calls, given, lengths_kept
+):
+    pipeline("summarization", model=model, tokenizer=tokenizer)(TEXTS[0], **given)
+    (call,) = fake_generate_calls
+    lengths = {k: call[k] for k in ("min_length", "max_length", "min_new_tokens", "max_new_tokens") if k in call}
+    assert lengths == {**lengths_kept, **given}
+    assert (call["num_beams"], call["no_repeat_ngram_size"]) == (4, 3)  # other task defaults stay
+
+
+@pytest.mark.parametrize("in_pipeline_call", [False, True])
+def test_user_max_new_tokens_wins_silently(model, tokenizer, caplog, monkeypatch, in_pipeline_call):
+    import warnings
+
+    import hf_paged_t5
+
+    # transformers' loggers do not propagate to the root logger caplog listens on
+    monkeypatch.setattr(logging.getLogger("transformers"), "propagate", True)
+    patched = hf_paged_t5.patch_model(tiny.build_model())
+    try:
+        with caplog.at_level(logging.WARNING), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if in_pipeline_call:
+                out = pipeline("summarization", model=patched, tokenizer=tokenizer, max_new_tokens=20)(TEXTS[0])
+            else:
+                out = pipeline("summarization", model=patched, tokenizer=tokenizer)(TEXTS[0], max_new_tokens=20)
+    finally:
+        hf_paged_t5.unpatch_model(patched)
+    assert not [m for m in caplog.messages if "length" in m], caplog.messages
+    assert not [w for w in caught if "length" in str(w.message)], [str(w.message) for w in caught]
+    # Stock HF with the same explicit argument and the task's other defaults.
+    task = dict(model.config.task_specific_params["summarization"])
+    prefix = task.pop("prefix")
+    task = {k: v for k, v in task.items() if k not in ("min_length", "max_length")}
+    stock = model.generate(**tokenizer(prefix + TEXTS[0], return_tensors="pt"), max_new_tokens=20, **task)[0]
+    assert out == [{"summary_text": tokenizer.decode(stock, skip_special_tokens=True)}]
 
 
 def test_pipeline_defaults_only_where_the_model_sets_nothing(tokenizer):
