@@ -108,7 +108,8 @@ def test_output_nesting_like_transformers_4(model, tokenizer, task):
 
 def test_text_is_the_decoded_generate_output(model, tokenizer):
     pipe = pipeline("text2text-generation", model=model, tokenizer=tokenizer)
-    expected = model.generate(**tokenizer(TEXTS[1], return_tensors="pt"), **SHORT)[0]
+    # the pipeline's own model and device (on a CUDA machine, pipeline() may move the model)
+    expected = pipe.model.generate(**tokenizer(TEXTS[1], return_tensors="pt").to(pipe.device), **SHORT)[0]
     record = pipe(TEXTS[1], return_tensors=True, return_text=True, **SHORT)[0]
     assert torch.equal(record["generated_token_ids"], expected)
     assert record["generated_text"] == tokenizer.decode(expected, skip_special_tokens=True)
@@ -224,7 +225,8 @@ def test_user_max_new_tokens_wins_silently(model, tokenizer, caplog, monkeypatch
     task = dict(model.config.task_specific_params["summarization"])
     prefix = task.pop("prefix")
     task = {k: v for k, v in task.items() if k not in ("min_length", "max_length")}
-    stock = model.generate(**tokenizer(prefix + TEXTS[0], return_tensors="pt"), max_new_tokens=20, **task)[0]
+    inputs = tokenizer(prefix + TEXTS[0], return_tensors="pt").to(model.device)  # pipeline() may have moved it
+    stock = model.generate(**inputs, max_new_tokens=20, **task)[0]
     assert out == [{"summary_text": tokenizer.decode(stock, skip_special_tokens=True)}]
 
 
