@@ -114,7 +114,7 @@ def main() -> None:
     ap.add_argument("--python", default=sys.executable, help="interpreter to measure (default: this one)")
     ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(REPO, "benchmarks", "results")),
                     help="directory for the JSON (default: $OUT or benchmarks/results)")
-    ap.add_argument("--label", default="", help="suffix of the JSON file name, e.g. before / after")
+    ap.add_argument("--label", default="", help="what the measured code is (kept in the JSON, suffix of its name)")
     args = ap.parse_args()
     rows = summarize(measure(args.python, args.repeats))
     print_table(rows, args.repeats)
