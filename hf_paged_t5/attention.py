@@ -18,11 +18,15 @@ from .cache import StepMetadata
 
 
 def backend_ops(name: str) -> ModuleType:
-    """The kernel namespace for a resolved backend name ("torch" or "triton")."""
+    """The kernel namespace for a resolved backend name ("triton", "cpu" or "torch")."""
     if name == "torch":
         from . import reference
 
         return reference
+    if name == "cpu":
+        from . import cpu_ops
+
+        return cpu_ops
     from . import kernels
 
     return kernels

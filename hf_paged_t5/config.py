@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-_BACKENDS = ("auto", "triton", "torch")
+_BACKENDS = ("auto", "triton", "cpu", "torch")
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -28,8 +28,10 @@ class PagedCacheConfig:
             exactly the size needed; a pool in use by another call is enlarged by copying.
         max_num_blocks: upper bound for growth; `None` means no bound other than memory.
         dtype: KV dtype; `None` uses the dtype of each layer's `k` projection weight.
-        backend: "triton" (GPU kernels), "torch" (plain PyTorch reference, runs anywhere)
-            or "auto" (triton on CUDA devices, torch elsewhere).
+        backend: "triton" (GPU kernels), "cpu" (batched PyTorch, written for speed on CPU;
+            `cpu_ops.py`), "torch" (the plain PyTorch reference, written for reading: the tests'
+            oracle) or "auto" (triton on CUDA devices, cpu elsewhere). "cpu" and "torch" run on
+            any device.
         cuda_graphs: capture the decode step as a CUDA graph per batch-size bucket, and the
             greedy / beam-search update (token choice, cache reorder, next step's inputs) as one
             graph per `generate()` call (a greedy call of at most 16 rows keeps its update for
@@ -82,9 +84,9 @@ class PagedCacheConfig:
         return -(-self.max_tokens // self.block_size)
 
     def resolve_backend(self, device: torch.device) -> str:
-        """The backend that runs on `device`: "triton" or "torch"."""
+        """The backend that runs on `device`: "triton", "cpu" or "torch"."""
         if self.backend == "auto":
-            return "triton" if device.type == "cuda" else "torch"
+            return "triton" if device.type == "cuda" else "cpu"
         # Triton's interpreter runs the real kernels on CPU tensors (used by the tests).
         interpreted = os.environ.get("TRITON_INTERPRET") == "1"
         if self.backend == "triton" and device.type != "cuda" and not interpreted:

@@ -25,7 +25,10 @@ import torch
 
 import hf_paged_t5 as hp
 
-CONFIG = hp.PagedCacheConfig(block_size=8, backend="torch")
+CONFIG = hp.PagedCacheConfig(block_size=8, backend="torch")  # the reference backend, written for reading
+# the backend `backend="auto"` runs on CPU, written for speed (tests/test_cpu_ops.py checks its ops)
+CPU_CONFIG = hp.PagedCacheConfig(block_size=8, backend="cpu")
+BACKENDS = {"reference": CONFIG, "cpu": CPU_CONFIG}
 
 # How far past stock fp32's own error (against fp64) the paged result may be, for the root mean
 # square and for the largest deviation. The paged path sums in another order (packed varlen
@@ -213,12 +216,12 @@ def float_outputs(out) -> dict:
             if k in ("scores", "logits", "sequences_scores") and v is not None}
 
 
-def assert_exact_in_float64(model, seed=None, expect_paged=True, **kwargs) -> None:
+def assert_exact_in_float64(model, seed=None, expect_paged=True, config=CONFIG, **kwargs) -> None:
     """Stock and paged generate() on a float64 copy of `model`: same tokens, and the float outputs
     equal up to their float32 cast (HF casts the logits to float32: values that agree to ~1e-15
     may round to neighbouring float32 numbers, one ulp apart)."""
     model64 = fp64_twin(model)
-    stock, paged = stock_and_paged(model64, seed=seed, expect_paged=expect_paged, **kwargs)
+    stock, paged = stock_and_paged(model64, config=config, seed=seed, expect_paged=expect_paged, **kwargs)
     assert_same_tokens(stock, paged)
     floats_a, floats_b = float_outputs(stock), float_outputs(paged)
     assert floats_a.keys() == floats_b.keys()

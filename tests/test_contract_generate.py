@@ -13,7 +13,7 @@ import logging
 import pytest
 import torch
 from conftest import FAMILIES, make_batch, make_model
-from oracle import fp32_agrees_with_fp64, assert_exact_in_float64, assert_generate_floats, assert_same_tokens, case_seed, stock_and_paged
+from oracle import BACKENDS, fp32_agrees_with_fp64, assert_exact_in_float64, assert_generate_floats, assert_same_tokens, case_seed, stock_and_paged
 
 MODES = {
     "greedy": {},
@@ -34,25 +34,28 @@ def _case(family, *parts, lengths=(9, 4, 13)):
     return seed, model, dict(input_ids=ids, attention_mask=mask)
 
 
+@pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize("family", CONTRACT_FAMILIES)
 @pytest.mark.parametrize("mode", list(MODES))
-def test_scores_and_logits_match_stock(family, mode):
+def test_scores_and_logits_match_stock(family, mode, backend):
     seed, model, inputs = _case(family, mode, "dict")
     kw = dict(**inputs, max_new_tokens=7, **MODES[mode], **OUTPUTS)
-    stock, paged = stock_and_paged(model, seed=seed, **kw)
+    stock, paged = stock_and_paged(model, config=BACKENDS[backend], seed=seed, **kw)
     assert_same_tokens(stock, paged)
     assert_generate_floats(model, stock, paged, seed=seed, **kw)
-    assert_exact_in_float64(model, seed=seed, **kw)
+    assert_exact_in_float64(model, seed=seed, config=BACKENDS[backend], **kw)
 
 
+@pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize("family", CONTRACT_FAMILIES)
 @pytest.mark.parametrize("mode", list(MODES))
-def test_tokens_match_stock(family, mode):
+def test_tokens_match_stock(family, mode, backend):
     """The device-resident and lean loops (no return_dict_in_generate)."""
     seed, model, inputs = _case(family, mode, "tokens")
-    stock, paged = stock_and_paged(model, seed=seed, **inputs, max_new_tokens=9, **MODES[mode])
+    config = BACKENDS[backend]
+    stock, paged = stock_and_paged(model, config=config, seed=seed, **inputs, max_new_tokens=9, **MODES[mode])
     assert_same_tokens(stock, paged)
-    assert_exact_in_float64(model, seed=seed, **inputs, max_new_tokens=9, **MODES[mode])
+    assert_exact_in_float64(model, seed=seed, config=config, **inputs, max_new_tokens=9, **MODES[mode])
 
 
 @pytest.mark.parametrize("family", CONTRACT_FAMILIES)

@@ -1,0 +1,102 @@
+"""The CPU backend (`cpu_ops.py`) against the plain-PyTorch reference, at awkward sizes.
+
+float64 inputs must agree to float64 rounding; float32 / bfloat16 within a few units of the
+dtype's rounding of the reference computed on float32 copies (tests/test_kernels.py's bounds).
+Never-written pool memory is NaN here: a backend that reads a slot past a row's length shows it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_paged_t5 import cpu_ops, reference
+
+TOLERANCE = {torch.float64: 1e-12, torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+def rel_err(out, ref):
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def paged_pool(lens, block_size, heads, head_dim, dtype, seed):
+    """A shuffled pool of rows of `lens` keys; every slot past a row's length is NaN."""
+    g = torch.Generator().manual_seed(seed)
+    per_row = [-(-n // block_size) for n in lens]
+    num_blocks = sum(per_row) + 2
+    k = torch.full((num_blocks, block_size, heads, head_dim), float("nan"), dtype=torch.float64)
+    v = k.clone()
+    ids = torch.randperm(num_blocks, generator=g).tolist()
+    table = torch.full((len(lens), max(per_row) + 1), ids[-1], dtype=torch.int32)  # spare column: a NaN block
+    for row, (n, blocks) in enumerate(zip(lens, per_row)):
+        row_ids = [ids.pop(0) for _ in range(blocks)]
+        table[row, :blocks] = torch.tensor(row_ids, dtype=torch.int32)
+        for t in range(n):
+            b, o = row_ids[t // block_size], t % block_size
+            k[b, o] = torch.randn(heads, head_dim, generator=g, dtype=torch.float64)
+            v[b, o] = torch.randn(heads, head_dim, generator=g, dtype=torch.float64)
+    return k.to(dtype), v.to(dtype), table, torch.tensor(lens, dtype=torch.int32)
+
+
+def _bias(kind, heads, batch, keys, causal, seed):
+    g = torch.Generator().manual_seed(seed)
+    if kind == "table":
+        d = 5
+        return {"bias_table": 3 * torch.randn(heads, d + 1 if causal else 2 * d + 1, generator=g, dtype=torch.float64)}
+    if kind == "dense":
+        shape = (batch, heads, keys) if causal is None else (batch, heads, keys, keys)
+        return {"dense_bias": 3 * torch.randn(*shape, generator=g, dtype=torch.float64)}
+    return {}
+
+
+def _cast(kw, dtype):
+    return {k: v.to(torch.float64 if dtype == torch.float64 else torch.float32) for k, v in kw.items()}
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCE))
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+@pytest.mark.parametrize("bias", ["none", "table", "dense"])
+@pytest.mark.parametrize("lens", [[1], [5, 17, 16, 2], [33, 1, 15]])
+def test_paged_decode_matches_reference(dtype, block_size, bias, lens):
+    heads, head_dim = 3, 12
+    k, v, table, seq_lens = paged_pool(lens, block_size, heads, head_dim, dtype, seed=len(lens) + block_size)
+    q = torch.randn(len(lens), heads, head_dim, dtype=torch.float64).to(dtype)
+    kw = _bias(bias, heads, len(lens), max(lens), causal=True if bias == "table" else None, seed=1)
+    out = cpu_ops.paged_decode(query=q, key_cache=k, value_cache=v, block_table=table, seq_lens=seq_lens,
+                               scale=0.7, **{n: t.to(dtype) if dtype == torch.float64 else t.float() for n, t in kw.items()})
+    up = torch.float64 if dtype == torch.float64 else torch.float32
+    ref = reference.paged_decode(query=q.to(up), key_cache=k.to(up), value_cache=v.to(up), block_table=table,
+                                 seq_lens=seq_lens, scale=0.7, **_cast(kw, dtype))
+    assert out.dtype == dtype and out.shape == q.shape
+    assert torch.isfinite(out).all(), "a slot past a row's length (NaN) was read"
+    assert rel_err(out, ref) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCE))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("bias", ["none", "table", "dense"])
+@pytest.mark.parametrize("lens", [[1], [7, 1, 12, 12], [3, 20]])
+def test_prefill_matches_reference(dtype, causal, bias, lens, monkeypatch):
+    monkeypatch.setattr(cpu_ops, "PREFILL_QUERY_CHUNK", 5)  # several query chunks, one partial
+    heads, head_dim = 2, 8
+    total = sum(lens)
+    g = torch.Generator().manual_seed(total)
+    q, k, v = (torch.randn(total, heads, head_dim, generator=g, dtype=torch.float64).to(dtype) for _ in range(3))
+    cu = torch.tensor([0, *torch.cumsum(torch.tensor(lens), 0).tolist()], dtype=torch.int32)
+    kw = _bias(bias, heads, len(lens), max(lens), causal=causal, seed=2)
+    out = cpu_ops.prefill(query=q, key=k, value=v, cu_seqlens=cu, max_seqlen=max(lens), scale=0.9, causal=causal,
+                          **{n: t.to(dtype) if dtype == torch.float64 else t.float() for n, t in kw.items()})
+    up = torch.float64 if dtype == torch.float64 else torch.float32
+    ref = reference.prefill(query=q.to(up), key=k.to(up), value=v.to(up), cu_seqlens=cu, max_seqlen=max(lens),
+                            scale=0.9, causal=causal, **_cast(kw, dtype))
+    assert out.dtype == dtype and out.shape == q.shape
+    assert rel_err(out, ref) < TOLERANCE[dtype]
+
+
+def test_interface_matches_the_reference():
+    """Same functions, same keyword arguments in the same order (the backends are interchangeable)."""
+    import inspect
+
+    for name in ("store_kv", "paged_decode", "prefill", "rms_norm", "gemv", "gemv_supports"):
+        assert list(inspect.signature(getattr(cpu_ops, name)).parameters) == \
+            list(inspect.signature(getattr(reference, name)).parameters), name
