@@ -6,6 +6,12 @@ The same padded batch runs through stock HF greedy (or beam) search, then throug
 `patch_model(model)`; the report gives both outputs, their token agreement and the time per
 generated token of each. The model is unpatched at the end.
 
+Stock HF then runs once on a float64 copy of the model. How well stock HF at the model's own
+dtype agrees with that copy measures how sensitive the model is to rounding: with random weights
+at a real T5 shape, float32 rounding alone flips near-tied tokens, and one flipped token changes
+the rest of its row. The report prints that figure beside the paged-vs-stock one, and (greedy
+search) whether each row where paged and stock differ first differs on such a near-tie.
+
 `python -m hf_paged_t5 checkpoint DIR` writes that random-weight model and tokenizer to DIR, a
 checkpoint for the commands and examples that take `--model PATH`.
 """
@@ -13,6 +19,7 @@ checkpoint for the commands and examples that take `--model PATH`.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import logging
 import statistics
@@ -81,6 +88,22 @@ class Agreement:
 
 
 @dataclasses.dataclass(frozen=True)
+class Float64Check:
+    """Stock HF and paged, each against stock HF on a float64 copy of the model.
+
+    near_ties: one entry per row where paged and stock differ (greedy search only; None with beam
+    search): whether the first two tokens they differ on are a near-tie, i.e. their float64 logits
+    are closer than twice the largest error of stock's own logits at that step (stock at the
+    model's dtype against float64, on the prefix both share). Rounding explains a near-tie flip;
+    it does not explain a wider gap.
+    """
+
+    stock: Agreement
+    paged: Agreement
+    near_ties: Optional[tuple[bool, ...]]
+
+
+@dataclasses.dataclass(frozen=True)
 class DemoResult:
     model_name: str
     device: str
@@ -92,6 +115,7 @@ class DemoResult:
     paged: GenerateRun
     agreement: Agreement
     paged_ran: bool  # False when patched generate() fell back to stock HF (logged as a warning)
+    float64: Optional[Float64Check] = None  # None when the float64 run was skipped
 
     @property
     def speedup(self) -> float:
@@ -142,6 +166,20 @@ def _timed_generate(model, batch: dict, repeats: int, **generate_kwargs) -> tupl
     return out.cpu(), statistics.median(times)
 
 
+def _eos_ids(eos_token_id) -> set[int]:
+    if eos_token_id is None:
+        return set()
+    return {int(i) for i in (eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id])}
+
+
+def _padded_pair(ref: torch.Tensor, out: torch.Tensor, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ref, out [batch, len] (lengths may differ), right-padded to one length."""
+    width = max(ref.shape[1], out.shape[1])
+    ref = torch.nn.functional.pad(ref, (0, width - ref.shape[1]), value=pad_token_id)
+    out = torch.nn.functional.pad(out, (0, width - out.shape[1]), value=pad_token_id)
+    return ref, out
+
+
 def _row_length(row: torch.Tensor, eos_ids: set[int]) -> int:
     """Length of one generated row [out_len] up to and including its first EOS (column 0 excluded)."""
     for j in range(1, row.shape[0]):
@@ -152,13 +190,8 @@ def _row_length(row: torch.Tensor, eos_ids: set[int]) -> int:
 
 def token_agreement(ref: torch.Tensor, out: torch.Tensor, eos_token_id, pad_token_id: int) -> Agreement:
     """Position-by-position agreement of generated tokens; ref, out: [batch, len] (lengths may differ)."""
-    width = max(ref.shape[1], out.shape[1])
-    ref = torch.nn.functional.pad(ref, (0, width - ref.shape[1]), value=pad_token_id)
-    out = torch.nn.functional.pad(out, (0, width - out.shape[1]), value=pad_token_id)
-    if eos_token_id is None:
-        eos_ids = set()
-    else:
-        eos_ids = {int(i) for i in (eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id])}
+    ref, out = _padded_pair(ref, out, pad_token_id)
+    eos_ids = _eos_ids(eos_token_id)
     matching = compared = same_rows = 0
     for r, o in zip(ref, out):
         n = max(_row_length(r, eos_ids), _row_length(o, eos_ids))
@@ -167,6 +200,59 @@ def token_agreement(ref: torch.Tensor, out: torch.Tensor, eos_token_id, pad_toke
         compared += n - 1
         same_rows += equal == n - 1
     return Agreement(matching, compared, same_rows, ref.shape[0])
+
+
+def first_departures(ref: torch.Tensor, out: torch.Tensor, eos_token_id, pad_token_id: int) -> list[Optional[int]]:
+    """Per row, the index (1 = first generated token) where `out` first differs from `ref`, or None.
+
+    ref, out: [batch, len] (lengths may differ); rows compared as in `token_agreement`.
+    """
+    ref, out = _padded_pair(ref, out, pad_token_id)
+    eos_ids = _eos_ids(eos_token_id)
+    departures = []
+    for r, o in zip(ref, out):
+        n = max(_row_length(r, eos_ids), _row_length(o, eos_ids))
+        differ = (r[1:n] != o[1:n]).nonzero()
+        departures.append(int(differ[0, 0]) + 1 if differ.numel() else None)
+    return departures
+
+
+@torch.no_grad()
+def _next_token_logits(model, batch: dict, row: int, prefix: torch.Tensor) -> torch.Tensor:
+    """float64 logits [vocab] of `model` for the token after decoder `prefix` [len] of `batch` row `row`."""
+    device = next(model.parameters()).device
+    inputs = {k: v[row : row + 1] for k, v in batch.items()}
+    return model(**inputs, decoder_input_ids=prefix[None].to(device)).logits[0, -1].double()
+
+
+def _near_tie(model, exact_model, batch: dict, row: int, prefix: torch.Tensor, a: int, b: int) -> bool:
+    """Whether tokens `a` and `b` after `prefix` are closer in float64 than twice stock's own logit error."""
+    logits = _next_token_logits(model, batch, row, prefix)
+    exact = _next_token_logits(exact_model, batch, row, prefix)
+    return bool((exact[a] - exact[b]).abs() <= 2 * (logits - exact).abs().max())
+
+
+def float64_check(model, batch: dict, generate_kwargs: dict, ref: torch.Tensor, out: torch.Tensor,
+                  eos_token_id, pad_token_id: int) -> Float64Check:
+    """Run stock HF on a float64 copy of the unpatched `model` (freed after) and compare stock's
+    sequences `ref` and paged's `out` ([batch, len] each) with it."""
+    exact_model = copy.deepcopy(model).to(torch.float64)
+    try:
+        exact = exact_model.generate(**batch, **generate_kwargs).cpu()
+        near_ties = None
+        if generate_kwargs.get("num_beams", 1) == 1:
+            ref_, out_ = _padded_pair(ref, out, pad_token_id)
+            near_ties = tuple(
+                _near_tie(model, exact_model, batch, row, ref_[row, :p], int(ref_[row, p]), int(out_[row, p]))
+                for row, p in enumerate(first_departures(ref, out, eos_token_id, pad_token_id)) if p is not None
+            )
+    finally:
+        del exact_model
+    return Float64Check(
+        stock=token_agreement(exact, ref, eos_token_id, pad_token_id),
+        paged=token_agreement(exact, out, eos_token_id, pad_token_id),
+        near_ties=near_ties,
+    )
 
 
 def _paged_ran(model) -> bool:
@@ -183,10 +269,13 @@ def run_demo(
     repeats: int = 3,
     config: Optional[PagedCacheConfig] = None,
     model_name: str = "",
+    check_float64: bool = True,
 ) -> DemoResult:
     """Generate for `texts` with stock HF, then with the model patched; the model ends unpatched.
 
     Greedy (`num_beams=1`) or beam search, no sampling, so both runs are deterministic.
+    `check_float64`: then run stock HF once on a float64 copy of the model (twice its memory in
+    float32, four times in 16-bit) and compare both runs with it (`DemoResult.float64`).
     """
     if not texts:
         raise ValueError("the demo needs at least one input text")
@@ -210,6 +299,7 @@ def run_demo(
         unpatch_model(model)
     gc = model.generation_config
     pad = gc.pad_token_id if gc.pad_token_id is not None else model.config.pad_token_id
+    pad = pad if pad is not None else 0
     return DemoResult(
         model_name=model_name or type(model).__name__,
         device=str(device),
@@ -219,8 +309,9 @@ def run_demo(
         texts=tuple(texts),
         hf=GenerateRun(ref, decoded(ref), hf_seconds),
         paged=GenerateRun(out, decoded(out), paged_seconds),
-        agreement=token_agreement(ref, out, gc.eos_token_id, pad if pad is not None else 0),
+        agreement=token_agreement(ref, out, gc.eos_token_id, pad),
         paged_ran=paged_ran,
+        float64=float64_check(model, batch, gen, ref, out, gc.eos_token_id, pad) if check_float64 else None,
     )
 
 
@@ -248,6 +339,8 @@ def format_report(result: DemoResult) -> str:
         f"token agreement: {a.matching_tokens}/{a.compared_tokens} generated tokens "
         f"({100.0 * a.fraction:.1f}%), {a.matching_sequences}/{a.num_sequences} sequences identical",
     ]
+    if result.float64 is not None:
+        lines += _float64_lines(result)
     if not result.paged_ran:
         lines.append("note: the patched generate() fell back to stock HF (see the warning above)")
     batch = len(result.texts)
@@ -256,7 +349,44 @@ def format_report(result: DemoResult) -> str:
         f"paged:    {result.paged.ms_per_token:8.2f} ms/token  ({result.paged.steps} steps, batch {batch})",
         f"speedup:  {result.speedup:8.2f}x",
     ]
+    if result.device.startswith("cpu"):
+        lines.append(f"note: the package's speedup comes from the GPU path (Triton kernels + CUDA graphs); on CPU "
+                     f"the paged path runs the {result.backend} backend, and {result.speedup:.2f}x is its measured "
+                     "ratio to stock HF on this machine")
     return "\n".join(lines)
+
+
+def _float64_lines(result: DemoResult) -> list[str]:
+    """The float64 check of the report: both runs against stock HF in float64, and what that means."""
+    check, dtype = result.float64, result.dtype
+    stock, paged = check.stock, check.paged
+    lines = [
+        f"float64 check: against stock HF on a float64 copy, stock {dtype} agrees on {stock.matching_tokens}/"
+        f"{stock.compared_tokens} tokens ({100.0 * stock.fraction:.1f}%), paged {dtype} on "
+        f"{paged.matching_tokens}/{paged.compared_tokens} ({100.0 * paged.fraction:.1f}%)",
+    ]
+    if stock.fraction == 1.0 and result.agreement.fraction == 1.0:
+        return lines
+    if stock.fraction < 1.0:
+        head = (f"note: stock HF's own {dtype} rounding already changes {stock.compared_tokens - stock.matching_tokens}"
+                f" of {stock.compared_tokens} tokens: the model is chaotic at this precision (random weights at a "
+                "real T5 shape are), so rounding flips near-tied tokens and a flipped token changes the rest of "
+                "its row")
+    else:
+        head = f"note: stock HF {dtype} matches float64 token for token here"
+    ties, batch = check.near_ties, len(result.texts)
+    gap = f"float64 logits closer than twice stock's own {dtype} logit error there"
+    if result.agreement.fraction == 1.0:
+        tail = "paged matches stock exactly"
+    elif ties is None:
+        tail = "with beam search the demo does not check each difference; compare the two agreements with float64"
+    elif all(ties):
+        tail = (f"paged and stock differ only where stock itself is unstable: in every row where they differ "
+                f"({len(ties)} of {batch}), the first two tokens they differ on are a near-tie ({gap})")
+    else:
+        tail = (f"but where paged and stock differ, {ties.count(False)} of {len(ties)} rows first differ on two "
+                f"tokens that are not a near-tie (not {gap}), which rounding does not explain")
+    return [*lines, f"{head}; {tail}"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -267,9 +397,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", choices=sorted(tiny.SHAPES), default="tiny",
                         help="shape of the embedded model (ignored with --model; default: tiny). Random "
                              "weights at larger shapes amplify rounding, so HF and paged may pick different "
-                             "near-tied tokens even in float32")
+                             "near-tied tokens even in float32; the float64 check shows how far stock HF "
+                             "itself moves")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="cpu runs the torch backend, cuda the Triton kernels (default: cpu)")
+                        help="cpu runs a PyTorch backend, cuda the Triton kernels (default: cpu)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                         help="model and KV dtype (default: float32, where greedy tokens match HF exactly)")
     parser.add_argument("--num-beams", type=int, default=1, metavar="K", help="beam width (default: 1, greedy)")
@@ -279,6 +410,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: 3)")
     parser.add_argument("--texts", nargs="+", metavar="TEXT", default=None,
                         help="input texts (default: a few embedded summarize/translate prompts)")
+    parser.add_argument("--no-float64-check", dest="check_float64", action="store_false",
+                        help="skip the run of stock HF on a float64 copy of the model (which needs that copy's "
+                             "memory) that shows how much stock's own rounding changes the tokens")
 
 
 def cli(args: argparse.Namespace) -> int:
@@ -291,6 +425,7 @@ def cli(args: argparse.Namespace) -> int:
     result = run_demo(
         model, tokenizer, texts=args.texts or DEFAULT_TEXTS, num_beams=args.num_beams,
         max_new_tokens=args.max_new_tokens, repeats=args.repeats, model_name=name,
+        check_float64=args.check_float64,
     )
     print(format_report(result))
     return 0 if result.paged_ran else 1

@@ -1,5 +1,6 @@
-"""The GPU benchmark scripts cannot run in CI, but they must at least compile and show --help:
-a script that fails on the device wastes a call of a 30-minute budget."""
+"""The benchmark scripts are not run in CI (the GPU ones cannot be, the CPU ones take minutes), but
+they must at least compile and show --help: a script that fails on the device wastes a call of a
+30-minute budget."""
 
 import pathlib
 import py_compile
@@ -18,7 +19,7 @@ def test_benchmark_script_compiles(script):
 
 
 @pytest.mark.parametrize("name", ["bench_generate.py", "diag_memory.py", "bench_batch.py", "bench_kernels.py",
-                                  "bench_import.py"])
+                                  "bench_import.py", "bench_cpu.py"])
 def test_benchmark_script_parses_its_arguments(name):
     proc = subprocess.run([sys.executable, str(BENCH / name), "--help"], capture_output=True, text=True,
                           cwd=BENCH.parent, env={"PYTHONPATH": f"{BENCH.parent}:{BENCH}", "PATH": ""}, timeout=120)

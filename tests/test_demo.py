@@ -9,6 +9,7 @@ import torch
 
 from hf_paged_t5 import demo, tiny
 from hf_paged_t5.__main__ import build_parser, main
+from hf_paged_t5.config import PagedCacheConfig
 
 FEW_TOKENS = ["--max-new-tokens", "6", "--repeats", "1"]
 
@@ -23,6 +24,12 @@ def _assert_full_agreement(out: str, num_texts: int) -> None:
     assert f"{num_texts}/{num_texts} sequences identical" in lines["token agreement"], out
     assert sum(line.lstrip().startswith("HF = paged:") for line in out.splitlines()) == num_texts, out
     assert "speedup" in lines and "fell back" not in out, out
+    # the tiny shape is not chaotic: stock float32 and paged both match stock on a float64 copy
+    float64 = lines["float64 check"]
+    assert "stock float32 agrees on" in float64 and float64.count("(100.0%)") == 2, out
+    assert "rounding" not in out, out
+    assert "the package's speedup comes from the GPU path (Triton kernels + CUDA graphs)" in out, out
+    assert "is its measured ratio to stock HF on this machine" in out, out
 
 
 def test_demo_embedded_default_matches_hf(capsys):
@@ -53,8 +60,10 @@ def test_demo_loads_a_checkpoint_directory(tmp_path, capsys):
 def test_run_demo_result_and_model_left_unpatched():
     model, tokenizer, _ = demo.load_model()
     result = demo.run_demo(model, tokenizer, max_new_tokens=5, repeats=1)
-    assert result.paged_ran and result.backend == "torch"
+    assert result.paged_ran and result.backend == PagedCacheConfig().resolve_backend(torch.device("cpu"))
     assert result.agreement.fraction == 1.0 and result.agreement.compared_tokens > 0
+    assert result.float64.stock.fraction == result.float64.paged.fraction == 1.0
+    assert result.float64.near_ties == ()
     assert result.hf.texts == result.paged.texts and len(result.hf.texts) == len(demo.DEFAULT_TEXTS)
     assert result.hf.ms_per_token > 0 and result.paged.ms_per_token > 0
     assert not hasattr(model, "_hf_paged_t5")
@@ -67,6 +76,85 @@ def test_token_agreement_counts_up_to_eos():
     # row 0: 3 tokens, all equal; row 1: 4 positions (ref ends with EOS at 4), 2 equal
     assert (agreement.matching_tokens, agreement.compared_tokens) == (5, 7)
     assert (agreement.matching_sequences, agreement.num_sequences) == (1, 2)
+
+
+def test_demo_without_float64_check_and_exit_status_on_fallback(capsys, monkeypatch):
+    monkeypatch.setattr(demo, "_paged_ran", lambda model: False)  # as after a fallback to stock HF
+    assert main(["demo", *FEW_TOKENS, "--no-float64-check"]) == 1
+    out = capsys.readouterr().out
+    assert "note: the patched generate() fell back to stock HF" in out
+    assert "float64 check" not in out
+
+
+def test_first_departures_per_row():
+    ref = torch.tensor([[0, 5, 6, 1, 0], [0, 7, 8, 9, 1], [0, 3, 3, 3, 3]])
+    out = torch.tensor([[0, 5, 6, 1], [0, 7, 4, 9], [0, 4, 3, 3]])
+    assert demo.first_departures(ref, out, eos_token_id=1, pad_token_id=0) == [None, 2, 1]
+
+
+def test_float64_check_tells_a_wrong_token_from_a_near_tie():
+    model, tokenizer, _ = demo.load_model()
+    batch = dict(tokenizer(["A short one.", "A longer input, so the batch is padded."], return_tensors="pt",
+                           padding=True))
+    gen = dict(do_sample=False, num_beams=1, max_new_tokens=6)
+    ref = model.generate(**batch, **gen)
+    out = ref.clone()
+    out[1, 3:] = (ref[1, 3:] + 7) % model.config.vocab_size  # row 1 takes a wrong turn at its third token
+    check = demo.float64_check(model, batch, gen, ref, out, eos_token_id=1, pad_token_id=0)
+    assert check.stock.fraction == 1.0  # the tiny shape is not chaotic
+    assert check.paged.matching_tokens == check.stock.matching_tokens - (ref.shape[1] - 3)
+    assert check.near_ties == (False,)  # a token chosen at random is far from the top one
+    assert demo.float64_check(model, batch, gen, ref, ref, 1, 0).near_ties == ()
+    assert demo.float64_check(model, batch, {**gen, "num_beams": 2}, ref, out, 1, 0).near_ties is None
+    assert next(model.parameters()).dtype == torch.float32  # the float64 run used a copy
+
+
+def _agreement(matching: int, compared: int, rows: int = 2) -> demo.Agreement:
+    return demo.Agreement(matching, compared, rows if matching == compared else 0, rows)
+
+
+def _result(agreement: demo.Agreement, stock: demo.Agreement, paged: demo.Agreement, near_ties=None,
+            device: str = "cpu") -> demo.DemoResult:
+    """A DemoResult for format_report: two texts, token agreements as given."""
+    texts, seqs = ("text 0", "text 1"), torch.zeros(2, 5, dtype=torch.long)
+    return demo.DemoResult(
+        model_name="m", device=device, dtype="float32", backend="cpu", num_beams=1, texts=texts,
+        hf=demo.GenerateRun(seqs, texts, 1.0), paged=demo.GenerateRun(seqs, texts, 0.5),
+        agreement=agreement, paged_ran=True, float64=demo.Float64Check(stock, paged, near_ties),
+    )
+
+
+def test_report_explains_agreement_below_stocks_own():
+    chaotic, same = _agreement(6, 8), _agreement(8, 8)
+    report = demo.format_report(_result(same, chaotic, chaotic, near_ties=()))
+    assert "float64 check: against stock HF on a float64 copy, stock float32 agrees on 6/8 tokens (75.0%), " \
+           "paged float32 on 6/8 (75.0%)" in report, report
+    assert "note: stock HF's own float32 rounding already changes 2 of 8 tokens: the model is chaotic at this " \
+           "precision (random weights at a real T5 shape are)" in report, report
+    assert "; paged matches stock exactly" in report, report
+
+    report = demo.format_report(_result(_agreement(5, 8), chaotic, _agreement(7, 8), near_ties=(True,)))
+    assert "; paged and stock differ only where stock itself is unstable: in every row where they differ " \
+           "(1 of 2), the first two tokens they differ on are a near-tie" in report, report
+
+    report = demo.format_report(_result(_agreement(5, 8), chaotic, chaotic, near_ties=(True, False)))
+    assert "; but where paged and stock differ, 1 of 2 rows first differ on two tokens that are not a near-tie" \
+           in report, report
+
+    report = demo.format_report(_result(_agreement(5, 8), same, _agreement(5, 8), near_ties=(False,)))
+    assert "note: stock HF float32 matches float64 token for token here; but where" in report, report
+
+    report = demo.format_report(_result(_agreement(5, 8), chaotic, chaotic, near_ties=None))
+    assert "with beam search the demo does not check each difference" in report, report
+
+    report = demo.format_report(_result(same, same, same, near_ties=()))
+    assert "(100.0%), paged float32 on 8/8 (100.0%)" in report and "rounding" not in report, report
+
+
+def test_report_names_the_gpu_path_only_on_cpu():
+    same = _agreement(8, 8)
+    assert "comes from the GPU path" in demo.format_report(_result(same, same, same, ()))
+    assert "comes from the GPU path" not in demo.format_report(_result(same, same, same, (), device="cuda:0"))
 
 
 def test_parser_rejects_unknown_commands_and_bad_options():
