@@ -7,6 +7,7 @@ import logging
 import pytest
 import torch
 
+from hf_paged_t5 import agreement as agreements
 from hf_paged_t5 import demo, tiny
 from hf_paged_t5.__main__ import build_parser, main
 from hf_paged_t5.config import PagedCacheConfig
@@ -72,7 +73,7 @@ def test_run_demo_result_and_model_left_unpatched():
 def test_token_agreement_counts_up_to_eos():
     ref = torch.tensor([[0, 5, 6, 1, 0], [0, 7, 8, 9, 1]])
     out = torch.tensor([[0, 5, 6, 1], [0, 7, 4, 9]])  # row 1: one token differs, no EOS within the length
-    agreement = demo.token_agreement(ref, out, eos_token_id=1, pad_token_id=0)
+    agreement = agreements.token_agreement(ref, out, eos_token_id=1, pad_token_id=0)
     # row 0: 3 tokens, all equal; row 1: 4 positions (ref ends with EOS at 4), 2 equal
     assert (agreement.matching_tokens, agreement.compared_tokens) == (5, 7)
     assert (agreement.matching_sequences, agreement.num_sequences) == (1, 2)
@@ -89,7 +90,7 @@ def test_demo_without_float64_check_and_exit_status_on_fallback(capsys, monkeypa
 def test_first_departures_per_row():
     ref = torch.tensor([[0, 5, 6, 1, 0], [0, 7, 8, 9, 1], [0, 3, 3, 3, 3]])
     out = torch.tensor([[0, 5, 6, 1], [0, 7, 4, 9], [0, 4, 3, 3]])
-    assert demo.first_departures(ref, out, eos_token_id=1, pad_token_id=0) == [None, 2, 1]
+    assert agreements.first_departures(ref, out, eos_token_id=1, pad_token_id=0) == [None, 2, 1]
 
 
 def test_float64_check_tells_a_wrong_token_from_a_near_tie():
@@ -100,27 +101,27 @@ def test_float64_check_tells_a_wrong_token_from_a_near_tie():
     ref = model.generate(**batch, **gen)
     out = ref.clone()
     out[1, 3:] = (ref[1, 3:] + 7) % model.config.vocab_size  # row 1 takes a wrong turn at its third token
-    check = demo.float64_check(model, batch, gen, ref, out, eos_token_id=1, pad_token_id=0)
+    check = agreements.float64_check(model, batch, gen, ref, out, eos_token_id=1, pad_token_id=0)
     assert check.stock.fraction == 1.0  # the tiny shape is not chaotic
     assert check.paged.matching_tokens == check.stock.matching_tokens - (ref.shape[1] - 3)
     assert check.near_ties == (False,)  # a token chosen at random is far from the top one
-    assert demo.float64_check(model, batch, gen, ref, ref, 1, 0).near_ties == ()
-    assert demo.float64_check(model, batch, {**gen, "num_beams": 2}, ref, out, 1, 0).near_ties is None
+    assert agreements.float64_check(model, batch, gen, ref, ref, 1, 0).near_ties == ()
+    assert agreements.float64_check(model, batch, {**gen, "num_beams": 2}, ref, out, 1, 0).near_ties is None
     assert next(model.parameters()).dtype == torch.float32  # the float64 run used a copy
 
 
-def _agreement(matching: int, compared: int, rows: int = 2) -> demo.Agreement:
-    return demo.Agreement(matching, compared, rows if matching == compared else 0, rows)
+def _agreement(matching: int, compared: int, rows: int = 2) -> agreements.Agreement:
+    return agreements.Agreement(matching, compared, rows if matching == compared else 0, rows)
 
 
-def _result(agreement: demo.Agreement, stock: demo.Agreement, paged: demo.Agreement, near_ties=None,
+def _result(agreement: agreements.Agreement, stock: agreements.Agreement, paged: agreements.Agreement, near_ties=None,
             device: str = "cpu") -> demo.DemoResult:
     """A DemoResult for format_report: two texts, token agreements as given."""
     texts, seqs = ("text 0", "text 1"), torch.zeros(2, 5, dtype=torch.long)
     return demo.DemoResult(
         model_name="m", device=device, dtype="float32", backend="cpu", num_beams=1, texts=texts,
         hf=demo.GenerateRun(seqs, texts, 1.0), paged=demo.GenerateRun(seqs, texts, 0.5),
-        agreement=agreement, paged_ran=True, float64=demo.Float64Check(stock, paged, near_ties),
+        agreement=agreement, paged_ran=True, float64=agreements.Float64Check(stock, paged, near_ties),
     )
 
 
