@@ -159,20 +159,22 @@ def decoder_self_attention(
     value_cache: torch.Tensor,
     meta: StepMetadata,
     bias_table: torch.Tensor,
+    state=None,
 ) -> torch.Tensor:
     """Causal self-attention of the new decoder tokens over each row's paged history.
 
     hidden: [rows, num_new, d_model] (normed); returns [rows, num_new, d_model]
     bias_table: [num_heads, D + 1] float32
+    state: the call's `cpu_ops.DecodeState` (CPU backend: one gather plan per step), or None
     """
     rows, num_new = hidden.shape[:2]
     q, k, v = (_heads(project(ops, lin, hidden), attn) for lin in (attn.q, attn.k, attn.v))
     ops.store_kv(key=k, value=v, key_cache=key_cache, value_cache=value_cache, slot_mapping=meta.slot_mapping)
     table, lens = _per_token_rows(meta.self_block_table, meta.self_seq_lens, num_new, causal=True)
-    out = ops.paged_decode(
-        query=q, key_cache=key_cache, value_cache=value_cache, block_table=table, seq_lens=lens,
-        scale=1.0, bias_table=bias_table,
-    )  # [rows * num_new, num_heads, head_dim]
+    kwargs = dict(query=q, key_cache=key_cache, value_cache=value_cache, block_table=table, seq_lens=lens,
+                  bias_table=bias_table, scale=1.0)
+    out = ops.paged_decode(**kwargs) if state is None else state.self_decode(**kwargs)
+    # out: [rows * num_new, num_heads, head_dim]
     return project(ops, attn.o, out.reshape(rows, num_new, -1))
 
 
@@ -183,17 +185,19 @@ def cross_attention(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     meta: StepMetadata,
+    state=None,
+    layer: int = 0,
 ) -> torch.Tensor:
     """Attention of the new decoder tokens over their source's encoder K/V (no bias).
 
     hidden: [rows, num_new, d_model] (normed); returns [rows, num_new, d_model]
+    state: the call's `cpu_ops.DecodeState` (CPU backend: K/V gathered once per call), or None
     """
     rows, num_new = hidden.shape[:2]
     q = _heads(project(ops, attn.q, hidden), attn)
     table, lens = _per_token_rows(meta.cross_block_table, meta.cross_seq_lens, num_new, causal=False)
-    out = ops.paged_decode(
-        query=q, key_cache=key_cache, value_cache=value_cache, block_table=table, seq_lens=lens, scale=1.0,
-    )
+    kwargs = dict(query=q, key_cache=key_cache, value_cache=value_cache, block_table=table, seq_lens=lens, scale=1.0)
+    out = ops.paged_decode(**kwargs) if state is None else state.cross_decode(layer, **kwargs)
     return project(ops, attn.o, out.reshape(rows, num_new, -1))
 
 

@@ -326,9 +326,18 @@ def _decode_step(runtime: PagedRuntime, model: nn.Module, cache, device: torch.d
         scale = runtime.output_scale
         tables = runtime.bias_tables(model.decoder, causal=True)
         pool = cache.pool  # not `cache` itself: the plan is stored on the cache (no reference cycle)
+        # A generate() call stores its cross K/V once, so the CPU backend reads them gathered once
+        # (`cpu_ops.DecodeState`); a batch job's cache admits new sources between steps: not there.
+        state = None
+        if isinstance(cache, PagedEncoderDecoderCache) and all(
+            runtime.config.resolve_backend(module_device(block)) == "cpu" for block in model.decoder.block
+        ):
+            from .cpu_ops import DecodeState
+
+            state = DecodeState()
 
         def step(input_ids, meta_for):
-            hidden = decoder_layers(model.decoder, runtime.ops_for, tables, pool, meta_for, input_ids)
+            hidden = decoder_layers(model.decoder, runtime.ops_for, tables, pool, meta_for, input_ids, state)
             if scale is not None:
                 hidden = hidden * scale
             head_device = module_device(model.lm_head)

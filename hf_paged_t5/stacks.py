@@ -223,10 +223,12 @@ def decoder_layers(
     pool: KVPool,
     meta_for: Callable[[torch.device], StepMetadata],
     input_ids: torch.Tensor,
+    state=None,
 ) -> torch.Tensor:
     """The decoder stack over prepared step metadata; no host sync (CUDA-graph capturable).
 
     input_ids: [rows, num_new]; returns [rows, num_new, d_model]
+    state: the call's `cpu_ops.DecodeState` when every decoder layer runs the CPU backend, else None
     """
     hidden = decoder.dropout(decoder.embed_tokens(input_ids))
     out = None  # pending sub-layer output, added inside the next layer norm (see encoder_forward)
@@ -237,10 +239,10 @@ def decoder_layers(
         sa, ca, ff = block.layer[0], block.layer[1], block.layer[-1]
         normed, hidden = attn_ops.add_norm(ops, sa.layer_norm, hidden, out)
         out = sa.dropout(attn_ops.decoder_self_attention(
-            ops, sa.SelfAttention, normed, kc, vc, meta, bias_tables[i].to(device)
+            ops, sa.SelfAttention, normed, kc, vc, meta, bias_tables[i].to(device), state
         ))
         normed, hidden = attn_ops.add_norm(ops, ca.layer_norm, hidden, out)
-        out = ca.dropout(attn_ops.cross_attention(ops, ca.EncDecAttention, normed, kc, vc, meta))
+        out = ca.dropout(attn_ops.cross_attention(ops, ca.EncDecAttention, normed, kc, vc, meta, state, i))
         normed, hidden = attn_ops.add_norm(ops, ff.layer_norm, hidden, out)
         out = ff.dropout(attn_ops.feed_forward(ops, ff.DenseReluDense, normed))
     ops = ops_for(module_device(decoder.final_layer_norm))

@@ -100,3 +100,43 @@ def test_interface_matches_the_reference():
     for name in ("store_kv", "paged_decode", "prefill", "rms_norm", "gemv", "gemv_supports"):
         assert list(inspect.signature(getattr(cpu_ops, name)).parameters) == \
             list(inspect.signature(getattr(reference, name)).parameters), name
+
+
+def _decode_inputs(lens, block_size, seed, heads=3, head_dim=12):
+    k, v, table, seq_lens = paged_pool(lens, block_size, heads, head_dim, torch.float64, seed=seed)
+    q = torch.randn(len(lens), heads, head_dim, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    return dict(query=q, key_cache=k, value_cache=v, block_table=table, seq_lens=seq_lens)
+
+
+def test_decode_state_reuses_only_what_is_unchanged():
+    """`DecodeState` equals `paged_decode` step after step: its kept gather plan, bias mask and
+    cross K/V serve a layer only while the block table, lengths and bias table are the same ones."""
+    state = cpu_ops.DecodeState()
+    table5 = 3 * torch.randn(3, 6, dtype=torch.float64)
+    other_table = 3 * torch.randn(3, 6, dtype=torch.float64)
+    first = _decode_inputs([5, 17, 2], block_size=3, seed=1)
+    cases = [
+        (first, table5),
+        (dict(first, query=first["query"].flip(0)), table5),  # next layer: same plan, new query
+        (first, other_table),  # a layer with its own bias table (UMT5)
+        (dict(first, seq_lens=first["seq_lens"] - 1), table5),  # next step: shorter rows here
+        (_decode_inputs([5, 17, 2], block_size=3, seed=2), table5),  # same lengths, other blocks
+        (_decode_inputs([4, 1], block_size=3, seed=3), table5),  # another batch
+    ]
+    for i, (kw, bias_table) in enumerate(cases):
+        want = reference.paged_decode(scale=0.7, bias_table=bias_table, **kw)
+        got = state.self_decode(scale=0.7, bias_table=bias_table, **kw)
+        assert rel_err(got, want) < TOLERANCE[torch.float64], f"self-attention case {i}"
+        want = reference.paged_decode(scale=0.7, **kw)
+        got = state.cross_decode(0, scale=0.7, **kw)
+        assert rel_err(got, want) < TOLERANCE[torch.float64], f"cross-attention case {i}"
+
+
+def test_decode_state_keeps_cross_kv_per_layer():
+    """Layers have their own pools: one layer's kept cross K/V never serve another's."""
+    state = cpu_ops.DecodeState()
+    a = _decode_inputs([7, 3], block_size=4, seed=4)
+    b = dict(a, key_cache=a["key_cache"].flip(2), value_cache=a["value_cache"] * 2)
+    for layer, kw in ((0, a), (1, b), (0, a), (1, b)):
+        want = reference.paged_decode(scale=1.0, **kw)
+        assert rel_err(state.cross_decode(layer, scale=1.0, **kw), want) < TOLERANCE[torch.float64]
