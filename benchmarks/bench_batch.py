@@ -22,37 +22,23 @@ against the static runs (which must not have either), the like-for-like comparis
     python benchmarks/bench_batch.py [--out DIR] [--num-inputs 2000] [--hf-inputs 256] [--time-budget 210]
     python benchmarks/bench_batch.py --quick --device cpu     # tiny smoke run of the whole script
 
-Writes DIR/batch-<gpu>-<yyyymmdd>.json with top-level keys gpu, tokens_per_s (per system),
-speedup_vs_static_paged, speedup_vs_hf, and prints a table.
+Writes DIR/batch.json (default DIR: benchmarks/results/<date>-<gpu>/, with its env.json) with
+top-level keys gpu, tokens_per_s (per system), speedup_vs_static_paged, speedup_vs_hf, and prints
+a table.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
-import json
-import os
 import random
 import time
-from typing import Optional
 
 import torch
-import transformers
-from transformers import StoppingCriteria, StoppingCriteriaList, T5Config, T5ForConditionalGeneration
+from transformers import StoppingCriteria, StoppingCriteriaList
 
+import common  # benchmarks/ is on sys.path
 import hf_paged_t5 as hp
-from hf_paged_t5.tiny import SHAPES
-
-
-def make_model(shape: str, dtype: torch.dtype, device: str) -> T5ForConditionalGeneration:
-    """Random weights with a real shape, as bench_generate.make builds them (SDPA attention for HF)."""
-    cfg = T5Config(decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, **SHAPES[shape])
-    cfg._attn_implementation = "sdpa"
-    with torch.device(device):
-        torch.manual_seed(0)
-        model = T5ForConditionalGeneration(cfg)
-    return model.to(dtype).eval()
 
 
 def workload(num: int, vocab: int, seed: int, quick: bool) -> list[tuple[list[int], int]]:
@@ -65,11 +51,6 @@ def workload(num: int, vocab: int, seed: int, quick: bool) -> list[tuple[list[in
         new = min(max(round(rng.lognormvariate(0, 0.6) * new_median), new_min), new_max)
         items.append(([rng.randrange(2, vocab) for _ in range(length)], new))
     return items
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def static_batches(items, batch_size: int, seed: int = 0):
@@ -107,18 +88,12 @@ class StopSoon(StoppingCriteria):
         return torch.full((input_ids.shape[0],), self.calls >= 2, dtype=torch.bool, device=input_ids.device)
 
 
-def captures(model) -> int:
-    """CUDA graphs captured so far by the patched model (0 unpatched): a timed run that captures
-    pays for it, and the JSON says how many it did."""
-    runtime = getattr(model, "_hf_paged_t5", None)
-    return runtime.graphs.captures if runtime is not None else 0
-
-
-def run_static(model, items, batch_size: int, device: str, deadline: float) -> dict:
-    """Static batches until done or `deadline`; useful tokens, inputs measured, seconds."""
+def run_static(model, items, batch_size: int, device: str, deadline: float, compiles: common.TritonCompiles) -> dict:
+    """Static batches until done or `deadline`; useful tokens, inputs measured, seconds, and the
+    graphs captured and kernels compiled while timed (a timed run that does either pays for it)."""
     tokens = inputs = 0
-    captured, compiled = captures(model), compiles()
-    sync(device)
+    captured, compiled = common.graphs_captured(model), compiles.count
+    common.sync(device)
     start = time.perf_counter()
     for batch in static_batches(items, batch_size):
         generate_batch(model, batch, device)
@@ -126,17 +101,17 @@ def run_static(model, items, batch_size: int, device: str, deadline: float) -> d
         inputs += len(batch)
         if time.perf_counter() > deadline:
             break
-    sync(device)
+    common.sync(device)
     seconds = time.perf_counter() - start
     return dict(batch_size=batch_size, tokens=tokens, inputs=inputs, seconds=seconds, tokens_per_s=tokens / seconds,
-                graph_captures=captures(model) - captured, triton_compiles=compiles() - compiled)
+                graph_captures=common.graphs_captured(model) - captured, triton_compiles=compiles.count - compiled)
 
 
-def run_static_halving(model, items, batch_size: int, device: str, deadline: float) -> dict:
+def run_static_halving(model, items, batch_size: int, device: str, deadline: float, compiles) -> dict:
     """`run_static`, halving the batch size on out-of-memory (longer inputs than the sweep saw)."""
     while True:
         try:
-            return run_static(model, items, batch_size, device, deadline)
+            return run_static(model, items, batch_size, device, deadline, compiles)
         except torch.OutOfMemoryError:
             if batch_size == 1:
                 raise
@@ -146,7 +121,7 @@ def run_static_halving(model, items, batch_size: int, device: str, deadline: flo
             torch.cuda.empty_cache()
 
 
-def sweep(model, probe, sizes, device: str, deadline: float, warm_all: bool) -> tuple[int, dict]:
+def sweep(model, probe, sizes, device: str, deadline: float, warm_all: bool, compiles) -> tuple[int, dict]:
     """The batch size with the best tokens/s on `probe`; all sizes' results (OOM is reported).
 
     Each size is warmed first: a two-step call (cuBLAS, allocator), or with `warm_all` a pass over
@@ -156,10 +131,10 @@ def sweep(model, probe, sizes, device: str, deadline: float, warm_all: bool) -> 
     for size in sizes:
         try:
             if warm_all:
-                run_static(model, probe, size, device, float("inf"))
+                run_static(model, probe, size, device, float("inf"), compiles)
             else:
                 generate_batch(model, probe[:size], device, stop_after=StopSoon)
-            results[size] = run_static(model, probe, size, device, float("inf"))
+            results[size] = run_static(model, probe, size, device, float("inf"), compiles)
         except torch.OutOfMemoryError as exc:
             results[size] = dict(error=repr(exc)[:200])
             gc.collect()
@@ -173,7 +148,7 @@ def sweep(model, probe, sizes, device: str, deadline: float, warm_all: bool) -> 
 
 def warm_static_paged(model, items, batch_size: int, device: str) -> None:
     """Capture the static paged run's decode graphs for full batches: per input-length tier and
-    output-length tier (with the batch size, the keys of `graphs.DecodeGraphs`)."""
+    output-length tier (with the batch size, the keys of the decode graphs)."""
     max_src = max(len(ids) for ids, _ in items)
     # largest first: a pool that must grow does so once, before any graph is captured on it
     tiers = sorted({min(n, max_src) for n in (16, 48, 112, 240, 496, 1008, 2000)}, reverse=True)
@@ -183,41 +158,14 @@ def warm_static_paged(model, items, batch_size: int, device: str) -> None:
             generate_batch(model, [([5] * src, new)] * batch_size, device, stop_after=StopSoon)
 
 
-class Compiles:
-    """Counts Triton kernel compilations (a JIT compile inside a timed run is a one-time stall of
-    ~0.1-1 s); a no-op where this Triton has no post-compile hook."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        try:
-            from triton import knobs
-        except ImportError:
-            return
-        previous = knobs.runtime.jit_post_compile_hook
-
-        def hook(*args, **kwargs):
-            self.count += 1
-            return previous(*args, **kwargs) if previous else None
-
-        knobs.runtime.jit_post_compile_hook = hook
-
-
-COMPILES: Optional[Compiles] = None  # installed by main(): importing this module hooks nothing
-
-
-def compiles() -> int:
-    """Triton compiles so far (0 before main() installs the counter)."""
-    return COMPILES.count if COMPILES is not None else 0
-
-
-def run_batch_generator(model, items, device: str, batch_tokens: int, batch_rows: int) -> dict:
+def run_batch_generator(model, items, device: str, batch_tokens: int, batch_rows: int, compiles) -> dict:
     """One BatchGenerator job over `items`, timed; with the slowest steps (a stall: a graph capture,
     a kernel compile, the pool growing) and what was captured or compiled while timed."""
     gen = hp.BatchGenerator(model, max_batch_tokens=batch_tokens, max_batch_rows=batch_rows)
     requests = [hp.BatchRequest(ids, max_new_tokens=n, min_new_tokens=n) for ids, n in items]
-    captured, compiled = captures(model), compiles()
+    captured, compiled = common.graphs_captured(model), compiles.count
     step_seconds = []
-    sync(device)
+    common.sync(device)
     start = last = time.perf_counter()
     tokens = 0
     for _, result in gen.as_completed(requests):
@@ -225,12 +173,12 @@ def run_batch_generator(model, items, device: str, batch_tokens: int, batch_rows
         now = time.perf_counter()
         step_seconds.append(now - last)
         last = now
-    sync(device)
+    common.sync(device)
     seconds = time.perf_counter() - start
     assert tokens == sum(n for _, n in items), "BatchGenerator did not produce the forced lengths"
     gaps = sorted(step_seconds, reverse=True)
     return dict(tokens=tokens, inputs=len(items), seconds=seconds, tokens_per_s=tokens / seconds,
-                graph_captures=captures(model) - captured, triton_compiles=compiles() - compiled,
+                graph_captures=common.graphs_captured(model) - captured, triton_compiles=compiles.count - compiled,
                 slowest_gaps_ms=[round(g * 1e3, 1) for g in gaps[:5]])
 
 
@@ -241,9 +189,9 @@ def stats(values) -> dict:
                 mean=sum(values) / len(values))
 
 
-def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="benchmarks/results", help="directory for the JSON")
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None, help="folder for batch.json (default: benchmarks/results/<date>-<gpu>)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--shape", default=None, help="model shape (default t5-large; tiny with --quick)")
     ap.add_argument("--num-inputs", type=int, default=None, help="inputs (default 2000; 40 with --quick)")
@@ -257,7 +205,7 @@ def parse_args() -> argparse.Namespace:
                     help="timed BatchGenerator jobs over all inputs; the median is reported (of two, the slower)")
     ap.add_argument("--time-budget", type=float, default=210.0, help="seconds for the whole run, roughly")
     ap.add_argument("--quick", action="store_true", help="tiny model and workload (a smoke run, CPU is fine)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     quick = args.quick
     args.shape = args.shape or ("tiny" if quick else "t5-large")
     args.num_inputs = args.num_inputs or (40 if quick else 2000)
@@ -271,28 +219,34 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def main() -> None:
-    global COMPILES
-    args = parse_args()
-    COMPILES = Compiles()
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    common.require_cuda("bench_batch.py", args.device)
+    out = common.start_suite(args.out, "batch")
     t0 = time.perf_counter()
-    deadline = t0 + args.time_budget
     device = args.device
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     if device == "cpu":
         torch.set_num_threads(1)  # tiny matmuls: OpenMP spin-waits make multi-thread CPU timings erratic
-    gpu = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
-    model = make_model(args.shape, dtype, device)
-    vocab = model.config.vocab_size
-    items = workload(args.num_inputs, vocab, seed=1, quick=args.quick)
+    model = common.make_model(args.shape, "sdpa", dtype, device)
+    items = workload(args.num_inputs, model.config.vocab_size, seed=1, quick=args.quick)
+    report = dict(gpu=torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
+                  model_shape=args.shape, dtype=str(dtype), num_inputs=len(items),
+                  input_tokens=stats([len(ids) for ids, _ in items]), new_tokens=stats([n for _, n in items]),
+                  settings=vars(args).copy())
+    with common.TritonCompiles() as compiles:
+        report.update(measure(model, items, args, compiles, deadline=t0 + args.time_budget))
+    report["wall_seconds"] = time.perf_counter() - t0
+    common.write_json(out / "batch.json", report)
+    print_table(report)
+
+
+def measure(model, items, args, compiles, deadline: float) -> dict:
+    """BatchGenerator, then patched generate() in static batches, then HF: the report's results."""
+    device, vocab = args.device, model.config.vocab_size
     rng = random.Random(2)
     probe = rng.sample(items, min(args.probe_inputs, len(items)))
     hf_items = rng.sample(items, min(args.hf_inputs, len(items)))
-    report = dict(gpu=gpu, date=datetime.date.today().isoformat(), torch=torch.__version__,
-                  transformers=transformers.__version__, model_shape=args.shape, dtype=str(dtype),
-                  num_inputs=len(items), input_tokens=stats([len(ids) for ids, _ in items]),
-                  new_tokens=stats([n for _, n in items]), settings=vars(args).copy())
-
     # One pool, sized up front for the largest need of either paged system, so that no timed run
     # grows it (growth re-allocates the pool and drops the captured CUDA graphs).
     max_src, max_new = max(len(ids) for ids, _ in items), max(n for _, n in items)
@@ -304,16 +258,16 @@ def main() -> None:
     print("warm-up: BatchGenerator", flush=True)
     longest = (max((ids for ids, _ in items), key=len), max_new)  # the widest graphs early
     run_batch_generator(model, [longest] + workload(max(len(items) // 4, 8), vocab, 3, args.quick),
-                        device, args.batch_tokens, args.batch_rows)
+                        device, args.batch_tokens, args.batch_rows, compiles)
     print("BatchGenerator", flush=True)
     repeats = []
     for _ in range(args.batch_repeats):
-        repeats.append(run_batch_generator(model, items, device, args.batch_tokens, args.batch_rows))
+        repeats.append(run_batch_generator(model, items, device, args.batch_tokens, args.batch_rows, compiles))
         r = repeats[-1]
         print(f"  {r['tokens_per_s']:.0f} tok/s over {r['seconds']:.1f} s ({r['graph_captures']} graphs captured, "
               f"{r['triton_compiles']} Triton compiles while timed; slowest gaps between results "
               f"{r['slowest_gaps_ms']} ms)", flush=True)
-    batch_gen = sorted(repeats, key=lambda r: r["seconds"])[len(repeats) // 2]  # the median; of two, the slower
+    batch_gen = common.upper_median(repeats, key=lambda r: r["seconds"])  # of two, the slower
     batch_gen = dict(batch_gen, repeats=[r["tokens_per_s"] for r in repeats])
     # "warm": timed with nothing captured or compiled, as the static runs are after their warm-up
     warm_runs = [r for r in repeats if r["graph_captures"] == 0 and r["triton_compiles"] == 0]
@@ -321,9 +275,9 @@ def main() -> None:
 
     print("patched generate(), static batches: sweep", flush=True)
     static_deadline = time.perf_counter() + 0.4 * max(deadline - time.perf_counter(), 0.0)
-    size, static_sweep = sweep(model, probe, args.static_batch_sizes, device, static_deadline, warm_all=True)
+    size, static_sweep = sweep(model, probe, args.static_batch_sizes, device, static_deadline, True, compiles)
     warm_static_paged(model, items, size, device)
-    static = run_static(model, items, size, device, static_deadline)
+    static = run_static(model, items, size, device, static_deadline, compiles)
     print(f"  batch {size}: {static['tokens_per_s']:.0f} tok/s over {static['inputs']} inputs "
           f"({static['graph_captures']} graphs captured while timed)", flush=True)
 
@@ -332,11 +286,11 @@ def main() -> None:
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
     print("HF generate(), static batches: sweep", flush=True)
-    hf_size, hf_sweep = sweep(model, probe, args.hf_batch_sizes, device, deadline, warm_all=False)
-    hf = run_static_halving(model, hf_items, hf_size, device, deadline)
+    hf_size, hf_sweep = sweep(model, probe, args.hf_batch_sizes, device, deadline, False, compiles)
+    hf = run_static_halving(model, hf_items, hf_size, device, deadline, compiles)
     print(f"  batch {hf_size}: {hf['tokens_per_s']:.0f} tok/s over {hf['inputs']} inputs", flush=True)
 
-    report.update(
+    report = dict(
         tokens_per_s=dict(batch_generator=batch_gen["tokens_per_s"], static_paged=static["tokens_per_s"],
                           hf=hf["tokens_per_s"]),
         speedup_vs_static_paged=batch_gen["tokens_per_s"] / static["tokens_per_s"],
@@ -345,33 +299,25 @@ def main() -> None:
         sweeps=dict(static_paged=static_sweep, hf=hf_sweep),
         hf_subset=(f"HF measured on {hf['inputs']} of {len(items)} inputs (a random subset, whole batches in "
                    f"random order), the other systems on {batch_gen['inputs']} and {static['inputs']}"),
-        wall_seconds=time.perf_counter() - t0,
     )
-    static_warm = static["graph_captures"] == 0 and static["triton_compiles"] == 0
-    if warm is not None and static_warm:
+    if warm is not None and static["graph_captures"] == 0 and static["triton_compiles"] == 0:
         report.update(
             warm_tokens_per_s=dict(batch_generator=warm["tokens_per_s"], static_paged=static["tokens_per_s"],
                                    hf=hf["tokens_per_s"]),
             warm_speedup_vs_static_paged=warm["tokens_per_s"] / static["tokens_per_s"],
             warm_speedup_vs_hf=warm["tokens_per_s"] / hf["tokens_per_s"],
         )
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"batch-{gpu.replace(' ', '_')}-{datetime.date.today():%Y%m%d}.json")
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1, default=str)
-    print_table(report)
-    print(f"wrote {path}")
+    return report
 
 
 def print_table(report: dict) -> None:
-    runs = report["runs"]
-    print(f"\n{'system':<28}{'batch':>7}{'inputs':>8}{'seconds':>9}{'tokens/s':>11}{'BatchGen speedup':>18}")
-    for name, label in (("batch_generator", "BatchGenerator"), ("static_paged", "patched generate, static"),
-                        ("hf", "HF generate, static")):
-        r = runs[name]
-        speedup = report["tokens_per_s"]["batch_generator"] / r["tokens_per_s"]
-        print(f"{label:<28}{r.get('batch_size', '-')!s:>7}{r['inputs']:>8}{r['seconds']:>9.1f}"
-              f"{r['tokens_per_s']:>11.0f}{speedup:>17.1f}x")
+    runs, best = report["runs"], report["tokens_per_s"]["batch_generator"]
+    labels = (("batch_generator", "BatchGenerator"), ("static_paged", "patched generate, static"),
+              ("hf", "HF generate, static"))
+    common.print_table(
+        ["system", "batch", "inputs", "seconds", "tokens/s", "BatchGenerator speedup"],
+        ([label, runs[name].get("batch_size"), runs[name]["inputs"], f"{runs[name]['seconds']:.1f}",
+          f"{runs[name]['tokens_per_s']:.0f}", f"{best / runs[name]['tokens_per_s']:.1f}x"] for name, label in labels))
     print(report["hf_subset"])
     if "warm_speedup_vs_static_paged" in report:
         print(f"warm (nothing captured or compiled while timed, every system): BatchGenerator "

@@ -10,10 +10,9 @@ ran on stock HF logs its reason, which the row records (its ratio then measures 
 stock).
 
     python benchmarks/bench_cpu.py [--rows tiny-b1,t5-small-2x4] [--repeats 5] [--threads N]
-        [--backend auto] [--out DIR | --out FILE.json]
+        [--backend auto] [--out DIR]
 
-Writes `cpu-<date>.json` under `--out` (default: $OUT, else benchmarks/results/<date>-cpu/),
-or to `--out` itself when it ends in `.json`.
+Writes DIR/cpu.json (default DIR: benchmarks/results/<date>-<gpu>/, with its env.json).
 """
 
 from __future__ import annotations
@@ -21,23 +20,13 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import datetime
-import json
-import logging
-import os
-import platform
-import statistics
-import subprocess
-import sys
-import time
 
 import torch
-import transformers
 
+import common  # benchmarks/ is on sys.path
 import hf_paged_t5 as hp
 from hf_paged_t5 import tiny
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SRC_LEN = 96
 NEW_TOKENS = 24
 
@@ -69,19 +58,6 @@ ROWS = (
 )
 
 
-class FallbackLog(logging.Handler):
-    """Collects the library's "running ... on stock HF: reason" warnings."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.reasons: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        message = record.getMessage()
-        if "on stock HF" in message:
-            self.reasons.append(message)
-
-
 def inputs(row: Row, vocab_size: int) -> dict:
     """input_ids / attention_mask [batch, SRC_LEN]: random tokens ending in EOS (id 1), pad id 0.
 
@@ -98,29 +74,23 @@ def inputs(row: Row, vocab_size: int) -> dict:
     return dict(input_ids=ids, attention_mask=mask)
 
 
-def bench_row(row: Row, stock, patched, repeats: int, fallbacks: FallbackLog) -> dict:
+def bench_row(row: Row, stock, patched, repeats: int, fallbacks: common.FallbackLog) -> dict:
     """Warm-up, then `repeats` rounds of one stock and one patched call (order alternating)."""
     batch = inputs(row, stock.config.vocab_size)
     kw = dict(do_sample=False, num_beams=row.beams, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
-    times = {"stock": [], "patched": []}
     models = {"stock": stock, "patched": patched}
 
-    def call(path: str) -> torch.Tensor:
-        start = time.perf_counter()
-        out = models[path].generate(**batch, **kw)
-        times[path].append(time.perf_counter() - start)
-        return out
+    def call(path: str) -> tuple[float, torch.Tensor]:
+        return common.timed(lambda: models[path].generate(**batch, **kw), "cpu")
 
     fallbacks.reasons.clear()
-    ref = call("stock")
-    outs = {"stock": [], "patched": [call("patched")]}
-    for runs in times.values():  # the warm-up calls (the pool is sized there) are not in the medians
-        runs.clear()
-    for i in range(repeats):
-        for path in ("stock", "patched") if i % 2 == 0 else ("patched", "stock"):
-            outs[path].append(call(path))
-    stock_ms = 1e3 * statistics.median(times["stock"])
-    patched_ms = 1e3 * statistics.median(times["patched"])
+    _, ref = call("stock")
+    _, first = call("patched")  # the warm-up calls (the pool is sized there) are not in the medians
+    runs = common.interleaved(["stock", "patched"], repeats, call)
+    times = {path: [seconds for seconds, _ in runs[path]] for path in runs}
+    outs = {"stock": [out for _, out in runs["stock"]], "patched": [first] + [out for _, out in runs["patched"]]}
+    stock_ms = 1e3 * common.median(times["stock"])
+    patched_ms = 1e3 * common.median(times["patched"])
     last = outs["patched"][-1]
     agreement = float((last == ref).float().mean()) if last.shape == ref.shape else None
     return {
@@ -142,42 +112,23 @@ def bench_row(row: Row, stock, patched, repeats: int, fallbacks: FallbackLog) ->
     }
 
 
-def code_state() -> dict:
-    """The commit measured and the files changed since it (the measured code may be uncommitted)."""
-    def git(*args) -> str:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout
-
-    try:  # porcelain lines are "XY path": two status letters, a space
-        return {"commit": git("rev-parse", "--short", "HEAD").strip(),
-                "changed": [line[3:] for line in git("status", "--porcelain").splitlines()]}
-    except (OSError, subprocess.CalledProcessError):
-        return {"commit": None, "changed": None}
-
-
 def print_table(rows: list[dict], repeats: int, backend: str) -> None:
-    print(f"\n| layout | batch | beams | stock ms | patched ms ({backend}) | stock/patched | per round | "
-          "fp32 tokens equal |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        batch = f"{r['batch']} (padded)" if r["padded"] else str(r["batch"])
-        ran = f" (ran on stock HF: {'; '.join(r['fallback_reasons'])})" if r["fallback_reasons"] else ""
-        print(f"| {r['layout']} | {batch} | {r['beams']} | {r['stock_ms']:.1f} | {r['patched_ms']:.1f} | "
-              f"{r['ratio']:.2f}x{ran} | {min(r['round_ratios']):.2f}-{max(r['round_ratios']):.2f} | "
-              f"{'yes' if r['tokens_identical'] else 'NO'} |")
+    common.print_table(
+        ["layout", "batch", "beams", "stock ms", f"patched ms ({backend})", "stock/patched", "per round",
+         "fp32 tokens equal"],
+        ([r["layout"], f"{r['batch']} (padded)" if r["padded"] else r["batch"], r["beams"], f"{r['stock_ms']:.1f}",
+          f"{r['patched_ms']:.1f}",
+          f"{r['ratio']:.2f}x" + (f" (ran on stock HF: {'; '.join(r['fallback_reasons'])})"
+                                  if r["fallback_reasons"] else ""),
+          f"{min(r['round_ratios']):.2f}-{max(r['round_ratios']):.2f}", "yes" if r["tokens_identical"] else "NO"]
+         for r in rows))
     print(f"(median of {repeats} interleaved calls each, {SRC_LEN}-token inputs, {NEW_TOKENS} new tokens forced, "
           f"{torch.get_num_threads()} threads; > 1 means patched is faster)")
     print(f"every row >= 1.0x: {all(r['ratio'] >= 1.0 for r in rows)}; "
           f"tokens identical in every row: {all(r['tokens_identical'] for r in rows)}")
 
 
-def output_path(out: str | None, today: datetime.date) -> str:
-    if out is not None and out.endswith(".json"):
-        return out
-    folder = out or os.environ.get("OUT") or os.path.join(REPO, "benchmarks", "results", f"{today.isoformat()}-cpu")
-    return os.path.join(folder, f"cpu-{today:%Y%m%d}.json")
-
-
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default=",".join(r.name for r in ROWS),
                     help=f"comma-separated rows to run (default: all of {', '.join(r.name for r in ROWS)})")
@@ -186,50 +137,44 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     ap.add_argument("--backend", default="auto", help="PagedCacheConfig(backend=...) of the patched model "
                                                       "(default: auto)")
-    ap.add_argument("--out", default=None, help="folder for cpu-<date>.json, or a .json path")
-    args = ap.parse_args()
+    ap.add_argument("--out", default=None, help="folder for cpu.json (default: benchmarks/results/<date>-<gpu>)")
+    args = ap.parse_args(argv)
     known = {r.name: r for r in ROWS}
     unknown = [name for name in args.rows.split(",") if name not in known]
     if unknown or args.repeats < 1:
         ap.error(f"unknown rows {unknown} (known: {list(known)})" if unknown else "--repeats must be >= 1")
-    rows = [known[name] for name in args.rows.split(",")]
+    args.rows = [known[name] for name in args.rows.split(",")]
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    out = common.start_suite(args.out, "cpu")  # the code state at the start, before the first row loads modules
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     config = hp.PagedCacheConfig(backend=args.backend)
     backend = config.resolve_backend(torch.device("cpu"))
-    fallbacks = FallbackLog()
-    logging.getLogger("hf_paged_t5").addHandler(fallbacks)
-    started = datetime.datetime.now(datetime.timezone.utc)
-    code = code_state()  # at the start (hf_paged_t5 loads its modules on first use, in the first row)
     results = []
-    for layout in dict.fromkeys(r.layout for r in rows):  # one model per layout, in the rows' order
-        stock = tiny.build_model(**LAYOUTS[layout])
-        patched = copy.deepcopy(stock)  # same weights; stock stays unpatched
-        for row in (r for r in rows if r.layout == layout):
-            hp.patch_model(patched, config)  # a fresh runtime: each row logs its own fallback reasons
-            result = bench_row(row, stock, patched, args.repeats, fallbacks)
-            results.append(result)
-            print(f"{row.name}: stock {result['stock_ms']:.1f} ms, patched {result['patched_ms']:.1f} ms, "
-                  f"{result['ratio']:.2f}x, tokens identical {result['tokens_identical']}", flush=True)
-        del stock, patched
-    print_table(results, args.repeats, backend)
+    with common.FallbackLog() as fallbacks:
+        for layout in dict.fromkeys(r.layout for r in args.rows):  # one model per layout, in the rows' order
+            stock = tiny.build_model(**LAYOUTS[layout])
+            patched = copy.deepcopy(stock)  # same weights; stock stays unpatched
+            for row in (r for r in args.rows if r.layout == layout):
+                hp.patch_model(patched, config)  # a fresh runtime: each row logs its own fallback reasons
+                result = bench_row(row, stock, patched, args.repeats, fallbacks)
+                results.append(result)
+                print(f"{row.name}: stock {result['stock_ms']:.1f} ms, patched {result['patched_ms']:.1f} ms, "
+                      f"{result['ratio']:.2f}x, tokens identical {result['tokens_identical']}", flush=True)
+            del stock, patched
     report = {
-        "date": started.date().isoformat(),
-        "started_utc": started.isoformat(timespec="seconds"),
-        "machine": {"arch": platform.machine(), "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
-                    "processor": platform.processor() or None},
-        "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
-                     "transformers": transformers.__version__, "hf_paged_t5": code},
+        "threads": torch.get_num_threads(),
         "backend": backend,
         "dtype": "float32",
         "repeats": args.repeats,
         "rows": results,
     }
-    path = output_path(args.out, started.date())
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=1)
-    print(f"-> {path}")
+    common.write_json(out / "cpu.json", report)
+    print_table(results, args.repeats, backend)
 
 
 if __name__ == "__main__":

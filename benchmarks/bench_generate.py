@@ -7,63 +7,31 @@ Every case starts with no cuBLAS workspace allocated (`fresh_workspaces`), so it
 counts the workspaces its own system makes (HF: the caller's stream; patched: the generation
 stream its graphs are captured on) and none an earlier case left.
 
-    python benchmarks/bench_generate.py [--out PATH] [--models t5-small,t5-large] [--parity t5-small]
+    python benchmarks/bench_generate.py [--out DIR] [--models t5-small,t5-large] [--parity t5-small]
         [--quick] [--repeats 3]
+
+Writes DIR/generate.json (default DIR: benchmarks/results/<date>-<gpu>/, with its env.json).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
-import json
 import time
 
 import torch
-import transformers
-import triton
-from transformers import T5Config, T5ForConditionalGeneration
 
+import common  # benchmarks/ is on sys.path
 import hf_paged_t5 as hp
-from bench_kernels import copy_bandwidth  # benchmarks/ is on sys.path
-from hf_paged_t5.tiny import SHAPES
 
 CASES = [(1, 1), (16, 1), (64, 1), (8, 4)]  # (batch, num_beams)
-REPEATS = 3  # timed calls per case (--repeats); the median is reported
+SRC_LEN = 512
 
 
-def make(name: str, attn: str, dtype: torch.dtype) -> T5ForConditionalGeneration:
-    shape = {k: v for k, v in SHAPES[name].items()}
-    cfg = T5Config(decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, **shape)
-    cfg._attn_implementation = attn
-    with torch.device("cuda"):
-        torch.manual_seed(0)
-        model = T5ForConditionalGeneration(cfg)
-    return model.to(dtype).eval()
-
-
-def inputs(batch: int, src_len: int):
-    g = torch.Generator(device="cuda").manual_seed(1)
-    ids = torch.randint(2, 32000, (batch, src_len), device="cuda", generator=g)
-    return ids, torch.ones_like(ids)
-
-
-def fresh_workspaces() -> None:
-    """Free every cuBLAS workspace before a case, so its peak counts the workspaces (32 MiB per
-    stream on an H200) that this case's system makes, not those an earlier case left. Called
-    where no CUDA graph is alive (the previous patched runtime collected): a graph replays into
-    the workspace it captured."""
-    gc.collect()
-    torch.cuda.synchronize()
-    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear is not None:
-        clear()
-    torch.cuda.empty_cache()
-
-
-def timed(model, batch, src_len, new, beams):
-    fresh_workspaces()
-    ids, mask = inputs(batch, src_len)
+def timed(model, batch, src_len, new, beams, repeats):
+    """ms per step (the median of `repeats` calls after two warm-up calls), peak GiB, the tokens."""
+    common.fresh_workspaces()  # the previous patched runtime is collected: no graph is alive
+    ids, mask = common.random_inputs(batch, src_len)
     kw = dict(max_new_tokens=new, min_new_tokens=new, num_beams=beams, do_sample=False)
     with torch.inference_mode():
         model.generate(input_ids=ids[:, :32], attention_mask=mask[:, :32], max_new_tokens=4, min_new_tokens=4,
@@ -71,14 +39,10 @@ def timed(model, batch, src_len, new, beams):
         model.generate(input_ids=ids, attention_mask=mask, **kw)  # warm: graphs, autotune, allocator
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        times = []
-        for _ in range(REPEATS):  # the median: one host hiccup (a GC pass, a busy core) skews one call
-            t0 = time.perf_counter()
-            out = model.generate(input_ids=ids, attention_mask=mask, **kw)
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-    dt = sorted(times)[len(times) // 2]
-    return dict(ms_per_step=dt / new * 1e3, peak_gib=torch.cuda.max_memory_allocated() / 2**30, tokens=out)
+        # the median: one host hiccup (a GC pass, a busy core) skews one call
+        runs = [common.timed(lambda: model.generate(input_ids=ids, attention_mask=mask, **kw)) for _ in range(repeats)]
+    dt = common.median(seconds for seconds, _ in runs)
+    return dict(ms_per_step=dt / new * 1e3, peak_gib=torch.cuda.max_memory_allocated() / 2**30, tokens=runs[-1][1])
 
 
 def launch_us() -> float:
@@ -101,9 +65,9 @@ def step_kernels(model) -> int:
     """CUDA kernels in one replay of the patched model's most recently used decode graph."""
     from torch.profiler import ProfilerActivity, profile
 
-    static = list(model._hf_paged_t5.graphs._graphs.values())[-1]
+    graph = list(common.decode_graphs(model).values())[-1]
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        static.graph.replay()
+        graph.replay()
         torch.cuda.synchronize()
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
@@ -123,13 +87,13 @@ def weights_gib(model) -> float:
     return sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
 
 
-def bench_model(name, src_len, new, cases, rows, gbps, launch):
+def bench_model(name, src_len, new, cases, rows, gbps, launch, repeats):
     results = {}
     for attn in ("eager", "sdpa"):
-        model = make(name, attn, torch.bfloat16)
+        model = common.make_model(name, attn, torch.bfloat16)
         for batch, beams in cases:
             try:
-                r = timed(model, batch, src_len, new, beams)
+                r = timed(model, batch, src_len, new, beams, repeats)
                 results[(attn, batch, beams)] = r
             except Exception as exc:  # a baseline that fails (e.g. OOM) is reported, not fatal
                 results[(attn, batch, beams)] = dict(error=repr(exc)[:200])
@@ -141,7 +105,7 @@ def bench_model(name, src_len, new, cases, rows, gbps, launch):
                 if hp.is_patched(model):
                     hp.unpatch_model(model)  # the previous case's runtime (pool, graphs) goes before timed()
                 hp.patch_model(model)  # a fresh pool per case: its peak memory is this case's own
-                r = timed(model, batch, src_len, new, beams)
+                r = timed(model, batch, src_len, new, beams, repeats)
                 r.update(floor_ms(model, batch, beams, src_len, new, step_kernels(model), gbps, launch))
                 results[("paged", batch, beams)] = r
                 hf = [results[(a, batch, beams)] for a in ("eager", "sdpa")]
@@ -165,9 +129,9 @@ def bench_model(name, src_len, new, cases, rows, gbps, launch):
         torch.cuda.empty_cache()
 
 
-def fp32_parity(name: str, batch: int = 16, src_len: int = 512, new: int = 64) -> bool:
-    model = make(name, "sdpa", torch.float32)
-    ids, mask = inputs(batch, src_len)
+def fp32_parity(name: str, batch: int = 16, src_len: int = SRC_LEN, new: int = 64) -> bool:
+    model = common.make_model(name, "sdpa", torch.float32)
+    ids, mask = common.random_inputs(batch, src_len)
     mask[1::3, src_len // 2:] = 0  # padded rows too
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new)
     with torch.inference_mode():
@@ -182,42 +146,43 @@ def fp32_parity(name: str, batch: int = 16, src_len: int = 512, new: int = 64) -
     return same
 
 
-def main() -> None:
-    global REPEATS
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=None)
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None, help="folder for generate.json (default: benchmarks/results/<date>-<gpu>)")
     ap.add_argument("--models", default="t5-small,t5-base,t5-large,flan-t5-xl")
     ap.add_argument("--quick", action="store_true", help="fewer new tokens (smoke run)")
     ap.add_argument("--parity", default="t5-small,t5-large",
                     help="models of the fp32 parity pass (comma-separated; empty: none)")
-    ap.add_argument("--repeats", type=int, default=REPEATS, help="timed calls per case; the median is reported")
-    args = ap.parse_args()
-    REPEATS = max(1, args.repeats)
-    gpu = torch.cuda.get_device_name()
+    ap.add_argument("--repeats", type=int, default=3, help="timed calls per case; the median is reported")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    common.require_cuda("bench_generate.py")
+    out = common.start_suite(args.out, "generate")
+    repeats = max(1, args.repeats)
     new = 32 if args.quick else 128
     rows: list[dict] = []
     parity = {name: fp32_parity(name) for name in args.parity.split(",") if name}
-    gbps, launch = copy_bandwidth(torch.device("cuda"), 1 << 30), launch_us()
+    gbps, launch = common.copy_bandwidth(torch.device("cuda"), 1 << 30), launch_us()
     print(f"copy bandwidth {gbps:.0f} GB/s; {launch:.2f} us per kernel in a graph", flush=True)
     for name in args.models.split(","):
-        bench_model(name, 512, new, CASES, rows, gbps, launch)
-    report = dict(gpu=gpu, torch=torch.__version__, transformers=transformers.__version__,
-                  triton=triton.__version__, date=datetime.date.today().isoformat(),
-                  copy_gbps=gbps, graph_launch_us=launch,
+        bench_model(name, SRC_LEN, new, CASES, rows, gbps, launch, repeats)
+    report = dict(gpu=torch.cuda.get_device_name(), repeats=repeats, copy_gbps=gbps, graph_launch_us=launch,
                   fp32_tokens_identical=all(parity.values()) if parity else None, fp32_parity=parity, rows=rows)
-    out = args.out or f"benchmarks/results/generate-{gpu.replace(' ', '_')}-{datetime.date.today():%Y%m%d}.json"
-    with open(out, "w") as f:
-        json.dump(report, f, indent=1)
-    print(f"\n{'model':<12}{'batch':>6}{'beams':>6}{'HF eager':>10}{'HF sdpa':>10}{'paged':>9}{'speedup':>9}"
-          f"{'HF peak':>9}{'paged pk':>9}{'weights':>9}{'mem/HF':>8}{'floor':>8}{'kernels':>8}")
-    for r in rows:
-        print(f"{r['model']:<12}{r['batch']:>6}{r['beams']:>6}{r['hf_eager_ms_per_step'] or float('nan'):>10.2f}"
-              f"{r['hf_sdpa_ms_per_step'] or float('nan'):>10.2f}{r['paged_ms_per_step']:>9.3f}"
-              f"{r['speedup_vs_best_hf']:>8.1f}x{r['hf_peak_gib'] or float('nan'):>9.2f}{r['paged_peak_gib']:>9.2f}"
-              f"{r['weights_gib']:>9.2f}{r['mem_vs_hf'] if r['mem_vs_hf'] is not None else float('nan'):>8.2f}"
-              f"{r['floor_ms_per_step']:>8.3f}{r['kernels_per_step']:>8}")
+    common.write_json(out / "generate.json", report)
+    fmt = common.fmt
+    common.print_table(
+        ["model", "batch", "beams", "HF eager ms", "HF sdpa ms", "paged ms", "speedup", "HF peak GiB",
+         "paged peak GiB", "weights GiB", "mem/HF", "floor ms", "kernels"],
+        ([r["model"], r["batch"], r["beams"], fmt(r["hf_eager_ms_per_step"], ".2f"),
+          fmt(r["hf_sdpa_ms_per_step"], ".2f"),
+          fmt(r["paged_ms_per_step"], ".3f"), fmt(r["speedup_vs_best_hf"], ".1f") + "x", fmt(r["hf_peak_gib"], ".2f"),
+          fmt(r["paged_peak_gib"], ".2f"), fmt(r["weights_gib"], ".2f"), fmt(r["mem_vs_hf"], ".2f"),
+          fmt(r["floor_ms_per_step"], ".3f"), r["kernels_per_step"]] for r in rows),
+        title=f"ms per decode step, {SRC_LEN}-token inputs, {new} new tokens, bf16, median of {repeats} calls")
     print(f"fp32 greedy tokens identical to HF: {report['fp32_tokens_identical']} {parity}")
-    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

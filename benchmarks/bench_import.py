@@ -3,7 +3,8 @@
     python benchmarks/bench_import.py [--repeats 5] [--python PYTHON] [--out DIR]
 
 Each statement runs `--repeats` times, every time in a new interpreter (the repeats of the
-statements are interleaved, so drift of the machine spreads over all of them). A run times the
+statements are interleaved, the order reversed every other round, so drift of the machine
+spreads over all of them). A run times the
 statement itself with `time.perf_counter()` inside the process, so interpreter start-up is left
 out. Each pair compares a statement with the stock statement a user would run anyway:
 
@@ -14,21 +15,21 @@ out. Each pair compares a statement with the stock statement a user would run an
   against the same import without it.
 
 Prints a table (median, min, max seconds, and the median's difference to its stock statement)
-and writes `import-<N>cpu-<date>[-<label>].json` under `--out`.
+and writes DIR/import.json, or DIR/import-<label>.json with `--label` (default DIR:
+benchmarks/results/<date>-<gpu>/, with its env.json).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
-import statistics
 import subprocess
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import common  # benchmarks/ is on sys.path
+
+REPO = str(common.REPO)
 
 # (name, statement, name of the stock statement it is compared with, or None for a stock one)
 CASES = (
@@ -62,16 +63,13 @@ def time_once(python: str, statement: str) -> float:
 
 def measure(python: str, repeats: int) -> dict[str, list[float]]:
     """name -> seconds of each run, the runs of all statements interleaved."""
-    times: dict[str, list[float]] = {name: [] for name, _, _ in CASES}
-    for _ in range(repeats):
-        for name, statement, _ in CASES:
-            times[name].append(time_once(python, statement))
-    return times
+    statements = {name: statement for name, statement, _ in CASES}
+    return common.interleaved(list(statements), repeats, lambda name: time_once(python, statements[name]))
 
 
 def summarize(times: dict[str, list[float]]) -> list[dict]:
     """One row per statement: median / min / max seconds and the median's excess over its stock statement."""
-    medians = {name: statistics.median(runs) for name, runs in times.items()}
+    medians = {name: common.median(runs) for name, runs in times.items()}
     rows = []
     for name, statement, stock in CASES:
         runs = times[name]
@@ -89,12 +87,12 @@ def summarize(times: dict[str, list[float]]) -> list[dict]:
 
 
 def print_table(rows: list[dict], repeats: int) -> None:
-    print(f"| statement (fresh process, {repeats} runs) | median s | min s | max s | vs stock |")
-    print("|---|---|---|---|---|")
+    cells = []
     for row in rows:
-        excess = "—" if row["excess_s"] is None else f"{row['excess_s']:+.2f} s vs {row['compared_with']}"
+        excess = "-" if row["excess_s"] is None else f"{row['excess_s']:+.2f} s vs {row['compared_with']}"
         statement = row["statement"].replace("\n", "; ")
-        print(f"| `{statement}` | {row['median_s']:.2f} | {row['min_s']:.2f} | {row['max_s']:.2f} | {excess} |")
+        cells.append([f"`{statement}`", f"{row['median_s']:.2f}", f"{row['min_s']:.2f}", f"{row['max_s']:.2f}", excess])
+    common.print_table([f"statement (fresh process, {repeats} runs)", "median s", "min s", "max s", "vs stock"], cells)
 
 
 def versions(python: str) -> dict:
@@ -108,32 +106,23 @@ def versions(python: str) -> dict:
     return json.loads(subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout)
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=5, help="fresh processes per statement (default: 5)")
     ap.add_argument("--python", default=sys.executable, help="interpreter to measure (default: this one)")
-    ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(REPO, "benchmarks", "results")),
-                    help="directory for the JSON (default: $OUT or benchmarks/results)")
+    ap.add_argument("--out", default=None, help="folder for the JSON (default: benchmarks/results/<date>-<gpu>)")
     ap.add_argument("--label", default="", help="what the measured code is (kept in the JSON, suffix of its name)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    out = common.start_suite(args.out, "import")
     rows = summarize(measure(args.python, args.repeats))
-    print_table(rows, args.repeats)
     result = {
-        "date": datetime.date.today().isoformat(),
-        "machine": platform.machine(),
         "label": args.label,
-        "cpu_count": os.cpu_count(),
         "repeats": args.repeats,
         "versions": versions(args.python),
         "rows": rows,
     }
-    os.makedirs(args.out, exist_ok=True)
-    suffix = f"-{args.label}" if args.label else ""
-    name = f"import-{os.cpu_count()}cpu-{datetime.date.today():%Y%m%d}{suffix}.json"
-    path = os.path.join(args.out, name)
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=2)
-    print(f"-> {path}")
+    common.write_json(out / (f"import-{args.label}.json" if args.label else "import.json"), result)
+    print_table(rows, args.repeats)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Benchmark the Triton kernels against HF's eager T5 attention math and torch SDPA.
 
-    python benchmarks/bench_kernels.py [--out benchmarks/results/kernels-<gpu>-<yyyymmdd>.json] [--tuned TUNE.json]
+    python benchmarks/bench_kernels.py [--out DIR] [--tuned TUNE.json] [--quick]
 
 Measured in one run on one GPU:
 - copy bandwidth: a large device-to-device copy, (bytes read + written) / time;
@@ -21,17 +21,16 @@ length, head_dim) run too (`*_tuned` rows), next to the defaults.
 Baselines get their bias materialized once outside the timed region (HF rebuilds it every
 forward, so they are timed at their best). Times are medians of `triton.testing.do_bench`.
 `--quick` runs tiny shapes (on CPU through the Triton interpreter) to check the script itself.
+Writes DIR/kernels.json (default DIR: benchmarks/results/<date>-<gpu>/, with its env.json).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
 import pathlib
-import platform
 import time
 
 import torch
@@ -42,32 +41,12 @@ if not torch.cuda.is_available():
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
+import common  # noqa: E402  (benchmarks/ is on sys.path)
 from hf_paged_t5.kernels import paged_decode, prefill  # noqa: E402
 from hf_paged_t5.kernels.decode import DecodeConfig  # noqa: E402
 from hf_paged_t5.kernels.prefill import PrefillConfig, prefill_config  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def bench(fn) -> float:
-    """Median milliseconds of `fn()`."""
-    if torch.cuda.is_available():
-        return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
-    fn()
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return sorted(times)[1]
-
-
-def copy_bandwidth(device: torch.device, nbytes: int) -> float:
-    """GB/s of a device-to-device copy, counting bytes read plus bytes written."""
-    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
-    dst = torch.empty_like(src)
-    ms = bench(lambda: dst.copy_(src))
-    return 2 * src.numel() * src.element_size() / ms / 1e6
 
 
 def hf_eager_attention(q, k, v, bias):
@@ -141,55 +120,24 @@ def decode_case(batch, keys, args, device, copy_gbps):
     decode = dict(query=query, key_cache=key_cache, value_cache=value_cache, block_table=block_table,
                   seq_lens=seq_lens, scale=1.0, bias_table=table)  # fmt: skip
     timings = {
-        "paged_decode": bench(lambda: paged_decode(**decode)),
-        "paged_decode_no_split": bench(lambda: paged_decode(**decode, num_splits=1)),
-        "hf_eager": bench(lambda: hf_eager_attention(q, k, v, bias)),
-        "sdpa": bench(lambda: sdpa_attention(q, k, v, bias)),
+        "paged_decode": common.kernel_ms(lambda: paged_decode(**decode)),
+        "paged_decode_no_split": common.kernel_ms(lambda: paged_decode(**decode, num_splits=1)),
+        "hf_eager": common.kernel_ms(lambda: hf_eager_attention(q, k, v, bias)),
+        "sdpa": common.kernel_ms(lambda: sdpa_attention(q, k, v, bias)),
     }
     if device.type == "cuda":
         # do_bench times each call with its Python launch cost (tens of µs with the split's
         # combine launch), which hides the kernel at 1 x 16k keys; in a graph it does not.
-        timings["paged_decode_graph"] = graph_us([lambda: paged_decode(**decode)] * 3) / 1e3
-        timings["sdpa_graph"] = graph_us([lambda: sdpa_attention(q, k, v, bias)] * 3) / 1e3
+        timings["paged_decode_graph"] = common.graph_us([lambda: paged_decode(**decode)] * 3) / 1e3
+        timings["sdpa_graph"] = common.graph_us([lambda: sdpa_attention(q, k, v, bias)] * 3) / 1e3
         tuned = args.tuned.get(("decode", batch, keys, head_dim, True))
         if tuned is not None:
-            timings["paged_decode_tuned_graph"] = graph_us([lambda: paged_decode(**decode, config=tuned)] * 3) / 1e3
+            tuned_calls = [lambda: paged_decode(**decode, config=tuned)] * 3
+            timings["paged_decode_tuned_graph"] = common.graph_us(tuned_calls) / 1e3
     row = {"kind": "decode", "batch": batch, "keys": keys, "kv_bytes": kv_bytes, "ms": timings}
     row["gbps"] = {name: kv_bytes / ms / 1e6 for name, ms in timings.items()}
     row["pct_of_copy"] = {name: 100 * gbps / copy_gbps for name, gbps in row["gbps"].items()}
     return row
-
-
-def graph_us(calls) -> float:
-    """Median µs per call of `calls` replayed back to back in one CUDA graph (NaN without CUDA).
-
-    Also used by tune_kernels.py and tune_gemv.py.
-    """
-    if not torch.cuda.is_available():
-        return float("nan")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up (Triton compiles, cuBLAS picks) outside the capture
-        for fn in calls[:2]:
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in calls:
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(7):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    del graph
-    return sorted(times)[3] * 1e3 / len(calls)
 
 
 def step_decode_case(name, keys, capacity, bias, args, device):
@@ -215,10 +163,10 @@ def step_decode_case(name, keys, capacity, bias, args, device):
         for i in range(copies)
     ]
     row = {"kind": "step", "name": name, "keys": keys, "capacity": capacity, "kv_bytes": kv_bytes}
-    row["graph_us"] = graph_us(calls)
+    row["graph_us"] = common.graph_us(calls)
     tuned = args.tuned.get(("decode", 1, keys, head_dim, bias))
     if tuned is not None:
-        row["tuned_graph_us"] = graph_us([(lambda call=call: call(config=tuned)) for call in calls])
+        row["tuned_graph_us"] = common.graph_us([(lambda call=call: call(config=tuned)) for call in calls])
     return row
 
 
@@ -237,29 +185,29 @@ def prefill_case(batch, length, args, device):
 
     ours = dict(query=query, key=key, value=value, cu_seqlens=cu_seqlens, max_seqlen=length, bias_table=table)
     default = prefill_config(head_dim, dtype, length)
-    # the band-tile and gather variants of today's default tiles, whichever the default is
+    # the band-tile and gather variants of the default tiles, whichever the default is
     variants = {"prefill_band": dataclasses.replace(default, band_tiles=True, toeplitz=False),
                 "prefill_gather": dataclasses.replace(default, band_tiles=False)}
     timings = {
-        "prefill": bench(lambda: prefill(**ours)),
-        "sdpa": bench(lambda: sdpa_attention(q, k, v, bias)),
+        "prefill": common.kernel_ms(lambda: prefill(**ours)),
+        "sdpa": common.kernel_ms(lambda: sdpa_attention(q, k, v, bias)),
     }
     for name, config in variants.items():
-        timings[name] = bench(lambda config=config: prefill(**ours, config=config))
+        timings[name] = common.kernel_ms(lambda config=config: prefill(**ours, config=config))
     tuned = args.tuned.get(("prefill", batch, length, head_dim, True))
     if tuned is not None:
-        timings["prefill_tuned"] = bench(lambda: prefill(**ours, config=tuned))
+        timings["prefill_tuned"] = common.kernel_ms(lambda: prefill(**ours, config=tuned))
     if device.type == "cuda":
         # Both per call in a CUDA graph (no Python launch cost in either number).
-        timings["prefill_graph"] = graph_us([lambda: prefill(**ours)] * 3) / 1e3
-        timings["sdpa_graph"] = graph_us([lambda: sdpa_attention(q, k, v, bias)] * 3) / 1e3
+        timings["prefill_graph"] = common.graph_us([lambda: prefill(**ours)] * 3) / 1e3
+        timings["sdpa_graph"] = common.graph_us([lambda: sdpa_attention(q, k, v, bias)] * 3) / 1e3
         for name, config in variants.items():
-            timings[name + "_graph"] = graph_us([lambda config=config: prefill(**ours, config=config)] * 3) / 1e3
+            timings[name + "_graph"] = common.graph_us([lambda config=config: prefill(**ours, config=config)] * 3) / 1e3
         if tuned is not None:
-            timings["prefill_tuned_graph"] = graph_us([lambda: prefill(**ours, config=tuned)] * 3) / 1e3
+            timings["prefill_tuned_graph"] = common.graph_us([lambda: prefill(**ours, config=tuned)] * 3) / 1e3
     # HF eager materializes [batch, heads, L, L] fp32 scores; skip it where that passes ~8 GB.
     if batch * heads * length * length * 4 <= 8 * 2**30:
-        timings["hf_eager"] = bench(lambda: hf_eager_attention(q, k, v, bias))
+        timings["hf_eager"] = common.kernel_ms(lambda: hf_eager_attention(q, k, v, bias))
     flops = 4 * batch * heads * length * length * head_dim
     row = {"kind": "prefill", "batch": batch, "length": length, "ms": timings}
     row["tflops"] = {name: flops / ms / 1e9 for name, ms in timings.items()}
@@ -287,54 +235,56 @@ def host_case(args, device):
     }
 
 
-def default_out(device: torch.device) -> pathlib.Path:
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    slug = "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
-    stamp = datetime.date.today().strftime("%Y%m%d")
-    return pathlib.Path(__file__).parent / "results" / f"kernels-{slug}-{stamp}.json"
-
-
-def print_table(result: dict) -> None:
-    print(f"{result['gpu']}  torch {result['torch']}  triton {result['triton']}  {result['dtype']}")
-    print(f"copy bandwidth: {result['copy_gbps']:.0f} GB/s (read + write)")
-    print(f"{'case':<22}{'impl':<24}{'ms':>10}{'GB/s':>10}{'% copy':>8}{'TFLOP/s':>9}{'speedup':>9}")
+def table_rows(result: dict):
+    """[case, impl, ms, GB/s, % copy, TFLOP/s, speedup] per timing of `result`'s rows."""
     for row in result["rows"]:
         if row["kind"] == "host":
             for name, us in row["us"].items():
-                print(f"{'host ' + name:<22}{'wrapper (host time)':<24}{us / 1e3:>10.4f}")
+                yield ["host " + name, "wrapper (host time)", f"{us / 1e3:.4f}", None, None, None, None]
             continue
         if row["kind"] == "step":
-            print(f"{'step ' + row['name']:<22}{'paged_decode in graph':<24}{row['graph_us'] / 1e3:>10.4f}")
+            yield ["step " + row["name"], "paged_decode in graph", f"{row['graph_us'] / 1e3:.4f}"] + [None] * 4
             if "tuned_graph_us" in row:
-                print(f"{'step ' + row['name']:<22}{'tuned, in graph':<24}{row['tuned_graph_us'] / 1e3:>10.4f}")
+                yield ["step " + row["name"], "tuned, in graph", f"{row['tuned_graph_us'] / 1e3:.4f}"] + [None] * 4
             continue
-        case = (
-            f"decode {row['batch']}x{row['keys']}" if row["kind"] == "decode" else f"prefill {row['batch']}x{row['length']}"
-        )
-        mine = row["ms"]["paged_decode" if row["kind"] == "decode" else "prefill"]
+        decode = row["kind"] == "decode"
+        case = f"decode {row['batch']}x{row['keys']}" if decode else f"prefill {row['batch']}x{row['length']}"
+        mine = row["ms"]["paged_decode" if decode else "prefill"]
         for name, ms in row["ms"].items():
-            gbps = f"{row['gbps'][name]:.0f}" if "gbps" in row else ""
-            pct = f"{row['pct_of_copy'][name]:.0f}" if "pct_of_copy" in row else ""
-            tflops = f"{row['tflops'][name]:.1f}" if "tflops" in row else ""
-            print(f"{case:<22}{name:<24}{ms:>10.4f}{gbps:>10}{pct:>8}{tflops:>9}{ms / mine:>8.2f}x")
+            yield [case, name, f"{ms:.4f}", common.fmt(row.get("gbps", {}).get(name), ".0f"),
+                   common.fmt(row.get("pct_of_copy", {}).get(name), ".0f"),
+                   common.fmt(row.get("tflops", {}).get(name), ".1f"), f"{ms / mine:.2f}x"]
+
+
+def print_table(result: dict) -> None:
+    common.print_table(["case", "impl", "ms", "GB/s", "% copy", "TFLOP/s", "speedup"], table_rows(result),
+                       title=f"{result['gpu']}, {result['dtype']}; copy bandwidth {result['copy_gbps']:.0f} GB/s "
+                             "(read + write)")
     print("speedup: how many times faster the Triton kernel (first row of each case) is than that row")
     print("step rows: per call inside a CUDA graph, K/V cold (how the decode step runs it)")
     print("*_graph rows: per call inside a CUDA graph (no launch cost), 3 calls on the same inputs")
     print("host rows: host time of one wrapper call (checks + launch) on tiny inputs")
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=pathlib.Path, default=None, help="JSON path (default under benchmarks/results)")
+    parser.add_argument("--out", default=None,
+                        help="folder for kernels.json (default: benchmarks/results/<date>-<gpu>)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--quick", action="store_true", help="tiny shapes, to check the script (CPU ok)")
     parser.add_argument("--tuned", type=pathlib.Path, default=None, help="a tune_kernels.py JSON: time its winners too")
-    args = parser.parse_args()
-    args.tuned = tuned_configs(args.tuned)
+    return parser.parse_args(argv)
 
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if not args.quick:  # the full shapes through the Triton interpreter would take hours
+        common.require_cuda("bench_kernels.py (without --quick)")
+    out = common.start_suite(args.out, "kernels")
+    args.tuned = tuned_configs(args.tuned)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.quick:
         decode_shapes, prefill_shapes, copy_bytes = [(2, 40), (1, 64)], [(2, 32), (1, 48)], 2**20
@@ -348,17 +298,13 @@ def main() -> None:
         prefill_shapes = [(16, 512), (4, 2048), (1, 8192)]
         copy_bytes = 2**31
     torch.manual_seed(0)
-    copy_gbps = copy_bandwidth(device, copy_bytes)
+    copy_gbps = common.copy_bandwidth(device, copy_bytes)
     rows = [decode_case(b, n, args, device, copy_gbps) for b, n in decode_shapes]
     rows += [step_decode_case(*shape, args, device) for shape in step_shapes]
     rows += [prefill_case(b, n, args, device) for b, n in prefill_shapes]
     rows.append(host_case(args, device))
     result = {
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (triton interpreter)",
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "dtype": args.dtype,
         "heads": args.heads,
         "head_dim": args.head_dim,
@@ -367,11 +313,8 @@ def main() -> None:
         "tuned": [[*key, cfg.__dict__] for key, cfg in args.tuned.items()],
         "rows": rows,
     }
+    common.write_json(out / "kernels.json", result)
     print_table(result)
-    out = args.out or default_out(device)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -5,20 +5,18 @@
 bf16, random weights, batch 1, 128 new tokens forced. Stock HF (eager and sdpa) and the patched
 model in one run; a system that runs out of memory is recorded as "oom". The paged encoder's
 attention is O(L) in memory (varlen flash attention with the bias table in the kernel); HF's
-materializes [heads, L, L] scores and position bias. Writes `long-<gpu>-<date>.json`.
+materializes [heads, L, L] scores and position bias. Writes DIR/long.json (default DIR:
+benchmarks/results/<date>-<gpu>/, with its env.json).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
-import json
-import os
-import time
 
 import torch
 
+import common  # benchmarks/ is on sys.path
 import hf_paged_t5 as hp
 from hf_paged_t5 import tiny
 
@@ -31,11 +29,7 @@ def run(model, ids, new: int, device: str) -> dict:
             if device == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
-            t0 = time.perf_counter()
-            out = model.generate(**kw)
-            if device == "cuda":
-                torch.cuda.synchronize()
-        seconds = time.perf_counter() - t0
+            seconds, out = common.timed(lambda: model.generate(**kw), device)
         peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
         return dict(seconds=seconds, peak_gib=peak, tokens=out[0].tolist())
     except torch.OutOfMemoryError:
@@ -46,14 +40,16 @@ def run(model, ids, new: int, device: str) -> dict:
             torch.cuda.empty_cache()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None, help="folder for long.json (default: benchmarks/results/<date>-<gpu>)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--lengths", default="8192,16384")
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--quick", action="store_true", help="tiny shape and lengths (a smoke run; CPU is fine)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    common.require_cuda("bench_long.py", args.device)
+    out = common.start_suite(args.out, "long")
     shape = "tiny" if args.quick else "flan-t5-xl"
     lengths = [64, 300] if args.quick else [int(n) for n in args.lengths.split(",")]
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
@@ -83,12 +79,14 @@ def main() -> None:
             paged["speedup_vs_best_hf"] = min(hf) / paged["seconds"]
             print(f"L={length}: paged {paged['speedup_vs_best_hf']:.1f}x faster than the best HF", flush=True)
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    report = dict(gpu=gpu, torch=torch.__version__, date=datetime.date.today().isoformat(), shape=shape,
-                  dtype=str(dtype), rows=[{k: v for k, v in r.items() if k != "tokens"} for r in rows])
-    path = os.path.join(args.out, f"long-{gpu.replace(' ', '_')}-{datetime.date.today():%Y%m%d}.json")
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)
-    print(f"wrote {path}")
+    report = dict(gpu=gpu, shape=shape, dtype=str(dtype),
+                  rows=[{k: v for k, v in r.items() if k != "tokens"} for r in rows])
+    common.write_json(out / "long.json", report)
+    common.print_table(
+        ["system", "input tokens", "seconds", "peak GiB", "vs best HF"],
+        ([r["system"], r["src_len"], "out of memory" if r.get("oom") else f"{r['seconds']:.2f}",
+          common.fmt(r.get("peak_gib"), ".2f"), common.fmt(r.get("speedup_vs_best_hf"), ".1f")] for r in rows),
+        title=f"{shape}, {dtype}, batch 1, {new} new tokens forced")
 
 
 if __name__ == "__main__":

@@ -15,8 +15,8 @@ import gc
 
 import torch
 
+import common  # benchmarks/ is on sys.path
 import hf_paged_t5 as hp
-from bench_generate import inputs, make
 
 
 def caller(frames) -> str:
@@ -59,7 +59,7 @@ def run(name: str, cases: list[tuple[int, int]], patched: bool, src: int = 512, 
     """The cases in order on one model, as bench_generate runs them (re-patched per case, a short
     warm-up call, then the measured shape); the last case is broken down."""
     torch.cuda.memory._record_memory_history(max_entries=400_000, stacks="python")
-    model = make(name, "sdpa", torch.bfloat16)
+    model = common.make_model(name, "sdpa", torch.bfloat16)
     weights = torch.cuda.memory_allocated()
     gib = 2**30
     for i, (batch, beams) in enumerate(cases):
@@ -67,7 +67,7 @@ def run(name: str, cases: list[tuple[int, int]], patched: bool, src: int = 512, 
             hp.patch_model(model)
         gc.collect()
         torch.cuda.empty_cache()
-        ids, mask = inputs(batch, src)
+        ids, mask = common.random_inputs(batch, src)
         kw = dict(max_new_tokens=new, min_new_tokens=new, num_beams=beams)
         with torch.inference_mode():
             model.generate(input_ids=ids[:, :32], attention_mask=mask[:, :32], max_new_tokens=4, min_new_tokens=4,
@@ -94,21 +94,22 @@ def run(name: str, cases: list[tuple[int, int]], patched: bool, src: int = 512, 
         for where, size in by.most_common(10):
             print(f"  call {size / 2**20:9.1f} MiB  {where}")
         if patched:
-            pool = model._hf_paged_t5.pool
+            pool = common.kv_pool(model)
             print(f"  pool: {pool.num_blocks} blocks, {pool.num_blocks * pool.bytes_per_block() / gib:.3f} GiB; "
-                  f"graphs {list(model._hf_paged_t5.graphs._graphs)}")
+                  f"graphs {list(common.decode_graphs(model))}")
     torch.cuda.memory._record_memory_history(enabled=None)
     del model
     gc.collect()
     torch.cuda.empty_cache()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="t5-small")
     ap.add_argument("--cases", default="8x4", help="run in order on one model; the last is broken down")
     ap.add_argument("--hf", action="store_true", help="also break down unpatched HF")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    common.require_cuda("diag_memory.py")
     cases = [tuple(map(int, c.split("x"))) for c in args.cases.split(",")]
     for name in args.models.split(","):
         if args.hf:

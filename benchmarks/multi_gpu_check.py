@@ -2,6 +2,8 @@
 
     python benchmarks/multi_gpu_check.py [--devices cuda:0,cuda:1] [--shape flan-t5-xl] [--out DIR]
 
+Writes DIR/multi-gpu-<devices>.json (default DIR: benchmarks/results/<date>-<gpu>/, with its env.json).
+
 The first half of the encoder's and of the decoder's layers go on the first device, the rest
 on the second (embeddings/lm_head on the first). `dispatch_model` runs with the *last* device
 as main device, so a "cpu" entry really runs on the CPU (with a CUDA main device accelerate
@@ -15,14 +17,11 @@ would offload it instead). Checks, each printed and written to JSON:
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import time
 
 import torch
 from accelerate import dispatch_model
 
+import common  # benchmarks/ is on sys.path
 import hf_paged_t5 as hp
 from hf_paged_t5 import tiny
 
@@ -43,19 +42,10 @@ def batch(rows: int, src_len: int, device: str):
     return ids.to(device), mask.to(device)
 
 
-def sync(devices):
-    for d in devices:
-        if d.startswith("cuda"):
-            torch.cuda.synchronize(d)
-
-
 def timed_generate(model, devices, **kw):
     model.generate(**{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
-    sync(devices)
-    t0 = time.perf_counter()
-    out = model.generate(**kw)
-    sync(devices)
-    return out, (time.perf_counter() - t0) / kw["max_new_tokens"] * 1e3
+    seconds, out = common.timed(lambda: model.generate(**kw), devices)
+    return out, seconds / kw["max_new_tokens"] * 1e3
 
 
 def hf_vs_patched(model, devices, **kw):
@@ -63,7 +53,7 @@ def hf_vs_patched(model, devices, **kw):
     hp.patch_model(model)
     try:
         out, paged_ms = timed_generate(model, devices, **kw)
-        pool = model._hf_paged_t5.pool
+        pool = common.kv_pool(model)
         if pool is None:
             raise RuntimeError("the paged path did not run (see the logged fallback reason)")
         pool_devices = [str(k.device) for k in pool.key_caches]
@@ -77,13 +67,19 @@ def hf_vs_patched(model, devices, **kw):
                 paged_ms_per_step=paged_ms, pool_devices=pool_devices, pool_idle=idle)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--devices", default="cuda:0,cuda:1")
     ap.add_argument("--shape", default="flan-t5-xl")
-    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
-    args = ap.parse_args()
+    ap.add_argument("--out", default=None, help="folder for the JSON (default: benchmarks/results/<date>-<gpu>)")
+    args = ap.parse_args(argv)
     devices = args.devices.split(",")
+    for device in devices:
+        common.require_cuda("multi_gpu_check.py", device)
+    missing = [d for d in devices if d.startswith("cuda") and (torch.device(d).index or 0) >= torch.cuda.device_count()]
+    if missing:
+        raise SystemExit(f"multi_gpu_check.py: no {', '.join(missing)}: torch sees {torch.cuda.device_count()} GPU(s)")
+    out = common.start_suite(args.out, "multi-gpu")
     results = {}
     model, device_map = build(args.shape, torch.float32, devices)
     expected = [device_map[f"decoder.block.{i}"] for i in range(len(model.decoder.block))]
@@ -103,13 +99,10 @@ def main() -> None:
         print(f"{name:12s} identical={r['identical']!s:5s} agreement={r['token_agreement']:.3f} HF {r['hf_ms_per_step']:7.2f} ms/step  "
               f"paged {r['paged_ms_per_step']:7.2f} ms/step  pools on {sorted(set(r['pool_devices']))}", flush=True)
     names = [torch.cuda.get_device_name(d) if d.startswith("cuda") else d for d in devices]
-    report = dict(devices=devices, device_names=names, shape=args.shape, torch=torch.__version__,
-                  date=datetime.date.today().isoformat(), checks_passed=ok, results=results)
+    report = dict(devices=devices, device_names=names, shape=args.shape, checks_passed=ok, results=results)
     tag = "x".join(d.replace(":", "") for d in devices)
-    path = os.path.join(args.out, f"multi-gpu-{tag}-{datetime.date.today():%Y%m%d}.json")
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)
-    print(f"all checks passed: {ok}; wrote {path}")
+    common.write_json(out / f"multi-gpu-{tag}.json", report)
+    print(f"all checks passed: {ok}")
     raise SystemExit(0 if ok else 1)
 
 

@@ -1,6 +1,6 @@
 """Sweep the launch knobs of the Triton kernels on the GPU; print and save the best per shape.
 
-    python benchmarks/tune_kernels.py [--out PATH.json] [--budget SECONDS] [--only decode|prefill] [--jobs N]
+    python benchmarks/tune_kernels.py [--out DIR] [--budget SECONDS] [--only decode|prefill] [--jobs N]
 
 One run (< 4 minutes on an H200 with the default 140 s sweep budget, half of it for decode;
 `--only` gives one section the whole budget) measures, in this order:
@@ -28,8 +28,9 @@ counts around the best. Prefill: a first pass over tile shapes with and without 
 (Toeplitz) bias table and the band split, then pipelining depth on the two best and the
 toeplitz / band-split toggles of the best. The best config per shape is printed as Python
 (`DecodeConfig(...)`, `PrefillConfig(...)`) to paste into `decode_config` / `prefill_config`,
-and everything goes to the JSON (written after every shape). `--quick` runs tiny shapes
-(CPU: Triton interpreter) to check the script itself.
+and everything goes to DIR/tune.json (written after every shape; default DIR:
+benchmarks/results/<date>-<gpu>/, with its env.json). `--quick` runs tiny shapes (CPU: Triton
+interpreter) to check the script itself.
 """
 
 from __future__ import annotations
@@ -37,12 +38,8 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
-import datetime
-import json
 import multiprocessing
 import os
-import pathlib
-import platform
 import time
 
 import torch
@@ -53,11 +50,9 @@ if not torch.cuda.is_available():
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
-from bench_kernels import copy_bandwidth, graph_us  # noqa: E402  (benchmarks/ is on sys.path)
-
+import common  # noqa: E402  (benchmarks/ is on sys.path)
 from hf_paged_t5 import reference  # noqa: E402
 from hf_paged_t5.kernels import paged_decode, prefill  # noqa: E402
-from hf_paged_t5.kernels._checks import block_d  # noqa: E402
 from hf_paged_t5.kernels.decode import DecodeConfig, decode_config  # noqa: E402
 from hf_paged_t5.kernels.prefill import PrefillConfig, prefill_config  # noqa: E402
 
@@ -101,12 +96,8 @@ class Clock:
 
 
 def bench_ms(fn) -> float:
-    """Median ms of `fn()` (triton's do_bench: L2 cleared before every call)."""
-    if CUDA:
-        return triton.testing.do_bench(fn, warmup=5, rep=30, return_mode="median")
-    start = time.perf_counter()
-    fn()
-    return (time.perf_counter() - start) * 1e3
+    """Median ms of `fn()` (triton's do_bench: L2 cleared before every call; CPU: one call)."""
+    return common.kernel_ms(fn, warmup=5, rep=30, cpu_calls=1)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -124,7 +115,7 @@ def l2_bytes() -> int:
 
 
 def num_sms() -> int:
-    return torch.cuda.get_device_properties(DEVICE).multi_processor_count if CUDA else 132
+    return common.num_sms(DEVICE)
 
 
 # ----------------------------------------------------------------------------- compile pool
@@ -236,7 +227,7 @@ def decode_candidates(shape: dict, base: DecodeConfig, quick: bool) -> list[Deco
     """First pass: tile size x warps around the heuristic, at its split count (long rows:
     the whole grid of tile size x warps x splits, every point cheap once compiled, 8 warps on
     8K-element tiles, and the async-copy loop 3 stages deep at the likely split counts)."""
-    padded = block_d(shape["head_dim"])
+    padded = common.padded_head_dim(shape["head_dim"])
     low, high = (256, 4096) if quick else (1024, 16384)
     tiles = [n for n in (16, 32, 64, 128, 256) if low <= n * padded <= high]
     if long_row(shape):
@@ -311,7 +302,7 @@ def tune_decode_shape(
                 return row
             if CUDA:
                 calls = [(lambda i=i: paged_decode(block_table=tables[i], config=cfg, **args)) for i in order]
-                row["graph_us"] = graph_us(calls)
+                row["graph_us"] = common.graph_us(calls)
             else:
                 row["bench_us"] = 1e3 * bench_ms(lambda: paged_decode(block_table=tables[0], config=cfg, **args))
             row["gbps"] = kv_bytes / row[metric] / 1e3
@@ -359,7 +350,7 @@ def sdpa_decode_us(data: dict, shape: dict, dtype: torch.dtype, order: list[int]
     if not CUDA:
         return 1e3 * bench_ms(lambda: F.scaled_dot_product_attention(q, *kv[0], attn_mask=mask, scale=1.0))
     calls = [(lambda i=i: F.scaled_dot_product_attention(q, *kv[i], attn_mask=mask, scale=1.0)) for i in order]
-    return graph_us(calls)
+    return common.graph_us(calls)
 
 
 DECODE_SHAPES = [
@@ -385,7 +376,7 @@ QUICK_DECODE_SHAPES = [
 
 
 PREFILL_FIRST_PASS = [
-    # Today's defaults (64x64 up to 1K tokens, 128x32 longer) and a runner-up of the last sweep.
+    # The defaults of prefill_config (64x64 up to 1K tokens, 128x32 longer) and a close alternative.
     PrefillConfig(64, 64, 4, 2, band_split=False),
     PrefillConfig(128, 32, 8, 3),
     PrefillConfig(128, 64, 8, 2),
@@ -433,7 +424,7 @@ def prefill_args(shape: dict, dtype: torch.dtype) -> dict:
 
 def prefill_graph_ms(fn) -> float:
     """ms per call of `fn` replayed 4 times in one CUDA graph (NaN without CUDA)."""
-    return graph_us([fn] * 4) / 1e3
+    return common.graph_us([fn] * 4) / 1e3
 
 
 def prefill_second_pass(ranked: list[PrefillConfig], quick: bool) -> list[PrefillConfig]:
@@ -518,7 +509,7 @@ def _fmt(cfg: dict, cls: str) -> str:
 
 
 def print_report(result: dict) -> None:
-    print(f"\n{result['gpu']}  torch {result['torch']}  triton {result['triton']}  {result['dtype']}")
+    print(f"\n{result['gpu']}  {result['dtype']}")
     print(f"copy bandwidth: {result['copy_gbps']:.0f} GB/s (read + write)")
     print("\npaged decode, µs per call in a CUDA graph, cold KV (CPU: bench_us, one call); sdpa likewise")
     print(f"{'shape':<18}{'metric':<10}{'default':>10}{'best':>10}{'%copy':>7}{'sdpa':>10}  best config")
@@ -566,7 +557,7 @@ def print_report(result: dict) -> None:
 
 
 def print_winners(result: dict) -> None:
-    """The best config per shape with its gain over today's default, as Python to paste."""
+    """The best config per shape with its gain over the default, as Python to paste."""
     print("\nwinners (apply: decode_config in hf_paged_t5/kernels/decode.py, prefill_config in")
     print("hf_paged_t5/kernels/prefill.py; decode at head_dim 64 / 128, prefill bf16 head_dim 64)")
     for section, metric, cls in (("decode", None, "DecodeConfig"), ("prefill", "ms", "PrefillConfig")):
@@ -579,16 +570,9 @@ def print_winners(result: dict) -> None:
             print(f"  {section:<8}{row['shape']['name']:<18}x{gain:<6.2f}{_fmt(best['config'], cls)}")
 
 
-def default_out() -> pathlib.Path:
-    name = torch.cuda.get_device_name(DEVICE) if CUDA else "cpu"
-    slug = "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
-    stamp = datetime.date.today().strftime("%Y%m%d")
-    return pathlib.Path(__file__).parent / "results" / f"tune-{slug}-{stamp}.json"
-
-
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=pathlib.Path, default=None, help="JSON path (default under benchmarks/results)")
+    parser.add_argument("--out", default=None, help="folder for tune.json (default: benchmarks/results/<date>-<gpu>)")
     parser.add_argument("--budget", type=float, default=140.0, help="seconds for the sweeps (baselines run anyway)")
     parser.add_argument("--only", choices=("decode", "prefill"), default=None)
     parser.add_argument("--quick", action="store_true", help="tiny shapes, to check the script (CPU ok)")
@@ -596,22 +580,21 @@ def main() -> None:
         "--jobs", type=int, default=min(8, max(1, (os.cpu_count() or 2) - 2)),
         help="compile worker processes (0: compile in this process, one config at a time)",
     )  # fmt: skip
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if not args.quick:  # the full sweep through the Triton interpreter would take days
+        common.require_cuda("tune_kernels.py (without --quick)")
+    out = common.start_suite(args.out, "tune") / "tune.json"
     dtype = torch.bfloat16 if CUDA else torch.float32
     torch.manual_seed(0)
     clock = Clock(args.budget)
     compiler = Compiler(args.jobs)
-    copy_gbps = copy_bandwidth(DEVICE, 2**20 if args.quick else 2**31)
+    copy_gbps = common.copy_bandwidth(DEVICE, 2**20 if args.quick else 2**31)
     decode_shapes = QUICK_DECODE_SHAPES if args.quick else DECODE_SHAPES
     prefill_shapes = QUICK_PREFILL_SHAPES if args.quick else PREFILL_SHAPES
     # Decode gets ~50% of the budget, prefill the rest (its kernels are bigger to compile).
     decode_clock = Clock(args.budget * (0.5 if args.only is None else 1.0))
     result = {
         "gpu": torch.cuda.get_device_name(DEVICE) if CUDA else "cpu (triton interpreter)",
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "dtype": str(dtype).removeprefix("torch."),
         "heads": HEADS,
         "block_size": BLOCK_SIZE,
@@ -620,8 +603,6 @@ def main() -> None:
         "decode": [],
         "prefill": [],
     }
-    out = args.out or default_out()
-    out.parent.mkdir(parents=True, exist_ok=True)
     sections = []
     if args.only != "prefill":
         sections += [("decode", shape, decode_clock) for shape in decode_shapes]
@@ -643,7 +624,7 @@ def main() -> None:
                 torch.cuda.empty_cache()
             # Written after every shape, so a crash later still leaves the results so far.
             result["elapsed_s"] = time.perf_counter() - clock.start
-            out.write_text(json.dumps(result, indent=2))
+            common.write_json(out, result, quiet=True)
     finally:
         compiler.close()
     print_report(result)

@@ -8,21 +8,22 @@ in order, so that is longest-processing-time-first scheduling), and prints µs p
 graph and the K/V bandwidth reached.
 
     python benchmarks/tune_mixed_decode.py [--rows 256,64] [--orders random,longest-first]
-        [--configs all|few] [--out PATH] [--quick]
+        [--configs all|few] [--out DIR] [--quick]
+
+Writes DIR/mixed-decode.json (default DIR: benchmarks/results/<date>-<gpu>/, with its env.json).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 
 import torch
 
-from bench_kernels import copy_bandwidth, graph_us  # benchmarks/ is on sys.path
+import common  # benchmarks/ is on sys.path
 from hf_paged_t5 import reference
 from hf_paged_t5.kernels import paged_decode
-from hf_paged_t5.kernels.decode import DecodeConfig, _num_sms, decode_config
+from hf_paged_t5.kernels.decode import DecodeConfig, decode_config
 
 HEADS, HEAD_DIM, BLOCK_SIZE = 16, 64, 16
 
@@ -44,20 +45,24 @@ def paged(lens: list[int], device, dtype):
     return key, value, table.to(device), torch.tensor(lens, dtype=torch.int32, device=device)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="256,64")
     ap.add_argument("--orders", default="random,longest-first,shortest-first",
                     help="row orders to time (the kernel's grid follows the rows)")
     ap.add_argument("--configs", default="all",
                     help="'all' (default: splits 2-16, fused or not) or 'few' (splits 2 and 4)")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None,
+                    help="folder for mixed-decode.json (default: benchmarks/results/<date>-<gpu>)")
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU ok)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if not args.quick:
+        common.require_cuda("tune_mixed_decode.py (without --quick)")
+    out = common.start_suite(args.out, "mixed-decode")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     median, low, high = (24, 4, 120) if args.quick else (160, 20, 2000)
-    gbps = copy_bandwidth(device, 1 << 30) if device.type == "cuda" else float("nan")
+    gbps = common.copy_bandwidth(device, 1 << 30) if device.type == "cuda" else float("nan")
     report = {"gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "copy_gbps": gbps, "rows": []}
     for rows, order in ((int(r), o) for r in args.rows.split(",") for o in args.orders.split(",")):
         lens = lengths(rows, 0, median, low, high)
@@ -67,7 +72,7 @@ def main() -> None:
         query = torch.randn(rows, HEADS, HEAD_DIM, device=device, dtype=dtype)
         kv_bytes = 2 * sum(lens) * HEADS * HEAD_DIM * key.element_size()
         ref = reference.paged_decode(query.float(), key.float(), value.float(), table, seq_lens)
-        sms = _num_sms(device) if device.type == "cuda" else 132
+        sms = common.num_sms(device)
         default = decode_config(rows, HEADS, HEAD_DIM, max(lens), sms)
         configs = {"default": default}
         for splits in (2, 4, 8, 16) if args.configs == "all" else (2, 4):
@@ -82,14 +87,12 @@ def main() -> None:
             kw = dict(query=query, key_cache=key, value_cache=value, block_table=table, seq_lens=seq_lens,
                       max_seq_len=max(lens), config=config)
             err = float((paged_decode(**kw).float() - ref).norm() / ref.norm())
-            us = graph_us([lambda kw=kw: paged_decode(**kw)] * 4)
+            us = common.graph_us([lambda kw=kw: paged_decode(**kw)] * 4)
             row = dict(rows=rows, order=order, config=name, knobs=config.__dict__.copy(), us=us, rel_err=err,
                        pct_of_copy=100 * kv_bytes / (us * 1e3) / gbps)
             report["rows"].append(row)
             print(f"  {name:<24} {us:8.1f} us  {row['pct_of_copy']:5.1f}% of copy  err {err:.1e}", flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+    common.write_json(out / "mixed-decode.json", report)
 
 
 if __name__ == "__main__":

@@ -9,24 +9,25 @@ model and generation code, which `import hf_paged_t5` alone does not need to pay
 import importlib
 from types import MappingProxyType
 
-from . import pipeline_hook
+from .hf import pipeline_hook
 
 # public name -> the module that defines it
 _EXPORTS = MappingProxyType({
-    "BatchGenerator": "batching",
-    "BatchRequest": "batching",
-    "BatchResult": "batching",
-    "BlockManager": "block_manager",
-    "PoolExhaustedError": "block_manager",
-    "KVPool": "cache",
-    "PagedEncoderDecoderCache": "cache",
+    "BatchGenerator": "batch.generator",
+    "BatchRequest": "batch.requests",
+    "BatchResult": "batch.requests",
+    "BlockManager": "kv.block_manager",
+    "PoolExhaustedError": "kv.block_manager",
+    "KVPool": "kv.pool",
+    "PagedEncoderDecoderCache": "hf.cache",
     "PagedCacheConfig": "config",
-    "SUPPORTED_CLASSES": "patch",
-    "is_patched": "patch",
-    "patch_model": "patch",
-    "unpatch_model": "patch",
-    "register_pipelines": "pipelines",
-    "unregister_pipelines": "pipelines",
+    "SUPPORTED_CLASSES": "hf.patch",
+    "is_patched": "hf.patch",
+    "patch_model": "hf.patch",
+    "unpatch_model": "hf.patch",
+    "runtime_stats": "hf.patch",
+    "register_pipelines": "hf.pipelines",
+    "unregister_pipelines": "hf.pipelines",
 })
 
 __all__ = sorted(_EXPORTS)

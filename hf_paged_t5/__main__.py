@@ -7,16 +7,18 @@ the exit status. Adding a subcommand is adding a row.
 
 from __future__ import annotations
 
+from types import MappingProxyType
 import argparse
 import logging
 import sys
 from collections.abc import Sequence
 from typing import Optional
 
-from . import cli, demo
+from .batch import cli
+from . import demo
 
 # name -> (help, add_arguments(parser), run(args) -> exit status)
-_COMMANDS = {
+_COMMANDS = MappingProxyType({
     "demo": (
         "stock HF generate() vs the paged one on a few texts: outputs, token agreement, ms/token",
         demo.add_arguments,
@@ -42,7 +44,7 @@ _COMMANDS = {
         cli.add_arguments,
         cli.command_runner("generate"),
     ),
-}
+})
 
 
 def _add_verbose(parser: argparse.ArgumentParser, default) -> None:

@@ -18,6 +18,7 @@ checkpoint for the commands and examples that take `--model PATH`.
 
 from __future__ import annotations
 
+from types import MappingProxyType
 import argparse
 import dataclasses
 import logging
@@ -31,7 +32,7 @@ import torch
 from . import tiny
 from .agreement import Agreement, Float64Check, float64_check, token_agreement
 from .config import PagedCacheConfig
-from .patch import is_patched, patch_model, unpatch_model
+from .hf.patch import is_patched, patch_model, unpatch_model
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ DEFAULT_TEXTS = (
     "translate English to French: The museum will stay open late on Friday.",
     "summarize: Heavy rain is expected in the north tonight, and the roads may flood near the valley.",
 )
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = MappingProxyType({"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16})
 
 
 @dataclasses.dataclass(frozen=True)

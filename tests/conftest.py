@@ -1,4 +1,5 @@
-"""Shared test helpers: small T5-family models with real structure and random weights."""
+"""Shared test helpers: small T5-family models with real structure and random weights, and a spy
+on the device-resident decode loops. The compare-with-stock oracle is tests/oracle.py."""
 
 from __future__ import annotations
 
@@ -71,3 +72,23 @@ def make_batch(lengths, seq_len=None, padding_side="right", seed=1, vocab=VOCAB,
 @pytest.fixture
 def t5_model():
     return make_model("t5")
+
+
+@pytest.fixture
+def loops(monkeypatch):
+    """Names of the device-resident decode loops each patched generate() ran, in order."""
+    from hf_paged_t5.decode import beam_graph, greedy_graph
+
+    calls = []
+    for name, module in (("graph_greedy_loop", greedy_graph), ("resident_beam_loop", beam_graph)):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _n=name, _r=real, **k: calls.append(_n) or _r(*a, **k))
+    return calls
+
+
+def resident_loop(kw) -> str | None:
+    """The resident loop a patched generate(**kw) on CPU runs for the calls the tests make of it:
+    greedy or beam search returning plain sequences; None for sampling and dict outputs."""
+    if kw.get("do_sample") or kw.get("return_dict_in_generate"):
+        return None
+    return "resident_beam_loop" if (kw.get("num_beams") or 1) > 1 else "graph_greedy_loop"

@@ -2,18 +2,22 @@
 
 A patched call is right when it gives what stock HF gives on the same weights:
 
+- in float32, tokens equal, and every float within the error stock HF itself makes in float32.
+  That error is measured, not guessed: an fp64 copy of the model gives the reference, and the
+  paged result may be off it by a small multiple of stock fp32's own distance from it.
 - in float64 (`assert_exact_in_float64`), the same algorithm: tokens equal and every float equal
   up to the one rounding HF itself applies at the end (scores and logits are cast to float32).
   The torch backend computes a float64 model in float64 throughout, so any difference in the
   computation (a wrong scale, a misplaced token, a stale table) shows, with no rounding noise.
-- in float32, tokens equal, and every float within the error stock HF itself makes in float32.
-  That error is measured, not guessed: an fp64 copy of the model gives the reference, and the
-  paged result may be off it by a small multiple of stock fp32's own distance from it.
+- on a fallback (the paged path declined the call), stock HF ran: every output bit for bit.
 
-    stock, paged = stock_and_paged(model, seed=..., **generate_kwargs)
-    assert_same_tokens(stock, paged)
-    assert_generate_floats(model, stock, paged, seed=..., **generate_kwargs)
-    assert_exact_in_float64(model, seed=..., **generate_kwargs)
+One call does all of it:
+
+    stock, paged = compare_with_stock(model, seed=..., float64=True, **generate_kwargs)
+
+`stock_and_paged` (the two calls, without the checks) is for the few tests whose tokens may
+differ by design (fp16 near-ties, the seed sweep's fp32 ties: see `compare_with_stock`'s
+`near_ties`).
 """
 
 from __future__ import annotations
@@ -49,30 +53,115 @@ def case_seed(*parts) -> int:
     return zlib.crc32(repr(parts).encode()) % 100_000
 
 
-def stock_and_paged(model, config=CONFIG, seed=None, expect_paged=True, **kwargs):
-    """(stock HF output, patched output) of the same generate() call; leaves the model unpatched.
+def stock_copy(model):
+    """An unpatched copy of `model` (same weights); `model` itself is left as it is."""
+    clone = copy.deepcopy(model)  # a patched model deep-copies to a patched clone with its own pool
+    if hp.is_patched(clone):
+        hp.unpatch_model(clone)
+    return clone
 
-    Checks that the patched call did (or, with expect_paged=False, did not) run on the pool, and
-    that every block went back to it. With `seed`, both calls start from that RNG state.
-    """
-    assert not hp.is_patched(model)
+
+def _generate(model, seed, stock_may_raise, kwargs):
     if seed is not None:
         torch.manual_seed(seed)
-    stock = model.generate(**kwargs)
-    hp.patch_model(model, config)
+    if not stock_may_raise:
+        return model.generate(**kwargs)
     try:
-        if seed is not None:
-            torch.manual_seed(seed)
-        paged = model.generate(**kwargs)
-        pool = model._hf_paged_t5.pool
-        if expect_paged:
-            assert pool is not None, "the paged path did not run"
-            assert pool.is_idle(), "generate() leaked KV blocks"
-        else:
-            assert pool is None, "expected a fallback to stock HF"
+        return model.generate(**kwargs)
+    except Exception as exc:  # compared with the stock call's by the caller
+        return exc
+
+
+def _check_pool(model, expect_paged) -> None:
+    pool = model._hf_paged_t5.pool
+    if expect_paged:
+        assert pool is not None, "the paged path did not run"
+    elif expect_paged is not None:
+        assert pool is None, "expected a fallback to stock HF"
+    assert pool is None or pool.is_idle(), "generate() leaked KV blocks"
+
+
+def stock_and_paged(model, config=None, seed=None, expect_paged=True, stock_model=None, stock_may_raise=False,
+                    while_patched=None, **kwargs):
+    """(stock HF output, patched output) of the same generate(**kwargs) call, without comparing them.
+
+    - `model` unpatched: stock HF runs on it, then it is patched with `config` (default `CONFIG`)
+      for the second call and unpatched again.
+    - `model` patched (its pool and graphs kept for the next call; `config` must be None): the
+      patched call runs on it, stock HF on `stock_model`, an unpatched copy with the same weights
+      (made here with `stock_copy` when not given).
+
+    Checks that the patched call ran on the pool (`expect_paged=True`), or fell back to stock HF
+    (False), or either (None), and that every block went back to the pool. With `seed`, both
+    calls start from that RNG state. `while_patched(model)` runs after the patched call, before
+    anything is unpatched (to inspect the pool). With `stock_may_raise`, an exception of either
+    call is returned in place of its output.
+    """
+    if hp.is_patched(model):
+        assert config is None, "a patched model runs with its own config"
+        stock = _generate(stock_model if stock_model is not None else stock_copy(model), seed, stock_may_raise, kwargs)
+        paged = _generate(model, seed, stock_may_raise, kwargs)
+        _check_pool(model, expect_paged)
+        if while_patched is not None:
+            while_patched(model)
+        return stock, paged
+    assert stock_model is None, "an unpatched model is its own stock copy"
+    stock = _generate(model, seed, stock_may_raise, kwargs)
+    hp.patch_model(model, CONFIG if config is None else config)
+    try:
+        paged = _generate(model, seed, stock_may_raise, kwargs)
+        _check_pool(model, expect_paged)
+        if while_patched is not None:
+            while_patched(model)
     finally:
         hp.unpatch_model(model)
     return stock, paged
+
+
+def compare_with_stock(model, config=None, seed=None, expect_paged=True, stock_model=None, floats=True,
+                       float64=False, near_ties=False, stock_may_raise=False, while_patched=None, **kwargs):
+    """The compare-with-stock check of one generate(**kwargs) call; returns (stock, paged).
+
+    Runs it on stock HF and patched on the same weights (`stock_and_paged`: config, seed,
+    expect_paged, stock_model, while_patched as there), then:
+
+    - tokens equal (`assert_same_tokens`);
+    - a fallback (`expect_paged=False`): every float output bit for bit (stock HF ran both);
+    - else, with `floats`, scores / logits / sequences_scores within stock's own fp32-vs-fp64
+      error (`assert_generate_floats`);
+    - with `float64`, the same call exact in float64 (`assert_exact_in_float64`).
+
+    `near_ties`: for random cases, where fp32 itself may be at a tie. If the tokens differ and
+    stock fp32 picked other tokens than an fp64 copy does (rounding decided a near tie), the call
+    is checked in float64 only; if stock fp32 agrees with fp64, differing tokens fail.
+    `stock_may_raise`: if stock HF raises, the patched call must raise the same (type and message).
+    """
+    stock, paged = stock_and_paged(model, config=config, seed=seed, expect_paged=expect_paged,
+                                   stock_model=stock_model, stock_may_raise=stock_may_raise,
+                                   while_patched=while_patched, **kwargs)
+    if isinstance(stock, Exception) or isinstance(paged, Exception):
+        assert type(paged) is type(stock) and str(paged) == str(stock), f"stock HF: {stock!r}\npaged: {paged!r}"
+        return stock, paged
+    reference = stock_model if stock_model is not None else model
+    tie = near_ties and not torch.equal(sequences_of(stock), sequences_of(paged)) and not fp32_agrees_with_fp64(
+        reference, stock, seed, kwargs)
+    if tie or float64:
+        assert_exact_in_float64(reference, seed=seed, expect_paged=expect_paged, config=_config_of(model, config),
+                                **kwargs)
+    if tie:
+        return stock, paged
+    assert_same_tokens(stock, paged)
+    if expect_paged is False:
+        assert_same_floats(stock, paged)
+    elif floats:
+        assert_generate_floats(reference, stock, paged, seed=seed, **kwargs)
+    return stock, paged
+
+
+def _config_of(model, config):
+    if hp.is_patched(model):
+        return model._hf_paged_t5.config
+    return CONFIG if config is None else config
 
 
 def sequences_of(out) -> torch.Tensor:
@@ -85,9 +174,31 @@ def assert_same_tokens(stock, paged) -> None:
     assert torch.equal(a, b), f"\nHF:\n{a}\npaged:\n{b}"
 
 
+def _tensors(value):
+    """Every tensor in a (nested) tuple / list of tensors, in order."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def assert_same_floats(stock, paged) -> None:
+    """Every tensor output but the cache (scores, logits, hidden states, attentions) bit for bit."""
+    if isinstance(stock, torch.Tensor):
+        return
+    names = [k for k in stock.keys() if k not in ("sequences", "past_key_values", "cache")]
+    assert names == [k for k in paged.keys() if k not in ("sequences", "past_key_values", "cache")]
+    for name in names:
+        a, b = _tensors(stock[name]), _tensors(paged[name])
+        assert len(a) == len(b), f"{name}: {len(a)} vs {len(b)} tensors"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert x.shape == y.shape and torch.equal(x, y), f"{name}[{i}] differs from stock HF's"
+
+
 def fp64_twin(model):
     """An unpatched float64 copy of `model` (same weights)."""
-    return copy.deepcopy(model).double()
+    return stock_copy(model).double()
 
 
 def assert_within_stock_error(paged, stock, ref, what: str) -> None:
@@ -142,20 +253,55 @@ def teacher_forced_logits(model64, sequences: torch.Tensor, **inputs) -> torch.T
         return model64(input_ids=ids, attention_mask=mask, decoder_input_ids=sequences[:, :-1]).logits
 
 
-def teacher_forced_sequence_scores(model64, sequences, length_penalty, eos_token_id, **inputs) -> torch.Tensor:
-    """fp64 `sequences_scores` [rows] of beam-search `sequences` [rows, 1 + steps] (a start token
-    first): the sum of each generated token's log-probability up to its first EOS, over (tokens
-    generated) ** length_penalty, as HF scores a finished beam. For calls whose processors leave
-    the chosen tokens' log-probabilities alone (no temperature, penalties or biases)."""
-    log_probs = torch.log_softmax(teacher_forced_logits(model64, sequences, **inputs), dim=-1)
-    chosen = log_probs.gather(-1, sequences[:, 1:, None]).squeeze(-1)  # [rows, steps]
-    eos = torch.as_tensor(eos_token_id, device=sequences.device).reshape(-1)
-    is_eos = torch.isin(sequences[:, 1:], eos)
-    # a token counts when no EOS came before it (the EOS itself counts)
-    before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()
-    counted = before == 0
-    lengths = counted.sum(dim=1).double()
-    return (chosen * counted).sum(dim=1) / lengths**length_penalty
+def _along_beams(out, name: str, rows: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """out.<name> (per step [rows x beams, vocab]) of the beam each returned sequence came from:
+    [len(rows), vocab], the entries (rows[i], steps[i])."""
+    per_step = torch.stack(getattr(out, name))  # [steps, rows x beams, vocab]
+    return per_step[steps, out.beam_indices[rows, steps]]
+
+
+def assert_beam_floats(model64, stock, paged, length_penalty, from_step=0, **inputs) -> None:
+    """Beam search's floats along the returned beams against fp64 teacher-forced on the returned
+    sequences (exact for any seed: no fp64 beam search has to follow fp32's choices).
+
+    - `scores` (log-softmax, then the call's processors) and `logits` of the beam each returned
+      token came from, at steps `from_step` on, pooled over all of them, within stock's own fp32
+      error; entries a processor masked (-inf in stock's) are left out. For calls whose
+      processors mask only (min lengths, top-k / top-p), not rescale (temperature, penalties).
+    - `sequences_scores`: the sum of the chosen tokens' `scores` along each beam over (tokens
+      generated) ** length_penalty, HF's arithmetic; stock's and paged's each equal it up to
+      the fp32 rounding of that sum. (Not against fp64 directly: three sums of a few chosen
+      tokens are too few to measure stock's own error by, and a near tie's chosen log-prob
+      is the difference of two logits whose errors stock may cancel by luck.)
+    """
+    generated = stock.beam_indices[:, : len(stock.scores)] >= 0  # [rows, steps]
+    assert torch.equal(paged.beam_indices, stock.beam_indices), "paged beams came from other beams than stock's"
+    lengths = generated.sum(1)
+    prompt = stock.sequences.shape[1] - int(lengths.max())  # the start token, or a user's decoder prompt
+    rows, steps = generated.nonzero(as_tuple=True)
+    later = steps >= from_step
+    if later.any():
+        r, t = rows[later], steps[later]
+        logits64 = teacher_forced_logits(model64, stock.sequences, **inputs)[r, prompt - 1 + t]  # [n, vocab]
+        for name, ref in (("scores", torch.log_softmax(logits64, dim=-1)), ("logits", logits64)):
+            if getattr(stock, name, None) is None:
+                continue
+            a, b = _along_beams(stock, name, r, t), _along_beams(paged, name, r, t)
+            ref = torch.where(torch.isfinite(a), ref.to(a.device), a.double())  # what a processor masked
+            assert_within_stock_error(b, a, ref, f"{name} along the returned beams from step {from_step}")
+    tokens = stock.sequences[rows, prompt + steps]
+    for what, out in (("stock", stock), ("paged", paged)):
+        chosen = torch.zeros(generated.shape, dtype=torch.float64, device=tokens.device)
+        chosen[rows, steps] = _along_beams(out, "scores", rows, steps).gather(1, tokens[:, None]).squeeze(1).double()
+        norm = lengths.double() ** length_penalty
+        expected = chosen.sum(1) / norm
+        # HF sums the chosen log-probs in fp32, one step at a time: each addition rounds
+        rounding = (lengths + 1).double() * torch.finfo(torch.float32).eps * chosen.abs().sum(1) / norm
+        error = (out.sequences_scores.double() - expected).abs()
+        assert (error <= rounding).all(), (
+            f"{what} sequences_scores are not the sums along their beams over length ** {length_penalty}: "
+            f"off by {error.tolist()} (fp32 rounding {rounding.tolist()})"
+        )
 
 
 def assert_generate_floats(model, stock, paged, seed=None, **kwargs) -> None:
@@ -166,18 +312,22 @@ def assert_generate_floats(model, stock, paged, seed=None, **kwargs) -> None:
     - `scores` of greedy / sampling and the per-step floats of beam search: against an fp64
       generate() with the same seed, at the steps where fp64 chose the same tokens (all steps,
       for beams, when its sequences and beam indices are stock's; else the first step only).
-    - `sequences_scores` of beam search: against the fp64 teacher-forced score of the returned
-      sequences (`teacher_forced_sequence_scores`).
+    - beam search's scores and logits along the returned beams at the steps the fp64 generate()
+      did not check (it chose other beams), and `sequences_scores` (`assert_beam_floats`): every
+      step is checked once.
     """
+    if not float_outputs(stock):
+        return
     model64 = fp64_twin(model)
     inputs = {k: v for k, v in kwargs.items() if k in ("input_ids", "attention_mask")}
     beams = (kwargs.get("num_beams") or model.generation_config.num_beams or 1) > 1
     if getattr(stock, "logits", None) is not None and not beams:
-        ref = teacher_forced_logits(model64, stock.sequences, **inputs)
+        # the last steps: a user's decoder prompt comes first in the sequences
+        ref = teacher_forced_logits(model64, stock.sequences, **inputs)[:, -len(stock.logits):]
         assert_within_stock_error(paged.logits, stock.logits, ref.unbind(1), "logits")
     if seed is not None:
         torch.manual_seed(seed)
-    ref = model64.generate(**kwargs)
+    ref = model64.generate(**{k: v for k, v in kwargs.items() if k != "streamer"})
     steps = _agreeing_steps(stock, ref, beams)
     for name in ("scores", "logits") if beams else ("scores",):
         a_all, b_all, r_all = getattr(stock, name, None), getattr(paged, name, None), getattr(ref, name, None)
@@ -188,24 +338,23 @@ def assert_generate_floats(model, stock, paged, seed=None, **kwargs) -> None:
         assert_within_stock_error(b_all[:n], a_all[:n], r_all[:n], f"{name}[:{n}]")
     if beams and getattr(stock, "sequences_scores", None) is not None:
         config = model._prepare_generation_config(None, **kwargs)[0]  # the call's effective settings
-        ref_scores = teacher_forced_sequence_scores(
-            model64, stock.sequences, config.length_penalty, config.eos_token_id, **inputs
-        )
-        assert_within_stock_error(paged.sequences_scores, stock.sequences_scores, ref_scores, "sequences_scores")
+        assert_beam_floats(model64, stock, paged, config.length_penalty, from_step=steps, **inputs)
 
 
 def _agreeing_steps(stock, ref, beams: bool) -> int:
     """Steps at whose start fp64 and stock fp32 hold the same decoder rows."""
     a, r = stock.sequences, ref.sequences
+    steps = len(stock.scores if stock.scores is not None else stock.logits)
     if beams:
         same = a.shape == r.shape and torch.equal(a, r)
         if same and getattr(stock, "beam_indices", None) is not None:
             same = torch.equal(stock.beam_indices, ref.beam_indices)
-        return len(stock.scores) if same else 1
+        return steps if same else 1
+    prompt = a.shape[1] - steps  # the start token, or a user's decoder prompt
     n = min(a.shape[1], r.shape[1])
     differs = (a[:, :n] != r[:, :n]).any(0).nonzero()
     first = int(differs[0]) if len(differs) else n
-    return first  # step t's scores depend on tokens 0..t; token 0 is the start token
+    return first - prompt + 1  # step t's scores depend on tokens 0 .. prompt - 1 + t
 
 
 def float_outputs(out) -> dict:

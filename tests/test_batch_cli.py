@@ -15,7 +15,8 @@ import torch
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, pipeline
 
 import hf_paged_t5 as hp
-from hf_paged_t5 import batching, cli, tiny
+from hf_paged_t5.batch import generator as batching, cli
+from hf_paged_t5 import tiny
 from hf_paged_t5.__main__ import build_parser, main
 
 REPO = Path(__file__).resolve().parent.parent
@@ -116,7 +117,7 @@ def test_generate_fields_line_number_ids_and_summary_line(checkpoint, tmp_path, 
     source = tmp_path / "in.jsonl"
     source.write_text("".join(json.dumps({"body": t}) + "\n" for t in TEXTS[:3]))
     output = tmp_path / "out.jsonl"
-    with caplog.at_level(logging.INFO, logger="hf_paged_t5.cli"):
+    with caplog.at_level(logging.INFO, logger="hf_paged_t5.batch.cli"):
         assert main(["generate", "--model", checkpoint, "--input", str(source), "--output", str(output),
                      "--text-field", "body", "--id-field", "key", "--no-progress", "--max-new-tokens", "3"]) == 0
     records = read(output)
@@ -138,7 +139,7 @@ def test_rerun_over_a_finished_output_says_so_in_one_line(files):
     assert proc.returncode == 0, proc.stderr
     # Log records only: a Python warning some installed package prints on import is not ours.
     logged = [line for line in proc.stderr.splitlines() if re.match(r"(DEBUG|INFO|WARNING|ERROR|CRITICAL) ", line)]
-    assert logged == [f"INFO hf_paged_t5.cli: 2 inputs, 2 already done, nothing to run; output: {output}"], proc.stderr
+    assert logged == [f"INFO hf_paged_t5.batch.cli: 2 inputs, 2 already done, nothing to run; output: {output}"], proc.stderr
     assert proc.stdout == "" and output.read_text() == before
 
 
@@ -377,7 +378,7 @@ def test_min_new_tokens_above_max(files, caplog, no_load):
 
 def test_translate_without_task_names_the_pair_it_picked(files, caplog, no_load):
     model, source, output = files
-    with caplog.at_level(logging.INFO, logger="hf_paged_t5.cli"), pytest.raises(ModelLoaded):
+    with caplog.at_level(logging.INFO, logger="hf_paged_t5.batch.cli"), pytest.raises(ModelLoaded):
         job("translate", model, source, output)
     picked = "task 'translation_en_to_de' (the model's first translation task; --task picks another): prefix"
     assert [m for m in caplog.messages if m.startswith(picked)], caplog.messages

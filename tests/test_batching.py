@@ -9,9 +9,9 @@ from transformers import GenerationConfig
 
 import hf_paged_t5 as hp
 from hf_paged_t5 import tiny
-from hf_paged_t5.batch_cache import BatchCache, blocks_for
-from hf_paged_t5.batch_rows import DecodeRows
-from hf_paged_t5.batch_run import BatchRun
+from hf_paged_t5.batch.cache import BatchCache, blocks_for
+from hf_paged_t5.batch.rows import DecodeRows
+from hf_paged_t5.batch.run import BatchRun
 
 # Lengths crossing the 4-token block boundaries; limits that make rows finish at different steps.
 LENGTHS = [5, 23, 3, 17, 9, 30, 2, 12, 8, 4]
@@ -143,18 +143,18 @@ def test_table_widths_are_set_at_admission_not_grown_per_step(monkeypatch, num_b
     when it is admitted, for the most tokens it may hold (start token + max_new), so every step of an
     admission round has the same widths; growing them as rows lengthen would capture a new graph
     each time a length crossed a power of two."""
-    import hf_paged_t5.batch_run as br
+    from hf_paged_t5.decode.runner import DecodeRunner
 
     model = patched()
     widths = []
-    inner = br._decode
+    inner = DecodeRunner.decode
 
-    def spy(runtime, model_, cache, ids):
+    def spy(runner, model_, cache, ids):
         self_table, _, cross_table, _ = cache.host_tables()
         widths.append((self_table.shape[1], cross_table.shape[1]))
-        return inner(runtime, model_, cache, ids)
+        return inner(runner, model_, cache, ids)
 
-    monkeypatch.setattr(br, "_decode", spy)
+    monkeypatch.setattr(DecodeRunner, "decode", spy)
     inputs = make_inputs()
     requests = [hp.BatchRequest(ids, max_new_tokens=m, min_new_tokens=m) for ids, m in zip(inputs, MAX_NEW)]
     gen = hp.BatchGenerator(model, max_batch_rows=len(inputs) * num_beams, num_beams=num_beams)
@@ -169,19 +169,19 @@ def test_a_draining_job_uses_one_graph_bucket(monkeypatch):
     """A job's decode graphs serve at least `min_graph_rows` rows (padded): as rows finish, the
     steps keep the graph key they had (one capture for the job here) instead of stepping down
     through every power of two, whose small-batch kernel configurations compile on first capture."""
-    import hf_paged_t5.batch_run as br
-    from hf_paged_t5.graphs import graph_key
+    from hf_paged_t5.decode.runner import DecodeRunner
+    from hf_paged_t5.decode.graphs import graph_key
 
     model = patched()
     keys, rows = set(), set()
-    inner = br._decode
+    inner = DecodeRunner.decode
 
-    def spy(runtime, model_, cache, ids):
+    def spy(runner, model_, cache, ids):
         keys.add(graph_key(cache, ids.shape[0], cache.host_tables()))
         rows.add(ids.shape[0])
-        return inner(runtime, model_, cache, ids)
+        return inner(runner, model_, cache, ids)
 
-    monkeypatch.setattr(br, "_decode", spy)
+    monkeypatch.setattr(DecodeRunner, "decode", spy)
     inputs = make_inputs()
     requests = [hp.BatchRequest(ids, max_new_tokens=m, min_new_tokens=m) for ids, m in zip(inputs, MAX_NEW)]
     results = list(hp.BatchGenerator(model, max_batch_rows=len(inputs)).generate(requests))
@@ -467,7 +467,7 @@ def test_cuda_graph_steps_match_generate_alone(num_beams, max_graph_batch):
         ref = model.generate(input_ids=ids, max_new_tokens=request.max_new_tokens, num_beams=num_beams)
         assert result.sequences == ref.tolist()
     runtime = model._hf_paged_t5
-    assert runtime.graphs._graphs, "no decode step ran as a CUDA graph"
+    assert runtime.runner.graphs.num_steps, "no decode step ran as a CUDA graph"
     assert runtime.pool.is_idle()
 
 

@@ -1,16 +1,32 @@
 """The benchmark scripts are not run in CI (the GPU ones cannot be, the CPU ones take minutes), but
-they must at least compile and show --help: a script that fails on the device wastes a call of a
-30-minute budget."""
+they must at least compile, show --help and fail in one line where CUDA is missing: a script that
+fails on the device wastes a call of a 30-minute budget. Also the runner's argument routing and
+the shared helpers, and that only benchmarks/common.py reads hf_paged_t5's private state."""
 
+import inspect
+import json
 import pathlib
 import py_compile
+import re
 import subprocess
 import sys
 
 import pytest
+import torch
 
 BENCH = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
 SCRIPTS = sorted(p for p in BENCH.glob("*.py") if not p.name.startswith("_"))
+MAINS = [p for p in SCRIPTS if p.name != "common.py"]  # every other script has main(argv)
+ENV = {"PYTHONPATH": f"{BENCH.parent}:{BENCH}", "PATH": ""}
+
+sys.path.insert(0, str(BENCH))
+import common  # noqa: E402
+import run  # noqa: E402
+
+
+def python(*args, timeout=120):
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=BENCH.parent, env=ENV,
+                          timeout=timeout)
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
@@ -18,10 +34,109 @@ def test_benchmark_script_compiles(script):
     py_compile.compile(str(script), doraise=True)
 
 
-@pytest.mark.parametrize("name", ["bench_generate.py", "diag_memory.py", "bench_batch.py", "bench_kernels.py",
-                                  "bench_import.py", "bench_cpu.py"])
-def test_benchmark_script_parses_its_arguments(name):
-    proc = subprocess.run([sys.executable, str(BENCH / name), "--help"], capture_output=True, text=True,
-                          cwd=BENCH.parent, env={"PYTHONPATH": f"{BENCH.parent}:{BENCH}", "PATH": ""}, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "usage" in proc.stdout
+def test_every_script_shows_its_help():
+    # one interpreter for all of them: torch and transformers load once
+    code = f"""
+import contextlib, io, runpy, sys
+failed = []
+for name in {[p.stem for p in MAINS]!r}:
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            __import__(name).main(["--help"])
+        failed.append(name + ": no SystemExit")
+    except SystemExit as exc:
+        if exc.code not in (0, None) or "usage" not in out.getvalue():
+            failed.append(f"{{name}}: exit {{exc.code}}")
+    except Exception as exc:
+        failed.append(f"{{name}}: {{type(exc).__name__}}: {{exc}}")
+print("FAILED:", failed)
+"""
+    proc = python("-c", code, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "FAILED: []" in proc.stdout, proc.stdout[-3000:]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
+def test_gpu_suites_fail_in_one_line_without_cuda(tmp_path):
+    proc = python("benchmarks/run.py", "--suite", "gpu-tests,generate", "--out", str(tmp_path),
+                  "--generate.models", "t5-small", "--commit", "abc1234-dirty")
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    lines = [line for line in proc.stdout.splitlines() if "needs a CUDA GPU" in line]
+    assert len(lines) == 2 and lines[0].startswith("run.py: suite gpu-tests") and \
+        lines[1].startswith("bench_generate.py:"), proc.stdout
+    assert "Traceback" not in proc.stdout + proc.stderr
+    env = json.loads((tmp_path / "env.json").read_text())
+    assert env["command"].startswith("python benchmarks/run.py --suite gpu-tests,generate")
+    assert env["suites"]["gpu-tests"]["returncode"] == 2 and env["suites"]["generate"]["returncode"] == 1
+    assert env["suites"]["generate"]["command"] == (
+        f"python benchmarks/bench_generate.py --out {tmp_path} --models t5-small")
+    assert env["git"]["commit"] == env["suites"]["generate"]["commit"] == "abc1234" and env["git"]["dirty"]
+
+
+def test_runner_routes_suite_options():
+    suites = ["gpu-tests", "generate"]
+    assert run.route(["--gpu-tests.k", "contract and not slow", "--generate.models", "t5-small", "--quick", "-x"],
+                     suites) == {"gpu-tests": ["-k", "contract and not slow", "--quick", "-x"],
+                                 "generate": ["--models", "t5-small", "--quick", "-x"]}
+    assert run.route(["--generate.repeats=1", "--generate.help"], suites) == {
+        "gpu-tests": [], "generate": ["--repeats=1", "--help"]}
+    assert run.route(["--rows", "tiny-b1", "--threads", "-1"], ["cpu"]) == {
+        "cpu": ["--rows", "tiny-b1", "--threads", "-1"]}
+    with pytest.raises(ValueError, match="not in --suite"):
+        run.route(["--batch.quick"], suites)
+
+
+def test_runner_rejects_unknown_suites(capsys):
+    with pytest.raises(SystemExit):
+        run.parse_args(["--suite", "generate,nope"])
+    assert "unknown suite nope" in capsys.readouterr().err
+
+
+def test_helpers():
+    assert common.gpu_slug("NVIDIA H200") == "h200"
+    assert common.gpu_slug("NVIDIA H100 80GB HBM3") == "h100-80gb-hbm3"
+    assert common.gpu_slug(None) == "cpu"
+    order = []
+    runs = common.interleaved(["a", "b"], 3, lambda name: order.append(name) or len(order))
+    assert order == ["a", "b", "b", "a", "a", "b"] and runs == {"a": [1, 4, 5], "b": [2, 3, 6]}
+    assert common.upper_median([{"s": 3}, {"s": 1}], key=lambda r: r["s"]) == {"s": 3}
+    state = common.git_state()
+    assert set(state) >= {"commit", "dirty", "source_sha256"}
+
+
+def test_private_state_reads_resolve():
+    # each read of hf_paged_t5's private state (benchmarks/common.py) finds what it reads, so a move
+    # in the package fails here and not on the device
+    import hf_paged_t5 as hp
+    from hf_paged_t5 import tiny
+
+    model = tiny.build_model("tiny")
+    assert common.graphs_captured(model) == 0
+    hp.patch_model(model)
+    ids, mask = common.random_inputs(2, 8, "cpu", model.config.vocab_size)
+    targets = common.call_phases(model) + common.batch_run_phases() + common.step_launches()
+    before = [inspect.getattr_static(owner, attr) for owner, attr, _ in targets]
+    with common.timers(targets, synced=True), common.on_callers_stream(), torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, min_new_tokens=3)
+    assert out.shape == (2, 4)
+    assert [inspect.getattr_static(owner, attr) for owner, attr, _ in targets] == before  # all restored
+    assert common.graphs_captured(model) == 0 and common.decode_graphs(model) == {}
+    assert common.kv_pool(model) is not None
+    assert common.padded_head_dim(24) == 32
+    hp.unpatch_model(model)
+
+
+def test_only_common_reads_private_state():
+    # the scripts import the package's public modules only, and no `_`-names, `_hf_paged_t5` or `._graphs`
+    public = re.compile(r"import hf_paged_t5 as hp|from hf_paged_t5 import (tiny|reference)(, (tiny|reference))*"
+                        r"|from hf_paged_t5\.kernels(\.(decode|prefill|gemv))? import [A-Za-z]\w*(, [A-Za-z]\w*)*")
+    private = re.compile(r"_hf_paged_t5\b|\._graphs\b|\bhp\._")
+    offenders = []
+    for path in MAINS:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#")[0].strip()
+            imports = code.startswith(("import hf_paged_t5", "from hf_paged_t5"))
+            if (imports and not public.fullmatch(code)) or private.search(code):
+                offenders.append(f"{path.name}:{number}: {code}")
+    assert offenders == []

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import make_model
-from hf_paged_t5 import bias as bias_mod
+from hf_paged_t5.model import bias as bias_mod
 
 
 def expand(table: torch.Tensor, length: int, causal: bool) -> torch.Tensor:

@@ -16,23 +16,14 @@ import logging
 import pytest
 import torch
 from conftest import make_batch, make_model
-from oracle import (
-    CONFIG,
-    assert_exact_in_float64,
-    assert_generate_floats,
-    assert_same_tokens,
-    assert_within_stock_error,
-    case_seed,
-    fp64_twin,
-    stock_and_paged,
-)
+from oracle import CONFIG, assert_same_tokens, assert_within_stock_error, case_seed, compare_with_stock, fp64_twin
 from transformers import MT5EncoderModel, T5EncoderModel, UMT5EncoderModel
 from transformers.cache_utils import EncoderDecoderCache
 from transformers.modeling_outputs import BaseModelOutput
 
 import hf_paged_t5 as hp
 from hf_paged_t5 import tiny
-from hf_paged_t5.probe import output_scale
+from hf_paged_t5.model.probe import output_scale
 
 ENCODERS = {"t5": T5EncoderModel, "mt5": MT5EncoderModel, "umt5": UMT5EncoderModel}
 
@@ -82,7 +73,7 @@ def test_output_scale_is_what_the_class_does(family, tie):
     expected = unscaled if scale is None else model.lm_head(hidden * scale)
     torch.testing.assert_close(stock, expected, rtol=0, atol=0)
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=3, output_logits=True, return_dict_in_generate=True)
-    stock_out, paged_out = stock_and_paged(model, **kw)
+    stock_out, paged_out = compare_with_stock(model, **kw)  # logits within stock's fp32 error
     ratio = (paged_out.logits[0] / stock_out.logits[0]).median()
     assert abs(float(ratio) - 1) < 1e-3, f"paged logits are {float(ratio):.4f}x stock's"
 
@@ -155,10 +146,8 @@ def test_generate_with_config_output_flags():
     model.encoder.config.output_hidden_states = True
     ids, mask = make_batch([8, 6], seed=seed)
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, return_dict_in_generate=True, output_scores=True)
-    stock, paged = stock_and_paged(model, **kw)
-    assert_same_tokens(stock, paged)
+    stock, paged = compare_with_stock(model, float64=True, **kw)
     assert set(stock.keys()) == set(paged.keys())
-    assert_exact_in_float64(model, **kw)
 
 
 # ---- weights changed by the user -------------------------------------------------------------
@@ -181,11 +170,7 @@ def test_bias_weight_edited_after_a_call(family, how):
                 bias.weight.copy_(new)
         else:
             bias.weight = torch.nn.Parameter(new)
-    paged = model.generate(**kw)
-    hp.unpatch_model(model)
-    stock = model.generate(**kw)
-    assert_same_tokens(stock, paged)
-    assert_generate_floats(model, stock, paged, **kw)
+    compare_with_stock(model, **kw)  # patched: stock HF on an unpatched copy of the edited weights
 
 
 # ---- generate() arguments that stock HF serves -----------------------------------------------
@@ -196,8 +181,7 @@ def test_stop_strings_with_tokenizer():
     probe = model.generate(**enc, max_new_tokens=12)
     stop = tok.decode(probe[0, 3:5])  # a string the model does produce
     kw = dict(**enc, max_new_tokens=12, stop_strings=[stop], tokenizer=tok)
-    stock, paged = stock_and_paged(model, **kw)
-    assert_same_tokens(stock, paged)
+    stock, _ = compare_with_stock(model, **kw)
     assert stock.shape[1] < probe.shape[1], f"the stop string {stop!r} ended the call early"
 
 
@@ -208,15 +192,13 @@ def test_precomputed_encoder_outputs():
     encoder_outputs = model.get_encoder()(input_ids=ids, attention_mask=mask)
     kw = dict(encoder_outputs=BaseModelOutput(last_hidden_state=encoder_outputs.last_hidden_state),
               attention_mask=mask, max_new_tokens=6)
-    stock, paged = stock_and_paged(model, expect_paged=False, **kw)
-    assert_same_tokens(stock, paged)
+    compare_with_stock(model, expect_paged=False, **kw)
 
 
 def test_generate_without_inputs():
     """HF starts the encoder from one BOS token."""
     model = make_model("t5", seed=case_seed("no inputs"), bos_token_id=5)
-    stock, paged = stock_and_paged(model, max_new_tokens=6)
-    assert_same_tokens(stock, paged)
+    compare_with_stock(model, max_new_tokens=6)
     model.config.bos_token_id = model.generation_config.bos_token_id = None
     with pytest.raises(ValueError, match="bos_token_id"):
         _patched(model).generate(max_new_tokens=6)
@@ -226,8 +208,7 @@ def test_labels_are_ignored_as_stock_ignores_them():
     seed = case_seed("labels")
     model = make_model("t5", seed=seed)
     ids, mask = make_batch([6, 4], seed=seed)
-    stock, paged = stock_and_paged(model, input_ids=ids, attention_mask=mask, labels=ids, max_new_tokens=5)
-    assert_same_tokens(stock, paged)
+    compare_with_stock(model, input_ids=ids, attention_mask=mask, labels=ids, max_new_tokens=5)
 
 
 # ---- the cache handed back ------------------------------------------------------------------
@@ -238,8 +219,7 @@ def test_returned_cache_is_hfs_and_continues(num_beams):
     ids, mask = make_batch([9, 6], padding_side="left", seed=seed)
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, min_new_tokens=5, return_dict_in_generate=True,
               num_beams=num_beams)
-    stock, paged = stock_and_paged(model, **kw)
-    assert_same_tokens(stock, paged)
+    stock, paged = compare_with_stock(model, **kw)
     ref = fp64_twin(model).generate(**kw)
     assert_same_tokens(stock, ref)  # a well-conditioned case: the fp64 cache holds the same rows
     key = "cache" if "cache" in stock else "past_key_values"
@@ -361,9 +341,7 @@ def test_non_linear_projections_run_their_own_forward():
     ids, mask = make_batch([9, 6], seed=seed)
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, num_beams=2, output_logits=True,
               return_dict_in_generate=True)
-    stock, paged = stock_and_paged(model, **kw)
-    assert_same_tokens(stock, paged)
-    assert_exact_in_float64(model, **kw)
+    compare_with_stock(model, float64=True, **kw)
 
 
 def test_forward_hooks_on_plain_linears_run():
@@ -380,10 +358,8 @@ def test_forward_hooks_on_plain_linears_run():
     model.decoder.block[0].layer[0].SelfAttention.q.register_forward_hook(hook)
     model.lm_head.register_forward_hook(hook)
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, output_logits=True, return_dict_in_generate=True)
-    stock, paged = stock_and_paged(model, **kw)
-    assert_same_tokens(stock, paged)
+    compare_with_stock(model, float64=True, **kw)
     assert calls
-    assert_exact_in_float64(model, **kw)
 
 
 def test_peft_lora_adapters_are_applied():
@@ -400,11 +376,9 @@ def test_peft_lora_adapters_are_applied():
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, output_logits=True, return_dict_in_generate=True)
     with peft_model.disable_adapter():
         without = model.generate(**kw)
-    stock, paged = stock_and_paged(model, **kw)
+    stock, _ = compare_with_stock(model, float64=True, **kw)
     shift = float((stock.logits[0] - without.logits[0]).abs().max())
     assert shift > 1e-2 * float(stock.logits[0].abs().max()), "the adapters change the logits"
-    assert_same_tokens(stock, paged)
-    assert_exact_in_float64(model, **kw)
 
 
 def test_fallback_reasons_are_logged_once(caplog):
@@ -416,3 +390,22 @@ def test_fallback_reasons_are_logged_once(caplog):
         for _ in range(3):
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3)
     assert len([r for r in caplog.records if "hole" in r.getMessage()]) == 1
+
+
+def test_runtime_stats_counts_the_pool_and_graphs():
+    """`hf_paged_t5.runtime_stats`: the public counters benchmarks read (no private state)."""
+    model = make_model("t5", seed=31)
+    with pytest.raises(ValueError, match="not patched"):
+        hp.runtime_stats(model)
+    hp.patch_model(model, CONFIG)
+    try:
+        assert hp.runtime_stats(model) == dict(graphs_captured=0, decode_graphs=0, pool_blocks=0, pool_blocks_free=0)
+        ids, mask = make_batch([5, 9])
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4)
+        stats = hp.runtime_stats(model)
+        pool = model._hf_paged_t5.pool
+        assert stats["pool_blocks"] == pool.num_blocks > 0
+        assert stats["pool_blocks_free"] == pool.num_blocks - pool.num_reserved  # idle: only the scratch block held
+        assert stats["graphs_captured"] == stats["decode_graphs"] == 0  # no CUDA graphs on the CPU
+    finally:
+        hp.unpatch_model(model)

@@ -1,4 +1,5 @@
-"""Patched generate() against stock HF on the torch backend (CPU, fp32): tokens must be identical."""
+"""Patched generate() against stock HF on CPU, fp32 (tests/oracle.py): tokens identical, scores and
+logits within stock's own fp32 error."""
 
 from __future__ import annotations
 
@@ -10,15 +11,15 @@ from conftest import make_batch, make_model
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList, TextStreamer
 
 import hf_paged_t5 as hp
-from hf_paged_t5.cache import PagedEncoderDecoderCache
-from oracle import CONFIG, assert_generate_floats, assert_same_tokens, stock_and_paged
+from hf_paged_t5.hf.cache import PagedEncoderDecoderCache
+from oracle import CONFIG, assert_within_stock_error, compare_with_stock, fp64_twin
+
 
 @pytest.mark.parametrize("family", ["t5", "t5v1_1", "mt5", "umt5", "inner_dim", "d_kv128"])
 def test_greedy_matches_hf_across_families(family):
     model = make_model(family)
     ids, mask = make_batch([5, 23, 17, 9], padding_side="right")
-    ref, out = stock_and_paged(model, input_ids=ids, attention_mask=mask, max_new_tokens=24, min_new_tokens=24)
-    assert_same_tokens(ref, out)
+    compare_with_stock(model, input_ids=ids, attention_mask=mask, max_new_tokens=24, min_new_tokens=24)
 
 
 @pytest.mark.parametrize("family", ["t5", "umt5"])
@@ -27,8 +28,7 @@ def test_beam_search_matches_hf(family):
     ids, mask = make_batch([11, 4, 19], padding_side="left")
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=18, num_beams=4, length_penalty=0.7,
               early_stopping=True, num_return_sequences=2)
-    ref, out = stock_and_paged(model, **kw)
-    assert_same_tokens(ref, out)
+    compare_with_stock(model, **kw)
 
 
 def test_beam_search_scores_match_hf():
@@ -36,9 +36,7 @@ def test_beam_search_scores_match_hf():
     ids, mask = make_batch([7, 13])
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, num_beams=3, output_scores=True,
               return_dict_in_generate=True)
-    ref, out = stock_and_paged(model, **kw)
-    assert_same_tokens(ref, out)
-    assert_generate_floats(model, ref, out, **kw)  # sequences_scores within stock's own fp32 error
+    compare_with_stock(model, **kw)  # scores and sequences_scores within stock's own fp32 error
 
 
 @pytest.mark.parametrize("padding_side", ["left", "right"])
@@ -47,8 +45,7 @@ def test_sampling_matches_hf_with_same_seed(padding_side):
     ids, mask = make_batch([6, 14, 3], padding_side=padding_side)
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=True, top_k=50, top_p=0.95,
               temperature=0.9, num_return_sequences=3)
-    ref, out = stock_and_paged(model, seed=1234, **kw)
-    assert_same_tokens(ref, out)
+    compare_with_stock(model, seed=1234, **kw)
 
 
 @pytest.mark.parametrize("src_len", [7, 8, 9, 15, 16, 17])
@@ -57,24 +54,20 @@ def test_lengths_at_block_boundaries(src_len, new_tokens):
     """block_size 8: encoder and decoder lengths at block_size - 1 / 0 / + 1 (decoder adds the start token)."""
     model = make_model("t5", seed=6)
     ids, mask = make_batch([src_len, max(1, src_len - 3)])
-    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
-    ref, out = stock_and_paged(model, **kw)
-    assert_same_tokens(ref, out)
+    compare_with_stock(model, input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
 
 
 def test_lengths_past_max_distance():
     """Encoder 150 and decoder 140 tokens: relative distances past max_distance (128) hit the clamped bucket."""
     model = make_model("t5", seed=7)
     ids, mask = make_batch([150, 131])
-    ref, out = stock_and_paged(model, input_ids=ids, attention_mask=mask, max_new_tokens=140, min_new_tokens=140)
-    assert_same_tokens(ref, out)
+    compare_with_stock(model, input_ids=ids, attention_mask=mask, max_new_tokens=140, min_new_tokens=140)
 
 
 def test_small_max_distance_config():
     model = make_model("umt5", seed=8, relative_attention_max_distance=16, relative_attention_num_buckets=8)
     ids, mask = make_batch([40, 25])
-    ref, out = stock_and_paged(model, input_ids=ids, attention_mask=mask, max_new_tokens=30, min_new_tokens=30)
-    assert_same_tokens(ref, out)
+    compare_with_stock(model, input_ids=ids, attention_mask=mask, max_new_tokens=30, min_new_tokens=30)
 
 
 def test_eos_ends_rows_early():
@@ -82,8 +75,7 @@ def test_eos_ends_rows_early():
     ids, mask = make_batch([9, 12, 5, 20])
     probe = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, min_new_tokens=12)
     eos = int(probe[0, 4])  # a token the model does produce, so some rows stop early
-    ref, out = stock_and_paged(model, input_ids=ids, attention_mask=mask, max_new_tokens=30, eos_token_id=eos)
-    assert_same_tokens(ref, out)
+    _, out = compare_with_stock(model, input_ids=ids, attention_mask=mask, max_new_tokens=30, eos_token_id=eos)
     assert (out == eos).any()
 
 
@@ -91,8 +83,7 @@ def test_user_decoder_input_ids():
     model = make_model("t5", seed=10)
     ids, mask = make_batch([10, 6])
     dec = torch.tensor([[0, 57, 91, 33], [0, 12, 7, 200]])
-    ref, out = stock_and_paged(model, input_ids=ids, attention_mask=mask, decoder_input_ids=dec, max_new_tokens=10)
-    assert_same_tokens(ref, out)
+    compare_with_stock(model, input_ids=ids, attention_mask=mask, decoder_input_ids=dec, max_new_tokens=10)
 
 
 def test_streamer_and_scores(capsys):
@@ -105,10 +96,8 @@ def test_streamer_and_scores(capsys):
 
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, output_scores=True, output_logits=True,
               return_dict_in_generate=True)
-    ref, out = stock_and_paged(model, streamer=TextStreamer(Tok()), **kw)
-    assert_same_tokens(ref, out)
     # scores and logits within stock's own fp32 error, measured against an fp64 copy (tests/oracle.py)
-    assert_generate_floats(model, ref, out, **kw)
+    compare_with_stock(model, streamer=TextStreamer(Tok()), **kw)
     streamed = capsys.readouterr().out.split("\n")
     assert streamed[0] == streamed[1] and streamed[0], "both runs stream the same tokens"
 
@@ -119,10 +108,8 @@ def test_fallback_gives_hf_result_and_warns(caplog):
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, output_hidden_states=True,
               return_dict_in_generate=True)
     with caplog.at_level(logging.WARNING, logger="hf_paged_t5"):
-        ref, out = stock_and_paged(model, expect_paged=False, **kw)
-    assert_same_tokens(ref, out)
+        ref, out = compare_with_stock(model, expect_paged=False, **kw)  # every hidden state bit for bit
     assert len(out.decoder_hidden_states) == len(ref.decoder_hidden_states) == 5
-    torch.testing.assert_close(out.encoder_hidden_states[-1], ref.encoder_hidden_states[-1])
     assert any("output_hidden_states" in r.getMessage() for r in caplog.records)
 
 
@@ -152,8 +139,7 @@ def test_beam_search_stores_cross_kv_once_per_source(monkeypatch):
         return slots
 
     monkeypatch.setattr(hp.PagedEncoderDecoderCache, "store_cross_plan", spy)
-    ref, out = stock_and_paged(model, input_ids=ids, attention_mask=mask, max_new_tokens=6, num_beams=4)
-    assert_same_tokens(ref, out)
+    compare_with_stock(model, input_ids=ids, attention_mask=mask, max_new_tokens=6, num_beams=4)
     assert seen == [([20, 9, 14], [3, 2, 2], 12)]  # block_size 8: ceil(len / 8) blocks per source, 12 rows
 
 
@@ -165,11 +151,12 @@ def test_encoder_model_matches_hf_on_real_tokens():
     ids, mask = make_batch([12, 30, 5], padding_side="left")
     with torch.no_grad():
         ref = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        ref64 = fp64_twin(model)(input_ids=ids, attention_mask=mask).last_hidden_state
         hp.patch_model(model, CONFIG)
         out = model(input_ids=ids, attention_mask=mask).last_hidden_state
         hp.unpatch_model(model)
     real = mask.bool()
-    torch.testing.assert_close(out[real], ref[real], rtol=1e-5, atol=1e-5)
+    assert_within_stock_error(out[real], ref[real], ref64[real], "last_hidden_state")
     assert (out[~real] == 0).all()  # documented: padded positions are zero on the paged encoder
 
 
@@ -186,24 +173,19 @@ def test_greedy_and_sampling_run_the_lean_loops(monkeypatch):
     """Calls that return plain sequences take a lean loop: greedy the device-resident one
     (greedy_graph), sampling loop.sample_loop (HF's processors and criteria, fewer per-step host
     ops); beam search and dict outputs take neither."""
-    import hf_paged_t5.patch as patch_mod
-    from hf_paged_t5 import greedy_graph
+    import hf_paged_t5.hf.generate as patch_mod
+    from hf_paged_t5.decode import greedy_graph
 
     calls = []
     for name, module in (("sample_loop", patch_mod), ("graph_greedy_loop", greedy_graph)):
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _n=name, _r=real, **k: calls.append(_n) or _r(*a, **k))
-    model = make_model("t5")
+    model = hp.patch_model(make_model("t5"))  # the default config; stock HF runs on an unpatched copy
     ids, mask = make_batch([9, 4, 7])
-    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=7)
-    torch.manual_seed(3)
-    ref_sampled = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=7, do_sample=True)
-    hp.patch_model(model)
-    assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=7), ref)
+    compare_with_stock(model, input_ids=ids, attention_mask=mask, max_new_tokens=7)
     assert calls == ["graph_greedy_loop"]
-    torch.manual_seed(3)
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=7, do_sample=True)
-    assert torch.equal(out, ref_sampled) and calls == ["graph_greedy_loop", "sample_loop"]
+    compare_with_stock(model, seed=3, input_ids=ids, attention_mask=mask, max_new_tokens=7, do_sample=True)
+    assert calls == ["graph_greedy_loop", "sample_loop"]
     model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=7, num_beams=2)
     model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=7, return_dict_in_generate=True)
     assert calls == ["graph_greedy_loop", "sample_loop"]
@@ -235,8 +217,8 @@ def test_greedy_paths_match_hf(monkeypatch, opts, path):
     """Greedy search gives HF's sequences on both paths, rows ending at different steps included:
     loop.sample_loop, and greedy_graph (token choice, slot mapping and self lengths computed on the
     device from a step counter; eager here, captured on CUDA), which takes what it supports."""
-    import hf_paged_t5.patch as patch_mod
-    from hf_paged_t5 import greedy_graph
+    import hf_paged_t5.hf.generate as patch_mod
+    from hf_paged_t5.decode import greedy_graph
 
     calls = []
     for name, module in (("sample_loop", patch_mod), ("graph_greedy_loop", greedy_graph)):
@@ -249,13 +231,10 @@ def test_greedy_paths_match_hf(monkeypatch, opts, path):
     if opts.get("decoder_input_ids") == "prompt":
         opts = dict(decoder_input_ids=torch.tensor([[0, 5, 9]] * 5))
     # 21 new tokens: the cache (block size 16 by default) crosses a block boundary
-    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=21, **opts)
-    ref = model.generate(**kw)
-    hp.patch_model(model, hp.PagedCacheConfig(block_size=4))
-    out = model.generate(**kw)
+    compare_with_stock(model, hp.PagedCacheConfig(block_size=4), input_ids=ids, attention_mask=mask,
+                       max_new_tokens=21, **opts)
     expected = "graph_greedy_loop" if path == "resident" and "logits_processor" not in opts else "sample_loop"
-    assert calls == [expected] and model._hf_paged_t5.pool.is_idle()
-    assert torch.equal(out, ref)
+    assert calls == [expected]
 
 
 @pytest.mark.parametrize("family,rows", [("t5v1_1", 1), ("t5", 3)])
@@ -301,6 +280,7 @@ def test_lean_loop_streams_every_token():
     hp.patch_model(model)
     streamer = Collect()
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, streamer=streamer)
+    assert model._hf_paged_t5.pool is not None, "the paged path did not run"
     assert torch.equal(out, ref) and streamer.ended
     # HF puts the decoder start token first, then one token per step
     assert [t for put in streamer.puts for t in torch.tensor(put).flatten().tolist()] == ref[0].tolist()
@@ -312,19 +292,15 @@ def test_lean_loop_length_rules_and_eos_match_hf(opts):
     rows ending at different steps (several EOS ids make that likely on this tiny model)."""
     model = make_model("t5", seed=4)
     ids, mask = make_batch([12, 3, 9, 7, 5])
-    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=24, **opts)
-    ref = model.generate(**kw)
-    hp.patch_model(model)
-    assert torch.equal(model.generate(**kw), ref)
+    compare_with_stock(model, hp.PagedCacheConfig(), input_ids=ids, attention_mask=mask, max_new_tokens=24, **opts)
 
 
 def test_no_length_given_generates_hf_default():
     """Neither max_new_tokens nor max_length: HF's default (20 new tokens), same tokens."""
     model = make_model("t5", seed=2)
     ids, mask = make_batch([6, 9])
-    ref = model.generate(input_ids=ids, attention_mask=mask)
-    hp.patch_model(model)
-    assert torch.equal(model.generate(input_ids=ids, attention_mask=mask), ref)
+    stock, _ = compare_with_stock(model, hp.PagedCacheConfig(), input_ids=ids, attention_mask=mask)
+    assert stock.shape[1] == 21, "premise: HF's default of 20 new tokens (no EOS on this model)"
 
 
 class _TokenSeen(StoppingCriteria):
@@ -358,8 +334,8 @@ def test_lean_beam_loop_matches_hf(monkeypatch, opts, path):
     supports (no sampling, min-length processors, max-length/EOS criteria) when allowed, and its
     resident form (the cache reorder and the decode step's inputs written by the same update from
     a device step counter), taken when the whole model is on one device."""
-    import hf_paged_t5.patch as patch_mod
-    from hf_paged_t5 import beam_graph
+    import hf_paged_t5.hf.generate as patch_mod
+    from hf_paged_t5.decode import beam_graph
 
     calls = []
     for name, module in (("beam_loop", patch_mod), ("graph_beam_loop", beam_graph),
@@ -372,19 +348,14 @@ def test_lean_beam_loop_matches_hf(monkeypatch, opts, path):
         monkeypatch.setattr(patch_mod, "_on_one_device", lambda model: False)
     model = make_model("t5", seed=5)
     ids, mask = make_batch([12, 3, 9, 7], padding_side="left")
-    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=18, **opts)
-    torch.manual_seed(0)
-    ref = model.generate(**kw)
     # block size 4: the 18 steps cross block boundaries, with partial blocks copied between beams
-    hp.patch_model(model, hp.PagedCacheConfig(block_size=4))
-    torch.manual_seed(0)
-    out = model.generate(**kw)
+    compare_with_stock(model, hp.PagedCacheConfig(block_size=4), seed=0, input_ids=ids, attention_mask=mask,
+                       max_new_tokens=18, **opts)
     graphable = not opts.get("do_sample") and "stopping_criteria" not in opts
     expected = "beam_loop"
     if path != "helpers" and graphable:
         expected = "graph_beam_loop" if path == "beam_step" else "resident_beam_loop"
-    assert calls == [expected] and model._hf_paged_t5.pool.is_idle()
-    assert torch.equal(out, ref)
+    assert calls == [expected]
 
 
 @pytest.mark.parametrize("opts", [dict(num_beams=4, num_return_sequences=2), dict(num_beams=3, do_sample=True)],
@@ -395,7 +366,7 @@ def test_beam_reorder_on_the_device_matches_hf(monkeypatch, opts):
     reorder: HF's sequences, the pool idle afterwards, the device table actually used. (A model
     on one device takes beam_graph's resident path for plain beams, which reorders inside its
     update: turned off here.)"""
-    import hf_paged_t5.patch as patch_mod
+    import hf_paged_t5.hf.generate as patch_mod
 
     monkeypatch.setattr(patch_mod, "_on_one_device", lambda model: False)
     used = []
@@ -410,14 +381,9 @@ def test_beam_reorder_on_the_device_matches_hf(monkeypatch, opts):
                         lambda self, idx: (self._check_live(), self._reorder_on_device(idx)) and None)
     model = make_model("t5", seed=6)
     ids, mask = make_batch([14, 5, 9], padding_side="left")
-    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=21, min_new_tokens=19, **opts)
-    torch.manual_seed(0)
-    ref = model.generate(**kw)
-    hp.patch_model(model, hp.PagedCacheConfig(block_size=4))
-    torch.manual_seed(0)
-    out = model.generate(**kw)
-    assert used and model._hf_paged_t5.pool.is_idle()
-    assert torch.equal(out, ref)
+    compare_with_stock(model, hp.PagedCacheConfig(block_size=4), seed=0, input_ids=ids, attention_mask=mask,
+                       max_new_tokens=21, min_new_tokens=19, **opts)
+    assert used
 
 
 @pytest.mark.parametrize("opts", [dict(num_beams=3, num_return_sequences=2),
@@ -428,7 +394,7 @@ def test_encoder_output_not_expanded_per_beam(monkeypatch, opts):
     """HF copies the encoder output once per beam / returned sequence; the paged call keeps one
     row per source (the cross K/V is stored per source anyway): HF's tokens, the method HF uses
     for expanding restored afterwards, the input of store_cross one row per source."""
-    import hf_paged_t5.patch as patch_mod
+    import hf_paged_t5.hf.forward as patch_mod
 
     rows = []
     real = patch_mod.store_cross
@@ -436,17 +402,12 @@ def test_encoder_output_not_expanded_per_beam(monkeypatch, opts):
         (hidden.shape[0], cache.num_sources)) or real(dec, ops, cache, hidden, mask))
     model = make_model("t5", seed=7)
     ids, mask = make_batch([10, 4, 8], padding_side="right")
-    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=9, **opts)
-    torch.manual_seed(1)
-    ref = model.generate(**kw)
-    hp.patch_model(model)
-    torch.manual_seed(1)
-    out = model.generate(**kw)
-    assert rows == [(3, 3)] and "_expand_inputs_for_generation" not in model.__dict__
-    if isinstance(ref, torch.Tensor):
-        assert torch.equal(out, ref)
-    else:
-        assert torch.equal(out.sequences, ref.sequences)
+
+    def not_expanded(patched):
+        assert rows == [(3, 3)] and "_expand_inputs_for_generation" not in patched.__dict__
+
+    compare_with_stock(model, hp.PagedCacheConfig(), seed=1, while_patched=not_expanded, input_ids=ids,
+                       attention_mask=mask, max_new_tokens=9, **opts)
 
 
 def test_generate_leaves_no_reference_cycles():

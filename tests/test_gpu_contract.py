@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_batch, make_model
-from oracle import assert_generate_floats, assert_same_tokens, case_seed, stock_and_paged
+from oracle import case_seed, compare_with_stock
 from transformers import MT5Config, MT5ForConditionalGeneration
 
 import hf_paged_t5 as hp
@@ -43,10 +43,7 @@ def _cuda_case(family, *parts, lengths=(19, 7, 33)):
 def test_gpu_matches_stock(family, mode, return_dict):
     seed, model, inputs = _cuda_case(family, mode, return_dict)
     kw = dict(**inputs, max_new_tokens=12, **MODES[mode], **(OUTPUTS if return_dict else {}))
-    stock, paged = stock_and_paged(model, config=GPU, seed=seed, **kw)
-    assert_same_tokens(stock, paged)
-    if return_dict:
-        assert_generate_floats(model, stock, paged, seed=seed, **kw)
+    compare_with_stock(model, GPU, seed=seed, **kw)  # with return_dict: scores and logits too
 
 
 def test_gpu_mt5_base_layout_beam_scores():
@@ -60,18 +57,14 @@ def test_gpu_mt5_base_layout_beam_scores():
         model = MT5ForConditionalGeneration(config).eval()
     ids, mask = make_batch([40, 23], seed=3, vocab=32000, device="cuda")
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, num_beams=4, **OUTPUTS)
-    stock, paged = stock_and_paged(model, config=GPU, **kw)
-    assert_same_tokens(stock, paged)
-    assert_generate_floats(model, stock, paged, **kw)
+    compare_with_stock(model, GPU, **kw)
 
 
 def test_gpu_mask_with_a_hole():
     seed, model, inputs = _cuda_case("t5", "hole")
     inputs["attention_mask"][0, 4:9] = 0
     kw = dict(**inputs, max_new_tokens=10, **OUTPUTS)
-    stock, paged = stock_and_paged(model, config=GPU, seed=seed, **kw)
-    assert_same_tokens(stock, paged)
-    assert_generate_floats(model, stock, paged, seed=seed, **kw)
+    compare_with_stock(model, GPU, seed=seed, **kw)
 
 
 def test_gpu_hooked_projection_is_not_bypassed():
@@ -79,9 +72,7 @@ def test_gpu_hooked_projection_is_not_bypassed():
     model.decoder.block[1].layer[0].SelfAttention.q.register_forward_hook(lambda m, a, out: out * 1.25)
     model.lm_head.register_forward_hook(lambda m, a, out: out - 0.5)
     kw = dict(**inputs, max_new_tokens=10, **OUTPUTS)
-    stock, paged = stock_and_paged(model, config=GPU, seed=seed, **kw)
-    assert_same_tokens(stock, paged)
-    assert_generate_floats(model, stock, paged, seed=seed, **kw)
+    compare_with_stock(model, GPU, seed=seed, **kw)
 
 
 def test_gpu_bias_weight_edited_through_data_after_capture():
@@ -93,8 +84,4 @@ def test_gpu_bias_weight_edited_through_data_after_capture():
     for stack in (model.encoder, model.decoder):
         weight = stack.block[0].layer[0].SelfAttention.relative_attention_bias.weight
         weight.data.copy_(torch.randn_like(weight) * 2)
-    paged = model.generate(**kw)
-    hp.unpatch_model(model)
-    stock = model.generate(**kw)
-    assert_same_tokens(stock, paged)
-    assert_generate_floats(model, stock, paged, **kw)
+    compare_with_stock(model, **kw)  # patched: stock HF on an unpatched copy of the edited weights

@@ -57,7 +57,7 @@ def test_import_loads_neither_pipelines_nor_model_code_and_names_resolve():
         import sys
         import hf_paged_t5
         print("loaded:", sorted(m for m in ("torch", "transformers", "transformers.pipelines") if m in sys.modules))
-        print("hook:", hf_paged_t5.pipeline_hook.installed())
+        print("hook:", hf_paged_t5.hf.pipeline_hook.installed())
         assert set(hf_paged_t5.__all__) <= set(dir(hf_paged_t5))
         for name in hf_paged_t5.__all__:
             getattr(hf_paged_t5, name)
@@ -78,7 +78,7 @@ def test_pipelines_are_registered_when_transformers_pipelines_is_imported():
         from hf_paged_t5 import tiny
         print("before:", "transformers.pipelines" in sys.modules)
     """, SUMMARIZE, """
-        print("hook after:", hf_paged_t5.pipeline_hook.installed())
+        print("hook after:", hf_paged_t5.hf.pipeline_hook.installed())
     """)
     assert "before: False" in out and "pipeline: SummarizationPipeline" in out and "hook after: False" in out, out
 
@@ -89,7 +89,7 @@ def test_pipelines_are_registered_at_import_when_transformers_pipelines_is_loade
 
 
 def test_pipelines_module_imported_first_registers_itself():
-    out = run_python("from hf_paged_t5.pipelines import SummarizationPipeline", SUMMARIZE)
+    out = run_python("from hf_paged_t5.hf.pipelines import SummarizationPipeline", SUMMARIZE)
     assert "pipeline: SummarizationPipeline" in out, out
 
 

@@ -692,8 +692,10 @@ def test_prefill_band_tiles_kept_on_the_table():
 
 def test_prefill_band_tiles_with_inference_tensors():
     """A table made under torch.inference_mode has no version counter: its band tiles are rebuilt
-    every call unless the table is marked as never written in place (the patched model's are)."""
-    from hf_paged_t5.bias import KEEP_BAND_TILES
+    every call, never kept on it; the patched model's own tables are normal tensors even when built
+    under inference mode, so theirs are kept."""
+    from hf_paged_t5.model.bias import BiasTableCache
+    from hf_paged_t5 import tiny
 
     num_heads, head_dim, lens = 2, 16, [40, 23]
     query, key, value, cu_seqlens = packed(lens, num_heads, head_dim, torch.float32, seed=9)
@@ -703,11 +705,10 @@ def test_prefill_band_tiles_with_inference_tensors():
         args = dict(query=query, key=key, value=value, cu_seqlens=cu_seqlens, max_seqlen=max(lens), config=config)
         out = prefill(**args, bias_table=table)
         assert not hasattr(table, "_hf_paged_t5_band")
-        setattr(table, KEEP_BAND_TILES, True)
         assert torch.equal(prefill(**args, bias_table=table), out)
-        kept = table._hf_paged_t5_band[1]
-        prefill(**args, bias_table=table)
-        assert table._hf_paged_t5_band[1] is kept
+        model = tiny.build_model().to(DEVICE)
+        own = BiasTableCache(on_rebuild=lambda: None).get(model.encoder, causal=False)[0]
+        assert not own.is_inference()
     ref = prefill_reference(query, key, value, cu_seqlens, max(lens), bias_table=table)
     assert rel_err(out, ref) < TOLERANCE[torch.float32]
 

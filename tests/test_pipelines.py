@@ -7,7 +7,8 @@ import torch
 import transformers
 from transformers import pipeline
 
-from hf_paged_t5 import pipelines, tiny
+from hf_paged_t5.hf import pipelines
+from hf_paged_t5 import tiny
 
 TEXTS = [
     "The city council voted on Tuesday to build a new bridge across the river.",
@@ -287,7 +288,7 @@ def test_truncation(model, generate_calls):
 def test_summarization_length_warnings(model, tokenizer, fake_generate_calls, caplog):
     pipe = pipeline("summarization", model=model, tokenizer=tokenizer)
     input_length = len(tokenizer("summarize: " + TEXTS[1]).input_ids)
-    with caplog.at_level(logging.WARNING, logger="hf_paged_t5.pipelines"):
+    with caplog.at_level(logging.WARNING, logger="hf_paged_t5.hf.pipelines"):
         pipe(TEXTS[1], max_length=40, min_length=2, num_beams=1)
     assert caplog.messages == [
         f"Your max_length is set to 40, but your input_length is only {input_length}. Since this is a"
@@ -295,7 +296,7 @@ def test_summarization_length_warnings(model, tokenizer, fake_generate_calls, ca
         f" decreasing max_length manually, e.g. summarizer('...', max_length={input_length // 2})"
     ]
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="hf_paged_t5.pipelines"):
+    with caplog.at_level(logging.WARNING, logger="hf_paged_t5.hf.pipelines"):
         pipe(TEXTS[1], max_length=4, min_length=3, num_beams=1)
         pipe(TEXTS[1], max_new_tokens=3, min_length=5, num_beams=1)
     assert caplog.messages == ["Your min_length=5 must be inferior than your max_new_tokens=3."]
@@ -304,7 +305,7 @@ def test_summarization_length_warnings(model, tokenizer, fake_generate_calls, ca
 def test_translation_length_warning(model, tokenizer, caplog):
     pipe = pipeline("translation_en_to_de", model=model, tokenizer=tokenizer)
     input_length = len(tokenizer("translate English to German: " + TEXTS[0]).input_ids)
-    with caplog.at_level(logging.WARNING, logger="hf_paged_t5.pipelines"):
+    with caplog.at_level(logging.WARNING, logger="hf_paged_t5.hf.pipelines"):
         pipe(TEXTS[0], max_length=10, num_beams=1)
         pipe(TEXTS[0], max_length=input_length * 2, num_beams=1)
     assert caplog.messages == [
@@ -358,12 +359,11 @@ def test_register_is_idempotent_and_reversible(model, tokenizer, caplog):
 def test_patched_model_gives_the_same_records(model, tokenizer, task):
     import hf_paged_t5
 
-    if not hasattr(hf_paged_t5, "patch_model"):
-        pytest.skip("hf_paged_t5.patch_model is not available")
     kwargs = dict(max_new_tokens=8, min_length=0, batch_size=2)  # beam search: task / pipeline default 4
     expected = pipeline(task, model=model, tokenizer=tokenizer)(TEXTS, **kwargs)
     patched = hf_paged_t5.patch_model(tiny.build_model())
     try:
         assert pipeline(task, model=patched, tokenizer=tokenizer)(TEXTS, **kwargs) == expected
+        assert patched._hf_paged_t5.pool is not None, "the paged path did not run"
     finally:
         hf_paged_t5.unpatch_model(patched)

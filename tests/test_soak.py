@@ -1,32 +1,35 @@
-"""Soak: many patched generate() calls of random sizes on one model; no drift, no leak, HF's tokens.
+"""Many patched generate() calls on one model: no drift, no leak, stock HF's answers.
 
-Each call draws a batch size, a source length (rows padded left or right to random lengths), a
-number of new tokens, greedy / beam search / seeded sampling. After every call the test records
-the pool (idle? size? free blocks?) and the memory in use, and a sample of calls is repeated on
-an unpatched copy of the model in fp32, which must give the same tokens.
+- CPU, `test_random_mix`: per case (its own seed: family, weights, block size, backend, calls),
+  one patched model serves a random mix of calls — batch sizes, source lengths, padding sides,
+  greedy / beam search / sampling / beam sampling, `num_return_sequences`, EOS ids, pad ids,
+  min lengths, decoder prompts, max_length or max_new_tokens, plain or dict outputs with scores
+  and logits. Every call is compared with stock HF on an unpatched copy (tests/oracle.py), the
+  calls the device-resident loops serve must run them, and the pool and the memory in use must
+  stay flat. A few seeds run in CI; the long sweep is `slow`.
+- GPU (`-m gpu`, also `slow`), `test_soak_gpu`: 1,000 calls, t5-small layout, Triton kernels and
+  CUDA graphs, `torch.cuda.memory_allocated()`, a sample of 30 compared with stock HF.
 
 Flat means: the pool is idle after every call, its size and free count do not change from the
 10th call on, and memory in use does not change from the 10th call on except when the call
-captured a new CUDA graph (a new batch / table-width bucket; the captured graph keeps its static
-buffers). A warm-up pass captures every bucket the soak's sizes can reach first, so normally no
-capture happens during the soak at all.
-
-- GPU (`-m gpu`, also `slow`): 1,000 calls, t5-small layout, Triton kernels and CUDA graphs,
-  `torch.cuda.memory_allocated()`.
-- CPU: 60 calls on a small model, torch backend, bytes of live tensors.
+captured or kept a new graph (a new batch / table-width bucket; the captured graph keeps its
+static buffers). Call 0 is the largest request, so any pool growth happens first; on the GPU a
+warm-up pass captures every bucket the soak's sizes can reach first, so normally no capture
+happens during the soak at all.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import gc
 import random
 import time
+import warnings
 
 import pytest
 import torch
-from conftest import make_model
+from conftest import make_batch, make_model, resident_loop
+from oracle import case_seed, compare_with_stock, stock_copy
 
 import hf_paged_t5 as hp
 from hf_paged_t5 import tiny
@@ -68,8 +71,10 @@ class Call:
         mask = mask.long()
         return (ids * mask).to(device), mask.to(device)
 
-    def kwargs(self) -> dict:
-        kw = dict(max_new_tokens=self.new_tokens, num_beams=self.num_beams, do_sample=self.do_sample)
+    def kwargs(self, vocab: int, device) -> dict:
+        ids, mask = self.inputs(vocab, device)
+        kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=self.new_tokens, num_beams=self.num_beams,
+                  do_sample=self.do_sample)
         if self.num_beams > 1:
             kw["num_return_sequences"] = 2 if self.seed % 2 else 1
         if self.do_sample:
@@ -106,12 +111,6 @@ def checked_calls(n: int, how_many: int, seed: int) -> set[int]:
     return set(range(4)) | set(random.Random(seed).sample(range(4, n), how_many - 4))
 
 
-def run(model, call: Call, vocab: int, device) -> torch.Tensor:
-    ids, mask = call.inputs(vocab, device)
-    torch.manual_seed(call.seed)  # sampling: the same draws for HF and for the paged run
-    return model.generate(input_ids=ids, attention_mask=mask, **call.kwargs()).cpu()
-
-
 @dataclasses.dataclass
 class Record:
     memory: int
@@ -127,20 +126,31 @@ def pool_record(model, memory: int) -> Record:
     assert pool is not None, "the paged path did not run"
     # every graph captured and kept so far (decode steps, and small batches' kept updates, which
     # replace one another within a bound): memory may change only when this count does
-    graphs = getattr(getattr(runtime, "graphs", None), "captures", 0)
-    return Record(memory, graphs, pool.num_blocks, pool.manager.num_free, pool.is_idle())
+    return Record(memory, runtime.runner.graphs.captures, pool.num_blocks, pool.manager.num_free, pool.is_idle())
 
 
-def soak(model, ref_model, calls: list[Call], checked: set[int], vocab: int, device, measure) -> list[Record]:
-    """Run every call on the patched `model`; compare the `checked` ones with `ref_model` (stock HF)."""
-    records, mismatches = [], []
-    for i, call in enumerate(calls):
-        out = run(model, call, vocab, device)
-        if i in checked and not torch.equal(run(ref_model, call, vocab, device), out):
-            mismatches.append((i, call))
-        del out  # measured memory must not include this call's output
+def soak(model, stock_model, calls: list[tuple[int, dict]], checked, measure, loops=None, near_ties=False) -> list[Record]:
+    """Run every (seed, generate kwargs) call on the patched `model`, the `checked` ones (indices)
+    through `compare_with_stock` against `stock_model` (an unpatched copy); with `loops` (the
+    conftest spy), each call must run the resident loop `resident_loop` names, or none."""
+    records = []
+    for i, (seed, kw) in enumerate(calls):
+        if i in checked:
+            before = len(loops) if loops is not None else 0
+            expected = [name for name in [resident_loop(kw)] if name]
+
+            def ran_expected_loop(_model):
+                assert loops is None or loops[before:] == expected, f"call {i} ran {loops[before:]}, not {expected}"
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                outputs = compare_with_stock(model, stock_model=stock_model, seed=seed, near_ties=near_ties,
+                                             while_patched=ran_expected_loop, **kw)
+        else:
+            torch.manual_seed(seed)
+            outputs = model.generate(**kw)
+        del outputs, kw  # measured memory must not include this call's inputs or outputs
         records.append(pool_record(model, measure()))
-    assert not mismatches, f"patched tokens differ from stock HF in calls {mismatches}"
     return records
 
 
@@ -160,7 +170,7 @@ def assert_flat(records: list[Record]) -> None:
     assert not drift, f"memory changed without a new CUDA graph (call, bytes): {drift[:10]}"
 
 
-# ---- CPU ------------------------------------------------------------------------------------
+# ---- CPU: the random mix ----------------------------------------------------------------------
 def live_tensor_bytes() -> int:
     """Bytes of every tensor storage alive in this process (each storage counted once)."""
     gc.collect()
@@ -172,15 +182,94 @@ def live_tensor_bytes() -> int:
     return sum(seen.values())
 
 
-def test_soak_cpu():
-    sizes = Sizes(max_batch=6, min_src=3, max_src=40, max_new=16, beams=3, vocab=384)
-    model = make_model("t5", seed=31)
-    ref_model = copy.deepcopy(model)
-    hp.patch_model(model, hp.PagedCacheConfig(block_size=8, backend="torch", max_tokens=64))
-    calls = random_calls(60, sizes, seed=7)
-    checked = checked_calls(60, 12, seed=8)
-    records = soak(model, ref_model, calls, checked, sizes.vocab, "cpu", live_tensor_bytes)
-    assert records[0].pool_blocks > 8, "premise: call 0 grew the 8-block pool"
+MIX_FAMILIES = ("t5", "t5v1_1", "umt5")
+MIX_BLOCK_SIZES = (1, 2, 4, 8, 16, 256)
+MIX_BACKENDS = ("torch", "cpu")  # the reference backend and the one "auto" runs on CPU
+MIX_CALLS = 24
+MAX_ROWS, MAX_SRC, MAX_NEW, MAX_BEAMS, MAX_PROMPT = 4, 14, 20, 4, 9
+CI_MIX_SEEDS = (0, 1, 2)  # one per family, both backends
+SLOW_MIX_SEEDS = tuple(range(3, 24))
+
+
+def _largest_call(umt5: bool) -> dict:
+    """Call 0: as many blocks as any later call reserves (rows x beams, source, prompt, new tokens).
+    With max_length, patched generate() reserves the prompt plus max_length tokens (max_length
+    counts the prompt: more than the call can use), so call 0 asks with the largest max_length."""
+    ids, mask = make_batch([MAX_SRC] * MAX_ROWS, seed=0)
+    longest = MAX_NEW + MAX_PROMPT + 1
+    kw = dict(input_ids=ids, attention_mask=mask, num_beams=MAX_BEAMS, max_length=longest, min_length=longest)
+    if not umt5:
+        kw["decoder_input_ids"] = torch.full((MAX_ROWS, MAX_PROMPT), 5)
+    return kw
+
+
+def _mixed_call(rng: random.Random, stock_model, seed: int) -> dict:
+    """generate() kwargs of one random call, within the limits `_largest_call` covers."""
+    rows = rng.randint(1, MAX_ROWS)
+    lens = [rng.randint(1, MAX_SRC) for _ in range(rows)]
+    ids, mask = make_batch(lens, padding_side=rng.choice(["left", "right"]), seed=seed)
+    kw = dict(input_ids=ids, attention_mask=mask)
+    beams = rng.choice([1, 1, 2, 3, MAX_BEAMS])
+    if beams > 1:
+        kw.update(num_beams=beams, num_return_sequences=rng.randint(1, beams),
+                  early_stopping=rng.choice([True, False, "never"]),
+                  length_penalty=rng.choice([1.0, 0.0, -0.7, 0.6, 2, 1.3]))
+    if rng.random() < 0.25:  # sampling (beam sampling with beams); no temperature: see the oracle
+        kw.update(do_sample=True, top_k=rng.choice([0, 20, 50]))
+        if beams == 1:
+            kw["num_return_sequences"] = rng.randint(1, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        probe = stock_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, min_new_tokens=12)
+    tokens = probe[:, 1:].flatten().tolist()
+    if rng.random() < 0.6:  # tokens the model does produce: rows end at different steps
+        kw["eos_token_id"] = rng.sample(tokens, rng.randint(1, 3))
+    if rng.random() < 0.3:
+        kw["pad_token_id"] = rng.choice([0, 3, 1])
+    if rng.random() < 0.3:
+        kw["min_new_tokens"] = rng.randint(1, 10)
+    if rng.random() < 0.3:
+        kw["min_length"] = rng.randint(1, 12)
+    if rng.random() < 0.2:  # HF's own loop over the paged forward; floats checked by the oracle
+        kw.update(return_dict_in_generate=True, output_scores=True, output_logits=rng.random() < 0.5)
+    dec_len = 0
+    # (not UMT5: transformers 5.17's UMT5 decoder self-attention lacks is_causal, so stock HF attends
+    # to later tokens of a multi-token decoder prompt; the paged path is causal, like HF 5.24. Not
+    # with beams' dict outputs: the oracle's fp64 sequences_scores take one start token.)
+    umt5 = type(stock_model).__name__ == "UMT5ForConditionalGeneration"
+    if rng.random() < 0.35 and not umt5 and not (beams > 1 and kw.get("return_dict_in_generate")):
+        dec_len = rng.randint(1, MAX_PROMPT)
+        dec = torch.randint(2, 300, (rows, dec_len), generator=torch.Generator().manual_seed(seed))
+        if rng.random() < 0.5:
+            dec[:, 0] = 0
+        kw["decoder_input_ids"] = dec
+    if rng.random() < 0.5:
+        kw["max_new_tokens"] = rng.randint(1, MAX_NEW)
+    else:
+        kw["max_length"] = rng.randint(2, MAX_NEW) + dec_len + 1
+    return kw
+
+
+@pytest.mark.parametrize("seed", [*CI_MIX_SEEDS, *(pytest.param(s, marks=pytest.mark.slow) for s in SLOW_MIX_SEEDS)])
+def test_random_mix(seed, loops):
+    """MIX_CALLS random calls on one patched model of this case's family, block size and backend:
+    each one stock HF's (tokens; floats within stock's fp32 error; near ties in float64), on the
+    resident loops where they serve it; the pool and memory flat."""
+    rng = random.Random(case_seed("random mix", seed))
+    family = MIX_FAMILIES[seed % len(MIX_FAMILIES)]
+    model = make_model(family, seed=case_seed("random mix", seed))
+    stock_model = stock_copy(model)
+    config = hp.PagedCacheConfig(block_size=rng.choice(MIX_BLOCK_SIZES), backend=MIX_BACKENDS[seed % 2],
+                                 max_tokens=64)
+    calls = [(0, _largest_call(family == "umt5"))]
+    calls += [(case_seed("random mix", seed, i), _mixed_call(rng, stock_model, case_seed("random mix", seed, i)))
+              for i in range(1, MIX_CALLS)]
+    hp.patch_model(model, config)
+    try:
+        records = soak(model, stock_model, calls, range(len(calls)), live_tensor_bytes, loops, near_ties=True)
+    finally:
+        hp.unpatch_model(model)
+    assert records[0].pool_blocks > config.initial_num_blocks, "premise: call 0 grew the pool"
     assert_flat(records)
 
 
@@ -225,7 +314,7 @@ def test_soak_gpu():
     # fp32 at the t5-small layout, init factor 1.5: well conditioned (HF fp32 vs fp64 ~6e-6), so
     # stock HF and the kernels pick the same tokens; see tests/test_device_map.py.
     model = tiny.build_model("t5-small", vocab_size=sizes.vocab, initializer_factor=1.5, device="cuda")
-    ref_model = copy.deepcopy(model)
+    stock_model = stock_copy(model)
     config = hp.PagedCacheConfig()
     hp.patch_model(model, config)
     start = time.perf_counter()
@@ -236,9 +325,9 @@ def test_soak_gpu():
         torch.cuda.synchronize()
         return torch.cuda.memory_allocated()
 
-    calls = random_calls(1000, sizes, seed=11)
+    calls = ((call.seed, call.kwargs(sizes.vocab, "cuda")) for call in random_calls(1000, sizes, seed=11))
     checked = checked_calls(1000, 30, seed=12)
-    records = soak(model, ref_model, calls, checked, sizes.vocab, "cuda", measure)
+    records = soak(model, stock_model, calls, checked, measure)
     elapsed = time.perf_counter() - start
     late = [i for i in range(FLAT_FROM, len(records)) if records[i].graphs != records[i - 1].graphs]
     first, last = records[FLAT_FROM - 1], records[-1]

@@ -70,7 +70,7 @@ def check_bias_table(bias_table: Optional[torch.Tensor], num_heads: int, device:
     if bias_table is None:
         return 0
     if not isinstance(bias_table, torch.Tensor) or not bias_table.is_floating_point():
-        raise TypeError("bias_table must be a floating-point tensor (float32 from hf_paged_t5.bias)")
+        raise TypeError("bias_table must be a floating-point tensor (float32 from hf_paged_t5.model.bias)")
     check_device("bias_table", bias_table, device)
     if bias_table.dim() != 2 or bias_table.shape[0] != num_heads:
         raise ValueError(f"bias_table must be [num_heads={num_heads}, entries], got {tuple(bias_table.shape)}")

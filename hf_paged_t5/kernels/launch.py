@@ -7,6 +7,7 @@ caller may pass any config, and every config computes the same attention.
 
 from __future__ import annotations
 
+from types import MappingProxyType
 import dataclasses
 
 import torch
@@ -20,7 +21,7 @@ _MAX_SPLITS = 128
 # Enough resident programs per SM to hide memory latency on a bandwidth-bound kernel.
 _PROGRAMS_PER_SM = 4
 # DecodeConfig.prefetch -> the kernel's PREFETCH.
-_PREFETCH = {"tile": 0, "table": 1, "async": 2}
+_PREFETCH = MappingProxyType({"tile": 0, "table": 1, "async": 2})
 
 
 def _num_sms(device: torch.device) -> int:
@@ -91,7 +92,7 @@ def decode_config(batch: int, num_heads: int, head_dim: int, max_keys: int, num_
     splits = max(1, min(splits, max_keys // _MIN_KEYS_PER_SPLIT, _MAX_SPLITS))
     if splits > 1 and programs * splits < _PROGRAMS_PER_SM * num_sms:
         if padded_d <= 64:
-            # H200 sweep (session 3), 1 x 16384 at d64: twice the splits (256 keys each), 32-key
+            # H200 (benchmarks/tune_kernels.py, 2026-11-29), 1 x 16384 at d64: twice the splits (256 keys each), 32-key
             # tiles on one warp, loads pipelined 3 deep: 24.0 us per call in a graph, 63% of copy
             # bandwidth (32 splits of 64-key tiles on 4 warps: 29.7 us, 52%).
             splits = max(1, min(2 * splits, max_keys // 256, _MAX_SPLITS))
@@ -151,9 +152,10 @@ def prefill_config(head_dim: int, dtype: torch.dtype, max_seqlen: int) -> Prefil
     head_dim <= 64, constant-bias ranges outside the distance band and prebuilt band tiles
     inside it: 64 x 32 tiles on 4 warps, 3 stages, up to 1024 tokens; 128 x 32 on 8 warps to
     4096; past that 64 x 64 tiles with the widened table (`toeplitz`), where the band is a
-    sliver. Session-5 sweep, H200, 16 heads, table to max_distance 128: 16 x 512 0.082 ms,
-    32 x 512 0.151, 4 x 2048 0.248, 1 x 8192 0.802 (SDPA with the materialized bias: 0.090,
-    0.168, 0.284, 1.12; session 3's defaults: 0.200, 0.388, 0.303, 0.802). Larger heads:
+    sliver. H200, 2026-11-29 (`benchmarks/tune_kernels.py`, results/2026-11-29-h200/tune-prefill.log),
+    16 heads, table to max_distance 128: 16 x 512 0.082 ms, 32 x 512 0.151, 4 x 2048 0.248,
+    1 x 8192 0.802 (SDPA with the materialized bias: 0.090, 0.168, 0.284, 1.12; plain 64 x 64
+    tiles with the gathered bias: 0.200, 0.388, 0.303, 0.802). Larger heads:
     128 x 32 tiles on 8 warps, 3 stages.
     """
     if dtype == torch.float32:

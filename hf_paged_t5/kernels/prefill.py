@@ -25,7 +25,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..bias import KEEP_BAND_TILES
 from ._checks import block_d, broadcast_strides, check_prefill_args, interpreting
 from .launch import PrefillConfig, prefill_config
 
@@ -397,15 +396,11 @@ def _cached_band_tiles(bias_table: torch.Tensor, max_distance: int, first: int, 
     table, so an encoder builds its band tiles once, not once per layer (a launch each). Rebuilt
     when the table is written in place (its version counter moves) or the tile shape changes;
     never while a CUDA graph is being captured (the tiles would live in the graph's pool). A
-    table made under torch.inference_mode has no version counter: kept only when its owner marks
-    it never written in place (`KEEP_BAND_TILES`, as the patched model's tables are)."""
+    table made under torch.inference_mode has no version counter: its tiles are built every call
+    (the patched model's tables are made outside inference mode, `bias.BiasTableCache`)."""
     if bias_table.is_inference():
-        if not getattr(bias_table, KEEP_BAND_TILES, False):
-            return _band_tiles(bias_table, max_distance, first, count, block_m, block_n)
-        version = 0
-    else:
-        version = bias_table._version
-    key = (version, max_distance, first, count, block_m, block_n)
+        return _band_tiles(bias_table, max_distance, first, count, block_m, block_n)
+    key = (bias_table._version, max_distance, first, count, block_m, block_n)
     kept = getattr(bias_table, "_hf_paged_t5_band", None)
     if kept is not None and kept[0] == key:
         return kept[1]

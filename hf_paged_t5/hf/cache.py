@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache
 
-from .pool import KVPool, LayerSpec, StepMetadata
+from ..kv.pool import KVPool, LayerSpec, StepMetadata
 
 __all__ = ["KVPool", "LayerSpec", "PagedEncoderDecoderCache", "StepMetadata"]
 
@@ -45,6 +45,7 @@ class PagedEncoderDecoderCache(Cache):
     """
 
     min_graph_rows = 1  # a call's batch is fixed: its graph serves the smallest bucket holding it
+    cross_written_once = True  # its sources' cross K/V are stored once, before the first decode step
 
     def __init__(self, pool: KVPool, num_sources: int, expand: int, max_self_tokens: int) -> None:
         super().__init__(layers=[])

@@ -16,7 +16,8 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from .cache import KVPool, PagedEncoderDecoderCache, StepMetadata
+from .late_flag import LateFlag
+from ..kv.pool import KVPool, StepMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +85,12 @@ class DecodeGraphs:
         # captured loop updates kept across calls (`keep_update`), most recently used last
         self._updates: collections.OrderedDict = collections.OrderedDict()
         self.captures = 0  # graphs captured into this object's keeping, ever (decode steps, kept updates)
+        self.streams = Streams()
+
+    @property
+    def num_steps(self) -> int:
+        """Decode steps captured and kept now (one per graph key)."""
+        return len(self._graphs)
 
     def clear(self) -> None:
         """Drop every captured step, and with them their memory pool: a pool handle whose graphs
@@ -114,7 +121,7 @@ class DecodeGraphs:
     def run(
         self,
         step_fn: Callable[[torch.Tensor, Callable[[torch.device], StepMetadata]], torch.Tensor],
-        cache: PagedEncoderDecoderCache,
+        cache,
         input_ids: torch.Tensor,
         device: torch.device,
     ) -> torch.Tensor:
@@ -129,7 +136,7 @@ class DecodeGraphs:
         static.graph.replay()
         return static.logits[:rows].clone()
 
-    def prepare(self, step_fn, cache: PagedEncoderDecoderCache, rows: int, device: torch.device, slots,
+    def prepare(self, step_fn, cache, rows: int, device: torch.device, slots,
                 capture: bool = True, logits_like=None) -> _StaticStep:
         """The static step serving `rows` rows of `cache`, its buffers filled from the cache's tables.
 
@@ -219,7 +226,7 @@ class DecodeGraphs:
         static = self._buffers(pool, key, device)
         static_ids, meta = static.input_ids, static.meta
         meta_for = lambda _device: meta  # noqa: E731  (one device: checked by the caller)
-        side = generation_stream(device)
+        side = self.streams.generation(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for _ in range(2):  # warm up: Triton compiles, cuBLAS picks algorithms, outside the capture
@@ -236,17 +243,18 @@ class DecodeGraphs:
         return static
 
 
-def capture_update(update: Callable[[], None], state: list[torch.Tensor], device,
+def capture_update(update: Callable[[], None], state: list[torch.Tensor], side: torch.cuda.Stream,
                    warmup: Optional[Callable[[], None]] = None) -> torch.cuda.CUDAGraph:
     """Record `update` (in-place work on static tensors, no host sync) as a CUDA graph, after one
     warm-up run (`warmup`, default `update`) on the side stream whose effect on `state` (every
-    tensor it changes) is undone; the capture itself runs nothing.
+    tensor it changes) is undone; the capture itself runs nothing. side: the update stream
+    (`Streams.update`) of the tensors' device.
 
     capture_begin/end rather than `torch.cuda.graph`, whose entry runs gc.collect() and
     empty_cache(): these captures happen once per generate() call.
     """
     saved = [t.clone() for t in state]
-    side = _update_stream(device)
+    device = side.device
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         (warmup or update)()
@@ -274,7 +282,7 @@ class ResidentLoop:
     (`DecodeGraphs.prepare`), its logits buffer holding the prefill's last logits.
     """
 
-    def __init__(self, graphs: DecodeGraphs, step_fn, cache: PagedEncoderDecoderCache, prefill, input_ids,
+    def __init__(self, graphs: DecodeGraphs, step_fn, cache, prefill, input_ids,
                  capture: bool) -> None:
         self.logits = prefill(input_ids)
         rows, self.device = input_ids.shape[0], input_ids.device
@@ -284,68 +292,65 @@ class ResidentLoop:
         self.static = graphs.prepare(step_fn, cache, rows, self.device, slots=None, capture=self.capture,
                                      logits_like=self.logits)
         self.static.logits[:rows].copy_(self.logits[:, -1:])
-        if self.cuda:
-            self._flag = torch.zeros((), dtype=torch.bool, pin_memory=True)
-            self._copied = torch.cuda.Event()
+        self._late = LateFlag(self.device)
 
     def capture_update(self, state, what: str) -> None:
         """`state.capture()` when capturing; a failed capture leaves the update eager (slower, same values)."""
         if not self.capture:
             return
         try:
-            state.capture()
+            state.capture(self.graphs.streams.update(self.device))
         except RuntimeError as exc:
             logger.warning("hf_paged_t5: %s could not be captured as a CUDA graph (%s); running it eagerly",
                            what, exc)
             torch.cuda.synchronize(self.device)
 
-    def next_step(self, flag: torch.Tensor, then: Optional[Callable[[], None]] = None) -> bool:
-        """Queue the next decode step (and `then`, the update that reads its logits) and return what
-        the device bool `flag` held before them. On CUDA it is read after they are queued, so the
-        GPU never waits for the host; a step queued after the last one is dropped by the caller
-        (its K/V lands in the call's own blocks, freed by `release`)."""
-        if self.cuda:
-            self._flag.copy_(flag, non_blocking=True)
-            self._copied.record()
-        else:
-            value = bool(flag)
-        self.cache.advance(1)
-        self.graphs.replay(self.static, self.step_fn)
-        if then is not None:
-            then()
-        if self.cuda:
-            self._copied.synchronize()
-            value = bool(self._flag)
-        return value
+    def next_step(self, flag: torch.Tensor, stop_on: bool, then: Optional[Callable[[], None]] = None) -> bool:
+        """Queue the next decode step (and `then`, the update that reads its logits) and return
+        whether the loop stops: the device bool `flag` held `stop_on` before them. On CUDA it is
+        read after they are queued, so the GPU never waits for the host; a step queued after the
+        last one is dropped by the caller (its K/V lands in the call's own blocks, freed by
+        `release`). On the CPU nothing is queued once the loop stops (`late_flag.LateFlag`)."""
+
+        def queue():
+            self.cache.advance(1)
+            self.graphs.replay(self.static, self.step_fn)
+            if then is not None:
+                then()
+
+        return self._late.queue_unless(flag, stop_on, queue)[0]
 
 
-_GENERATION_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+class Streams:
+    """The CUDA streams of one patched model's paged calls, one of each kind per device.
 
+    - generation(device): the stream a patched generate() runs on and decode graphs are warmed
+      up and captured on: cuBLAS keeps a workspace (32 MiB on an H200) for every stream it has run
+      on, so running the eager parts (encoder, prefill) on another stream than the graphs' would
+      hold two.
+    - update(device): the stream `capture_update` records on, not the decode graphs': these graphs
+      die with their generate() call (or, kept by `DecodeGraphs.keep_update`, before the decode
+      graphs they read), and PyTorch may drop the cuBLAS workspace of a graph's capture stream
+      when the graph is destroyed (pytorch/pytorch#193402) while the decode graphs captured on
+      that stream still use it. The updates run no cuBLAS, so this stream has none.
+    """
 
-def generation_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream a patched generate() runs on (`patch._generation_stream`) and decode graphs are
-    warmed up and captured on: one per device for the process, because cuBLAS keeps a workspace
-    (32 MiB on an H200) for every stream it has run on; running the eager parts (encoder,
-    prefill) on another stream than the graphs' would hold two."""
-    device = torch.device(device)
-    if device not in _GENERATION_STREAMS:
-        _GENERATION_STREAMS[device] = torch.cuda.Stream(device)
-    return _GENERATION_STREAMS[device]
+    def __init__(self) -> None:
+        self._generation: dict[torch.device, torch.cuda.Stream] = {}
+        self._update: dict[torch.device, torch.cuda.Stream] = {}
 
+    def generation(self, device: torch.device) -> torch.cuda.Stream:
+        return self._get(self._generation, device)
 
-_UPDATE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+    def update(self, device: torch.device) -> torch.cuda.Stream:
+        return self._get(self._update, device)
 
-
-def _update_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream `capture_update` records on, not the decode graphs' (`generation_stream`): these
-    graphs die with their generate() call (or, kept by `DecodeGraphs.keep_update`, before the decode
-    graphs they read), and PyTorch may drop the cuBLAS workspace of a graph's
-    capture stream when the graph is destroyed (pytorch/pytorch#193402) while the decode graphs
-    captured on that stream still use it. The updates run no cuBLAS, so this stream has none."""
-    device = torch.device(device)
-    if device not in _UPDATE_STREAMS:
-        _UPDATE_STREAMS[device] = torch.cuda.Stream(device)
-    return _UPDATE_STREAMS[device]
+    @staticmethod
+    def _get(streams: dict, device) -> torch.cuda.Stream:
+        device = torch.device(device)
+        if device not in streams:
+            streams[device] = torch.cuda.Stream(device)
+        return streams[device]
 
 
 def graphable(decoder: nn.Module) -> bool:

@@ -24,6 +24,7 @@ weights load; a problem is one line on stderr, exit status 2, and the output is 
 
 from __future__ import annotations
 
+from types import MappingProxyType
 import argparse
 import json
 import logging
@@ -34,14 +35,14 @@ from typing import Any, Optional
 import torch
 from tqdm import tqdm
 
-from .batching import BatchGenerator
-from .demo import DTYPES, load_model
-from .patch import is_patched, patch_model
+from .generator import BatchGenerator
+from ..demo import DTYPES, load_model
+from ..hf.patch import is_patched, patch_model
 
 logger = logging.getLogger(__name__)
 
 # command -> the task_specific_params key it uses by default (None: no task defaults)
-TASK_KEYS = {"summarize": "summarization", "translate": "translation", "generate": None}
+TASK_KEYS = MappingProxyType({"summarize": "summarization", "translate": "translation", "generate": None})
 
 
 class CliError(Exception):

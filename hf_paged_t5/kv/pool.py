@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from .block_manager import BlockManager, PoolExhaustedError
-from .config import PagedCacheConfig
+from ..config import PagedCacheConfig
 
 logger = logging.getLogger(__name__)
 

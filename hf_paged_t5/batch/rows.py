@@ -31,8 +31,8 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from .stacks import upload
-from .batch_decoding import LogitsRules, RowLimits
+from ..model.stacks import upload
+from .decoding import LogitsRules, RowLimits
 
 
 @dataclasses.dataclass

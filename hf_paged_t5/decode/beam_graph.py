@@ -29,6 +29,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from .beam_start import BeamStart, fill_value
+from .late_flag import LateFlag
 from .loop import _MinLength, criteria_supported, eos_ids, lean_processors
 
 logger = logging.getLogger(__name__)
@@ -67,25 +69,16 @@ class BeamStep:
         eos = cfg._eos_token_tensor
         pad = cfg._pad_token_tensor
         self.eos = eos_ids(stopping_criteria, device)
-        self.beams_to_keep = max(2, 1 + (eos.shape[0] if eos is not None else 0)) * beams
-        self.top_num_beam_mask = torch.zeros(self.beams_to_keep, dtype=torch.bool, device=device)
-        self.top_num_beam_mask[:beams] = True
         minimum = [p for p in lean_processors(logits_processor) if isinstance(p, _MinLength)]
         self.min_length = minimum  # applied in order, each with its own on/off flag
         self.min_masks = [p.eos_mask(vocab_size, device) for p in minimum]
-        fill = pad or eos[0] if eos is not None else -1  # HF's expression, precedence and all
-        self.running_sequences = torch.full((batch, beams, self.max_length), fill_value=fill, dtype=torch.int64,
-                                            device=device)
-        self.running_sequences[:, :, : self.prompt_len] = input_ids.reshape(batch, beams, -1)
-        self.sequences = self.running_sequences.clone()
-        self.running_beam_scores = torch.zeros((batch, beams), dtype=torch.float, device=device)
-        self.running_beam_scores[:, 1:] = -1e9
-        self.beam_scores = torch.full((batch, beams), fill_value=-1e9, dtype=torch.float, device=device)
-        self.is_sent_finished = torch.zeros((batch, beams), dtype=torch.bool, device=device)
-        self.heuristic = torch.ones((batch, 1), dtype=torch.bool, device=device)
-        width = self.max_length - self.prompt_len
-        self.running_beam_indices = torch.full((batch, beams, width), fill_value=-1, dtype=torch.int32, device=device)
-        self.beam_indices = self.running_beam_indices.clone()
+        start = BeamStart.build(input_ids.reshape(batch, beams, -1), self.max_length, fill_value(pad, eos),
+                                eos.shape[0] if eos is not None else 0)
+        self.beams_to_keep, self.top_num_beam_mask = start.beams_to_keep, start.top_num_beam_mask
+        self.running_sequences, self.sequences = start.running_sequences, start.sequences
+        self.running_beam_scores, self.beam_scores = start.running_beam_scores, start.beam_scores
+        self.is_sent_finished, self.heuristic = start.is_sent_finished, start.is_early_stop_heuristic_unsatisfied
+        self.running_beam_indices, self.beam_indices = start.running_beam_indices, start.beam_indices
         self.batch_offset = torch.arange(batch, device=device).view(-1, 1) * beams
         # per-step inputs: [cur_len, cur_len - prompt_len, at max length, min-length flags...] and
         # [length-penalty factor, heuristic factor] (see `_factor`)
@@ -250,12 +243,12 @@ class BeamStep:
         if self.logits_in is not None:
             self._reorder_and_feed(col, copy_blocks)
 
-    def capture(self) -> None:
-        """Record `update` as a CUDA graph (see `graphs.capture_update`)."""
+    def capture(self, side: torch.cuda.Stream) -> None:
+        """Record `update` as a CUDA graph on `side` (see `graphs.capture_update`)."""
         from .graphs import capture_update
 
         # the warm-up run must leave the pool alone (its block copies cannot be undone cheaply)
-        self._graph = capture_update(self.update, self._state(), self.device,
+        self._graph = capture_update(self.update, self._state(), side,
                                      warmup=lambda: self.update(copy_blocks=False))
 
     def _state(self) -> list[torch.Tensor]:
@@ -282,21 +275,20 @@ class BeamStep:
 
 
 def graph_beam_loop(step, prefill, reorder, input_ids, logits_processor, stopping_criteria, generation_config,
-                    capture: bool = True):
+                    capture: bool = True, streams=None):
     """Beam search with `BeamStep` (captured as a graph on CUDA when `capture`, i.e. unless the
-    patch's config turns CUDA graphs off); same contract as `loop.beam_loop`."""
+    patch's config turns CUDA graphs off, on `streams.update`: `graphs.Streams`); same contract
+    as `loop.beam_loop`."""
     logits = prefill(input_ids)
     state = BeamStep(input_ids, generation_config, logits_processor, stopping_criteria, logits.shape[-1])
     cuda = state.device.type == "cuda"
-    if cuda:
-        go_on = torch.ones((), dtype=torch.bool, pin_memory=True)
-        copied = torch.cuda.Event()
+    late = LateFlag(state.device)
     cur_len = state.prompt_len
     state.load_logits(logits)
     state.set_step(cur_len)
     if cuda and capture:
         try:
-            state.capture()
+            state.capture(streams.update(state.device))
         except RuntimeError as exc:  # the same update then runs eagerly: slower, same values
             logger.warning("hf_paged_t5: beam-search bookkeeping could not be captured as a CUDA graph (%s); "
                            "running it eagerly", exc)
@@ -307,20 +299,12 @@ def graph_beam_loop(step, prefill, reorder, input_ids, logits_processor, stoppin
         cur_len += 1
         if cur_len >= state.max_length:
             break  # every candidate hit max length: HF stops here too, known on the host
-        if not cuda:
-            if not bool(state.unfinished):
-                break
-            logits = step(state.next_tokens)
-            state.load_logits(logits)
+        def queue():
+            state.load_logits(step(state.next_tokens))
             state.set_step(cur_len)
-            continue
-        go_on.copy_(state.unfinished, non_blocking=True)
-        copied.record()
-        logits = step(state.next_tokens)  # queued before we wait: dropped if we stop
-        state.load_logits(logits)
-        state.set_step(cur_len)
-        copied.synchronize()
-        if not bool(go_on):
+
+        stop, _ = late.queue_unless(state.unfinished, False, queue)
+        if stop:
             break
     return state.result()
 
@@ -343,6 +327,6 @@ def resident_beam_loop(graphs, step_fn, cache, prefill, input_ids, logits_proces
         cur_len += 1
         if cur_len >= state.max_length:
             break  # every candidate hit max length: HF stops here too, known on the host
-        if not loop.next_step(state.unfinished):
+        if loop.next_step(state.unfinished, stop_on=False):
             break  # the step just queued is dropped
     return state.result()

@@ -16,12 +16,16 @@ from typing import Callable, Optional
 
 import torch
 from torch import nn
+
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     MinLengthLogitsProcessor,
     MinNewTokensLengthLogitsProcessor,
 )
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+from .beam_start import BeamStart, fill_value
+from .late_flag import LateFlag
 
 
 class _MinLength:
@@ -118,11 +122,8 @@ def sample_loop(
     has_eos_stopping_criteria = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
     max_length = stopping_criteria.max_length
     unfinished = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-    # Deferring needs an asynchronous device->host copy; a streamer needs every token now anyway.
-    defer = input_ids.device.type == "cuda" and streamer is None
-    if defer:
-        all_done = torch.zeros((), dtype=torch.bool, pin_memory=True)
-        copied = torch.cuda.Event()
+    # a streamer needs every token now anyway: no late read with one
+    late = LateFlag(input_ids.device, defer=streamer is None)
 
     processors, criteria = lean_processors(logits_processor), lean_criteria(stopping_criteria, input_ids.device)
     logits = prefill(input_ids)
@@ -145,16 +146,8 @@ def sample_loop(
             streamer.put(next_tokens.cpu())
         if max_length is not None and input_ids.shape[1] >= max_length:
             break  # MaxLengthCriteria has just stopped every row: known on the host, no wait
-        if not defer:
-            if not unfinished.any():
-                break
-            logits = step(next_tokens[:, None])
-            continue
-        all_done.copy_(~unfinished.any(), non_blocking=True)
-        copied.record()
-        logits = step(next_tokens[:, None])  # queued before we wait: it may be dropped below
-        copied.synchronize()
-        if bool(all_done):
+        stop, logits = late.queue_unless(unfinished.any(), False, lambda: step(next_tokens[:, None]))
+        if stop:
             break
     if streamer is not None:
         streamer.end()
@@ -192,33 +185,20 @@ def beam_loop(
     num_beams, max_length = cfg.num_beams, cfg.max_length
     flat_rows, cur_len = input_ids.shape[:2]
     batch_size, decoder_prompt_len, device = flat_rows // num_beams, cur_len, input_ids.device
-    n_eos_tokens = eos_token_id.shape[0] if eos_token_id is not None else 0
-    beams_to_keep = max(2, 1 + n_eos_tokens) * num_beams
-    top_num_beam_mask = torch.zeros(beams_to_keep, dtype=torch.bool, device=device)
-    top_num_beam_mask[:num_beams] = True
-    # HF's fill value, precedence and all: (pad or eos[0]) when there is an EOS, else -1
-    output_fill_value = pad_token_id or eos_token_id[0] if eos_token_id is not None else -1
-    running_sequences = torch.full((batch_size, num_beams, max_length), fill_value=output_fill_value,
-                                   dtype=torch.int64, device=device)
-    running_sequences[:, :, :cur_len] = _unflatten(input_ids, batch_size, num_beams)
-    sequences = running_sequences.clone()
-    running_beam_scores = torch.zeros((batch_size, num_beams), dtype=torch.float, device=device)
-    running_beam_scores[:, 1:] = -1e9
-    beam_scores = torch.full((batch_size, num_beams), fill_value=-1e9, dtype=torch.float, device=device)
-    is_sent_finished = torch.zeros((batch_size, num_beams), dtype=torch.bool, device=device)
-    is_early_stop_heuristic_unsatisfied = torch.ones((batch_size, 1), dtype=torch.bool, device=device)
-    running_beam_indices = torch.full((batch_size, num_beams, max_length - cur_len), fill_value=-1,
-                                      dtype=torch.int32, device=device)
-    beam_indices = running_beam_indices.clone()
+    start = BeamStart.build(_unflatten(input_ids, batch_size, num_beams), max_length,
+                            fill_value(pad_token_id, eos_token_id), eos_token_id.shape[0] if eos_token_id is not None else 0)
+    beams_to_keep, top_num_beam_mask = start.beams_to_keep, start.top_num_beam_mask
+    running_sequences, sequences = start.running_sequences, start.sequences
+    running_beam_scores, beam_scores = start.running_beam_scores, start.beam_scores
+    is_sent_finished = start.is_sent_finished
+    is_early_stop_heuristic_unsatisfied = start.is_early_stop_heuristic_unsatisfied
+    running_beam_indices, beam_indices = start.running_beam_indices, start.beam_indices
     top_k_args = inspect.signature(model._get_top_k_continuations).parameters
     processors = lean_processors(logits_processor)
 
-    # As in `sample_loop`, the "go on" flag is read one step late on a GPU: the host queues the next
-    # step (cache reorder included, done on the device) before it waits for this one's flag.
-    defer = device.type == "cuda"
-    if defer:
-        go_on = torch.ones((), dtype=torch.bool, pin_memory=True)
-        copied = torch.cuda.Event()
+    # the "go on" flag is read one step late on a GPU: the host queues the next step (cache reorder
+    # included, done on the device) before it waits for this one's flag
+    late = LateFlag(device)
     stop_length = getattr(stopping_criteria, "max_length", None)
     # HF's criteria over the 2 * num_beams candidates, with the max-length check done on the host
     criteria = lean_criteria(stopping_criteria, device)
@@ -277,18 +257,9 @@ def beam_loop(
         )
         if stop_length is not None and cur_len >= stop_length:
             break  # MaxLengthCriteria has just hit every candidate: HF stops here too, no wait
-        if not defer:
-            if not bool(unfinished):
-                break
-            flat_running_sequences = _flatten(running_sequences[:, :, :cur_len])
-            logits = step(flat_running_sequences[:, -1:])
-            continue
-        go_on.copy_(unfinished, non_blocking=True)
-        copied.record()
         flat_running_sequences = _flatten(running_sequences[:, :, :cur_len])
-        logits = step(flat_running_sequences[:, -1:])  # queued before we wait: dropped if we stop
-        copied.synchronize()
-        if not bool(go_on):
+        stop, logits = late.queue_unless(unfinished, False, lambda: step(flat_running_sequences[:, -1:]))
+        if stop:
             break
     sequences = _flatten(sequences[:, : cfg.num_return_sequences, :])
     beam_indices = _flatten(beam_indices[:, : cfg.num_return_sequences, :])

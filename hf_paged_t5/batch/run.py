@@ -7,7 +7,7 @@ for the step, never for the whole job) and:
    the token budget are free, so the encoder runs on batches rather than one input at a time;
 2. runs the encoder over the admitted inputs, packed (varlen), in chunks sorted by length, and
    stores each source's cross-attention K/V once in freshly allocated blocks;
-3. runs one decode step (`patch._decode`, a CUDA graph on the GPU) for every live row, each at its
+3. runs one decode step (`DecodeRunner.decode`, a CUDA graph on the GPU) for every live row, each at its
    own position;
 4. picks the next tokens and retires finished rows and requests, whose blocks go back to the pool.
    Greedy and sampling (`DecodeRows`) keep the tokens on the device as the next step's input and read
@@ -20,25 +20,22 @@ for the step, never for the whole job) and:
 from __future__ import annotations
 
 import logging
-import threading
 from collections import defaultdict, deque
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import numpy as np
 import torch
 
-from . import attention as attn_ops
-from .batch_cache import BatchCache, blocks_for
-from .batch_decoding import BeamGroup
-from .batch_rows import DecodeRows
-from .block_manager import PoolExhaustedError
-from .cache import KVPool
-from .patch import _decode
-from .stacks import encoder_forward, module_device, upload
+from ..model import attention as attn_ops
+from .cache import BatchCache, blocks_for
+from .decoding import BeamGroup
+from .rows import DecodeRows
+from ..kv.block_manager import PoolExhaustedError
+from ..kv.pool import KVPool
+from ..model.stacks import encoder_forward, module_device, upload
 
-if TYPE_CHECKING:
-    from .batching import BatchGenerator, BatchResult, Request
+from .requests import BatchResult, Request
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +43,7 @@ logger = logging.getLogger(__name__)
 class BatchRun:
     """The state of one job: waiting and running requests, the cache, beam groups."""
 
-    def __init__(self, generator: BatchGenerator, inputs: Iterable) -> None:
+    def __init__(self, generator, inputs: Iterable) -> None:  # generator: the job's BatchGenerator
         self.gen = generator
         self.inputs = enumerate(inputs)
         self.exhausted = False
@@ -65,19 +62,13 @@ class BatchRun:
     # ---- the job's life -------------------------------------------------------------------------
     def step(self) -> Optional[list[BatchResult]]:
         """Admit, encode, decode one token per live row; the results that finished (None: job done)."""
-        runtime = self.gen.runtime
-        with runtime.lock:
-            runtime.owner = threading.get_ident()
-            try:
-                with torch.no_grad():
-                    return self._step()
-            finally:
-                runtime.owner = None
+        with self.gen.runtime.runner.owning(), torch.no_grad():
+            return self._step()
 
     def close(self) -> None:
         """Return every block this job holds to the pool (idempotent)."""
         if self.cache is not None:
-            with self.gen.runtime.lock:
+            with self.gen.runtime.runner.lock:
                 self.cache.release()
         self.running.clear()
         self.groups.clear()
@@ -243,11 +234,11 @@ class BatchRun:
         else:
             ids = self.rows.next_input()  # [rows, 1], the last step's tokens, still on the device
         fits = ids.shape[0] <= gen.runtime.config.max_graph_batch
-        if fits != self.graph_fits:  # _decode decides graph use once per cache, from the row count
-            self.cache.__dict__.pop("_decode_plan", None)
+        if fits != self.graph_fits:  # the runner decides graph use once per plan, from the row count
+            gen.runtime.runner.forget(self.cache)
             self.graph_fits = fits
         self.cache.prepare_step()
-        logits = _decode(gen.runtime, gen.model, self.cache, ids)  # [rows, 1, vocab]
+        logits = gen.runtime.runner.decode(gen.model, self.cache, ids)  # [rows, 1, vocab]
         logits = logits[:, -1, :].to(copy=True, dtype=torch.float32, device=gen.device)  # as HF: a float32 copy
         if gen.num_beams > 1:
             return self._advance_beams(logits)

@@ -22,11 +22,10 @@ batch bucket) instead of capturing new ones each time a row's length crosses a p
 Its decode graphs serve at least `min_graph_rows` rows (`MIN_GRAPH_ROWS`, padded), so a job uses a
 few graphs (64, 128, 256, 512 rows) instead of one per power of two down to 1. As a job drains, its
 row count passes through small sizes, whose graphs use other kernel configurations (split keys, the
-GEMV projections) that must be compiled when first captured. On an H200 a job's first timed run
-captured 3 graphs and compiled 7 Triton kernels (0.4-1.2 s stalls: 21.1k tok/s, then 34.0k for the
-same job again); this floor is meant to leave nothing to capture or compile after a warm-up (not
-yet measured on a GPU). Padded rows read and write only the pool's scratch block; at 64 rows a step
-costs about what a few rows do (the weights are read either way).
+GEMV projections) that must be compiled when first captured (0.4-1.2 s stalls each on an H200);
+with this floor a job captures and compiles those few configurations only. Padded rows read and
+write only the pool's scratch block; at 64 rows a step costs about what a few rows do (the weights
+are read either way).
 
 `num_held` counts the distinct blocks this cache holds, so the generator knows how much of what it
 promised its requests is still to be allocated. When the pool runs short, allocation asks the pool
@@ -40,8 +39,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .cache import KVPool, StepMetadata
-from .stacks import upload
+from ..kv.pool import KVPool, StepMetadata
+from ..model.stacks import upload
 
 
 MIN_GRAPH_ROWS = 64
@@ -58,6 +57,8 @@ class BatchCache:
         pool: the model's pool.
         max_rows: the most rows (and sources) alive at once.
     """
+
+    cross_written_once = False  # sources are admitted (their cross K/V written) between steps
 
     def __init__(self, pool: KVPool, max_rows: int) -> None:
         self.pool = pool

@@ -16,7 +16,6 @@ steps live in `batch_run.py`; the per-row logits rules and beam search in `batch
 from __future__ import annotations
 
 import copy
-import dataclasses
 from collections.abc import Iterable, Iterator
 from typing import Any, Optional, Sequence, Union
 
@@ -24,75 +23,13 @@ import torch
 from torch import nn
 from transformers import GenerationConfig
 
-from .batch_decoding import LogitsRules
-from .batch_run import BatchRun
-from .modes import fallback_reason
+from .decoding import LogitsRules
+from .requests import BatchRequest, BatchResult, Request
+from .run import BatchRun
+from ..hf.policy import fallback_reason
 
 # What one input may be: a text (needs a tokenizer), token ids, or a request with its own limits.
 InputItem = Union[str, Sequence[int], torch.Tensor, "BatchRequest"]
-
-
-@dataclasses.dataclass(frozen=True)
-class BatchRequest:
-    """One input with its own limits (None: the generator's).
-
-    inputs: a text or token ids [seq_len]
-    """
-
-    inputs: Union[str, Sequence[int], torch.Tensor]
-    max_new_tokens: Optional[int] = None
-    min_new_tokens: Optional[int] = None
-    eos_token_id: Optional[Union[int, Sequence[int]]] = None
-
-
-@dataclasses.dataclass(frozen=True)
-class BatchResult:
-    """What `generate()` returns for one input alone.
-
-    index: the input's position in the stream
-    sequences: num_return_sequences rows of token ids, decoder start token first, padded to one
-        length as `generate()` pads them
-    texts: the rows decoded with `skip_special_tokens=True` (None without a tokenizer)
-    scores: beam search's `sequences_scores` (None otherwise)
-    num_input_tokens: encoder tokens of the input
-    """
-
-    index: int
-    sequences: list[list[int]]
-    texts: Optional[list[str]]
-    scores: Optional[list[float]]
-    num_input_tokens: int
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.sequences[0]
-
-    @property
-    def text(self) -> Optional[str]:
-        return None if self.texts is None else self.texts[0]
-
-    @property
-    def num_new_tokens(self) -> int:
-        """Tokens generated for the first sequence (after the decoder start token)."""
-        return len(self.sequences[0]) - 1
-
-
-@dataclasses.dataclass
-class Request:
-    """One input in flight (internal): its tokens, limits, cost and place in the cache."""
-
-    index: int
-    ids: list[int]
-    max_new: int
-    min_new: int
-    eos: tuple[int, ...]
-    expand: int  # decoder rows: num_beams, or num_return_sequences when sampling
-    blocks: int = 0  # pool blocks promised at admission (worst case)
-    tokens: int = 0  # KV tokens promised at admission (worst case)
-    source: int = -1  # cache source slot
-    rows: list[int] = dataclasses.field(default_factory=list)  # cache row slots, one per decoder row
-    histories: list[list[int]] = dataclasses.field(default_factory=list)  # greedy/sampling: finished rows
-    live: list[int] = dataclasses.field(default_factory=list)  # greedy/sampling: positions of unfinished rows
 
 
 class BatchGenerator:
@@ -166,7 +103,7 @@ class BatchGenerator:
         """(input index, result) as each input finishes. Closing the iterator early, or an
         exception, returns every block the job holds to the pool."""
         run = BatchRun(self, inputs)
-        with self.runtime.lock:
+        with self.runtime.runner.lock:
             self.runtime.check_weights()  # once per job (a decode step must not sync)
         try:
             while (finished := run.step()) is not None:

@@ -23,7 +23,6 @@ from typing import Callable
 import torch
 from transformers.generation.stopping_criteria import EosTokenCriteria
 
-from .cache import PagedEncoderDecoderCache
 from .graphs import DecodeGraphs, ResidentLoop, capture_update
 from .loop import _MinLength, criteria_supported, eos_ids, lean_processors
 
@@ -126,10 +125,10 @@ class GreedyStep:
         self.self_seq_lens.copy_(cur + 1)
         cur += 1
 
-    def capture(self) -> None:
+    def capture(self, side: torch.cuda.Stream) -> None:
         state = [self.sequences, self.cur_len, self.unfinished, self.all_done, self.step_ids,
                  self.slot_mapping, self.self_seq_lens]
-        self._graph = capture_update(self.update, state, self.device)
+        self._graph = capture_update(self.update, state, side)
 
     def run(self) -> None:
         if self._graph is not None:
@@ -138,7 +137,7 @@ class GreedyStep:
             self.update()
 
 
-def graph_greedy_loop(graphs: DecodeGraphs, step_fn: Callable, cache: PagedEncoderDecoderCache,
+def graph_greedy_loop(graphs: DecodeGraphs, step_fn: Callable, cache,
                       prefill: Callable[[torch.Tensor], torch.Tensor], input_ids, logits_processor,
                       stopping_criteria, generation_config, capture: bool = True) -> torch.LongTensor:
     """Greedy search on device-resident step inputs; same contract as `loop.sample_loop`.
@@ -169,7 +168,7 @@ def graph_greedy_loop(graphs: DecodeGraphs, step_fn: Callable, cache: PagedEncod
     state.run()  # the first new token, from the prefill's logits
     cur_len = state.prompt_len + 1
     while cur_len < state.max_length:
-        if loop.next_step(state.all_done, then=state.run):
+        if loop.next_step(state.all_done, stop_on=True, then=state.run):
             break  # every row had finished: the step just queued is dropped
         cur_len += 1
     out = state.sequences[:, :cur_len]

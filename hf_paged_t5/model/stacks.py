@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from . import attention as attn_ops
-from .cache import KVPool, PagedEncoderDecoderCache, StepMetadata
+from ..kv.pool import KVPool, StepMetadata
 
 # The encoder runs its feed-forward over the packed tokens in row chunks so that each
 # [chunk_tokens, d_ff] intermediate stays under this many bytes; otherwise the FF's two or three
@@ -189,7 +189,7 @@ def encoder_forward(
 def store_cross(
     decoder: nn.Module,
     ops_for: Callable[[torch.device], ModuleType],
-    cache: PagedEncoderDecoderCache,
+    cache,
     encoder_hidden: torch.Tensor,
     encoder_mask: Optional[torch.Tensor],
 ) -> None:

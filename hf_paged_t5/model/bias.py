@@ -19,12 +19,6 @@ import torch
 from torch import nn
 
 
-# Attribute set (True) on a table that its owner never writes in place (the patched model's: it
-# builds new ones when the weights change), so the prefill kernel may keep the band tiles it
-# derives on it even when it is an inference tensor, which has no version counter.
-KEEP_BAND_TILES = "_hf_paged_t5_keep_band"
-
-
 def table_distance(attention: nn.Module) -> int:
     """Largest distance a table for `attention` stores explicitly."""
     return attention.relative_attention_max_distance
@@ -120,9 +114,10 @@ class BiasTableCache:
             return cached.tables
         build = causal_bias_table if causal else bidirectional_bias_table
         by_module: dict[int, torch.Tensor] = {}
-        tables = [by_module.setdefault(id(m), build(m)) for m in modules]
-        for table in by_module.values():  # never written in place: replaced when the weights change
-            setattr(table, KEEP_BAND_TILES, True)
+        # Normal tensors even inside torch.inference_mode: their version counter lets the prefill
+        # kernel keep what it derives from a table (its band tiles) until the table changes.
+        with torch.inference_mode(False):
+            tables = [by_module.setdefault(id(m), build(m)) for m in modules]
         self._stacks[key] = _StackTables(_stamp(weights), _flat_copy(weights), tables, weights)
         self._on_rebuild()
         return tables

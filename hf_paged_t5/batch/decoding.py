@@ -17,6 +17,7 @@ EOS behave as in `generate()`. A request leaves its group when HF's loop would s
 
 from __future__ import annotations
 
+from types import MappingProxyType
 import copy
 import dataclasses
 import math
@@ -26,7 +27,8 @@ import torch
 from torch import nn
 from transformers import GenerationConfig, LogitsProcessorList
 
-from .stacks import upload
+from ..decode.beam_start import BeamStart, fill_value
+from ..model.stacks import upload
 
 # Processors that read the scores only, never `input_ids`: they run on all rows at once.
 SCORES_ONLY = frozenset(
@@ -39,7 +41,7 @@ SCORES_ONLY = frozenset(
 # Processors that captured the config's EOS ids: a request with its own EOS cannot share them.
 EOS_BOUND = frozenset({"NoBadWordsLogitsProcessor", "ExponentialDecayLengthPenalty"})
 # Generation options whose processors are bound to one batch or model: refused, with the reason.
-REFUSED_OPTIONS = {
+REFUSED_OPTIONS = MappingProxyType({
     "encoder_repetition_penalty": (1.0, "it is bound to one batch's encoder input_ids"),
     "encoder_no_repeat_ngram_size": (0, "it is bound to one batch's encoder input_ids"),
     "guidance_scale": (1.0, "classifier-free guidance runs a second, unconditional model pass"),
@@ -49,7 +51,7 @@ REFUSED_OPTIONS = {
     "output_scores": (False, "per-step scores are not returned"),
     "output_logits": (False, "per-step logits are not returned"),
     "return_dict_in_generate": (False, "results are BatchResult records"),
-}
+})
 
 
 @dataclasses.dataclass
@@ -163,21 +165,15 @@ class BeamGroup:
         self.limits = RowLimits.build([0] * rows, [m for m in min_new for _ in range(k)], [max_length - 1] * rows,
                                       [eos] * rows, device)
         self.eos = torch.tensor(list(eos), dtype=torch.long, device=device)
-        self.beams_to_keep = max(2, 1 + len(eos)) * k
-        self.top_num_beam_mask = torch.zeros(self.beams_to_keep, dtype=torch.bool, device=device)
-        self.top_num_beam_mask[:k] = True
-        fill = pad_id if pad_id else eos[0]  # HF: `pad_token_id or eos_token_id[0]`
-        self.running_sequences = torch.full((batch, k, max_length), fill, dtype=torch.long, device=device)
-        self.running_sequences[:, :, 0] = start_id
-        self.sequences = self.running_sequences.clone()
-        self.running_beam_scores = torch.zeros((batch, k), dtype=torch.float, device=device)
-        self.running_beam_scores[:, 1:] = -1e9
-        self.beam_scores = torch.full((batch, k), -1e9, dtype=torch.float, device=device)
-        self.is_sent_finished = torch.zeros((batch, k), dtype=torch.bool, device=device)
-        self.is_early_stop_heuristic_unsatisfied = torch.ones((batch, 1), dtype=torch.bool, device=device)
+        prompt = torch.full((batch, k, 1), start_id, dtype=torch.long, device=device)
+        start = BeamStart.build(prompt, max_length, fill_value(pad_id, list(eos)), len(eos))
+        self.beams_to_keep, self.top_num_beam_mask = start.beams_to_keep, start.top_num_beam_mask
+        self.running_sequences, self.sequences = start.running_sequences, start.sequences
+        self.running_beam_scores, self.beam_scores = start.running_beam_scores, start.beam_scores
+        self.is_sent_finished = start.is_sent_finished
+        self.is_early_stop_heuristic_unsatisfied = start.is_early_stop_heuristic_unsatisfied
         self.next_token_hits = torch.zeros((batch, k), dtype=torch.bool, device=device)
-        self.running_beam_indices = torch.full((batch, k, max_length - 1), -1, dtype=torch.int32, device=device)
-        self.beam_indices = self.running_beam_indices.clone()
+        self.running_beam_indices, self.beam_indices = start.running_beam_indices, start.beam_indices
 
     @property
     def batch(self) -> int:

@@ -14,20 +14,20 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .cache import StepMetadata
+from ..kv.pool import StepMetadata
 
 
 def backend_ops(name: str) -> ModuleType:
     """The kernel namespace for a resolved backend name ("triton", "cpu" or "torch")."""
     if name == "torch":
-        from . import reference
+        from .. import reference
 
         return reference
     if name == "cpu":
-        from . import cpu_ops
+        from .. import cpu_ops
 
         return cpu_ops
-    from . import kernels
+    from .. import kernels
 
     return kernels
 

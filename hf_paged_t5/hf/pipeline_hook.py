@@ -5,9 +5,9 @@ classes subclass its `Pipeline`. That module takes seconds to import (it loads t
 code of every pipeline), which a user who only patches `generate()` should not pay. So
 `import hf_paged_t5` calls `install()`, which puts a `PipelineImportHook` first on
 `sys.meta_path`. The hook wraps the loaders of `transformers.pipelines` and
-`hf_paged_t5.pipelines`; once both modules are loaded, however the user reached them
+`hf_paged_t5.hf.pipelines`; once both modules are loaded, however the user reached them
 (`from transformers import pipeline`, `import transformers.pipelines`,
-`from hf_paged_t5.pipelines import SummarizationPipeline` ...), it calls `register_pipelines()`
+`from hf_paged_t5.hf.pipelines import SummarizationPipeline` ...), it calls `register_pipelines()`
 and takes itself off `sys.meta_path`.
 """
 
@@ -73,8 +73,8 @@ def _spec_from_other_finders(hook: PipelineImportHook, fullname: str, path, targ
 def _register_if_loaded() -> None:
     """Register the pipelines and remove the hook, if `transformers.pipelines` is loaded.
 
-    Imports `hf_paged_t5.pipelines` when only transformers' module is there. Does nothing while
-    `hf_paged_t5.pipelines` is itself being imported (it imports `transformers.pipelines` first):
+    Imports `hf_paged_t5.hf.pipelines` when only transformers' module is there. Does nothing while
+    `hf_paged_t5.hf.pipelines` is itself being imported (it imports `transformers.pipelines` first):
     the end of its own import calls this again.
     """
     if _TRANSFORMERS_PIPELINES not in sys.modules:

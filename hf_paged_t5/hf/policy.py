@@ -8,6 +8,7 @@ list that differs from `GenerationConfig()`'s default sends the call to stock HF
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any, Optional
 
 import torch
@@ -34,7 +35,7 @@ SERVED_OPTIONS = frozenset(
 METADATA = frozenset({"transformers_version", "_from_model_config", "_commit_hash", "_original_object_hash"})
 
 # Options with a known reason to run on stock HF.
-FALLBACK_OPTIONS = {
+FALLBACK_OPTIONS = MappingProxyType({
     "output_attentions": "output_attentions needs the attention weights, which the fused kernels never form",
     "output_hidden_states": "output_hidden_states is served by stock HF",
     "cache_implementation": "a cache_implementation request asks for HF's own cache",
@@ -47,11 +48,11 @@ FALLBACK_OPTIONS = {
     "constraints": "constrained beam search is served by stock HF",
     "force_words_ids": "constrained beam search is served by stock HF",
     "custom_generate": "custom_generate is served by stock HF",
-}
+})
 
 # Model kwargs of generate() that the paged forward serves.
 SERVED_KWARGS = frozenset({"input_ids", "attention_mask", "inputs_embeds", "decoder_input_ids", "decoder_attention_mask"})
-FALLBACK_KWARGS = {
+FALLBACK_KWARGS = MappingProxyType({
     "assistant_model": "assisted decoding is served by stock HF",
     "past_key_values": "a user-given cache is served by stock HF",
     "cache": "a user-given cache is served by stock HF",
@@ -67,7 +68,7 @@ FALLBACK_KWARGS = {
     "stopping_criteria": None,
     "prefix_allowed_tokens_fn": None,
     "generation_config": None,
-}
+})
 
 
 # Values that mean "off" for an option whose default is None (model configs often write them).

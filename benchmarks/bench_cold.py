@@ -1,0 +1,180 @@
+"""First calls, as on a fresh machine: stock HF generate() vs patched, each process new, Triton's
+cache empty.
+
+Each measurement runs in a new Python process whose TRITON_CACHE_DIR is a new empty folder, so
+the patched model compiles every kernel it uses. A process builds a random-weight model
+(`hf_paged_t5.tiny.build_model`; the t5-small layout by default), then times, in order:
+  - `patch_model()` (patched processes only);
+  - the first generate() (`--batch` rows, greedy);
+  - a second call of the same shape (warm);
+  - the first call at a new batch size (`--new-batch` rows, greedy);
+  - the first beam call (`--batch` rows, `--beams` beams).
+Stock and patched processes alternate, `--repeats` of each; every row reports the medians, with
+the Triton kernels compiled and CUDA graphs captured in the patched call. Inputs are random
+tokens, `--src-len` long, `--new-tokens` forced (min_new_tokens = max_new_tokens). `build_model`
+runs one forward pass (it calibrates the logits), so CUDA, cuBLAS and PyTorch's own kernels are
+loaded before the first timed call, in both kinds of process alike; `patch_model()` includes
+loading the package's modules on first use.
+
+    python benchmarks/bench_cold.py [--shape t5-small] [--repeats 3] [--device cuda|cpu] [--out DIR]
+
+Prints a table and writes DIR/cold.json (default DIR: benchmarks/results/<date>-<gpu>/, with
+its env.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+import common  # benchmarks/ is on sys.path
+
+SYSTEMS = ("stock", "patched")
+RESULT_PREFIX = "cold-result: "  # the line a worker process prints its JSON on
+
+
+def calls(args) -> list[tuple[str, dict]]:
+    """(label, {batch: rows, num_beams}) of the timed generate() calls, in order."""
+    return [
+        (f"first generate(), batch {args.batch}", dict(batch=args.batch, num_beams=1)),
+        (f"second call, batch {args.batch}", dict(batch=args.batch, num_beams=1)),
+        (f"first call at batch {args.new_batch}", dict(batch=args.new_batch, num_beams=1)),
+        (f"first beam call, batch {args.batch} x {args.beams} beams", dict(batch=args.batch, num_beams=args.beams)),
+    ]
+
+
+def worker(args) -> dict:
+    """One fresh process's measurements: {rows: label -> {seconds, triton_compiles,
+    graphs_captured}, fallback_reasons: why patched calls ran on stock HF, if any did}."""
+    import hf_paged_t5 as hp
+    from hf_paged_t5 import tiny
+
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = tiny.build_model(args.shape, dtype=dtype, device=device)
+    common.sync(device)
+    rows = {}
+    with common.TritonCompiles() as compiles, common.FallbackLog() as fallbacks:
+        def measure(label, fn):
+            compiled, captured = compiles.count, common.graphs_captured(model)
+            seconds, result = common.timed(fn, device)
+            rows[label] = dict(seconds=seconds, triton_compiles=compiles.count - compiled,
+                               graphs_captured=common.graphs_captured(model) - captured)
+            return result
+
+        if args.worker == "patched":
+            measure("patch_model()", lambda: hp.patch_model(model))
+        with torch.inference_mode():
+            for label, kw in calls(args):
+                ids, mask = common.random_inputs(kw["batch"], args.src_len, device, model.config.vocab_size)
+                measure(label, lambda: model.generate(input_ids=ids, attention_mask=mask, num_beams=kw["num_beams"],
+                                                      do_sample=False, max_new_tokens=args.new_tokens,
+                                                      min_new_tokens=args.new_tokens))
+    return dict(rows=rows, fallback_reasons=sorted(set(fallbacks.reasons)))
+
+
+def fresh_process(system: str, args) -> dict:
+    """`worker` of `system` in a new interpreter with a new, empty Triton cache."""
+    cache = tempfile.mkdtemp(prefix="triton-cold-")
+    env = {**os.environ, "TRITON_CACHE_DIR": cache,
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(common.REPO), str(common.BENCH),
+                                                       os.environ.get("PYTHONPATH")]))}
+    argv = [sys.executable, __file__, "--worker", system, "--shape", args.shape, "--device", args.device,
+            "--batch", str(args.batch), "--new-batch", str(args.new_batch), "--beams", str(args.beams),
+            "--src-len", str(args.src_len), "--new-tokens", str(args.new_tokens)]
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, cwd=common.REPO, env=env, check=False)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"the {system} process failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len(RESULT_PREFIX):])
+
+
+def summarize(runs: dict[str, list[dict]], args) -> list[dict]:
+    """One row per timed call: each system's median seconds, the patched call's compiles and captures."""
+    labels = ["patch_model()"] + [label for label, _ in calls(args)]
+    rows = []
+    for label in labels:
+        row = {"call": label}
+        for system in SYSTEMS:
+            found = [run["rows"][label] for run in runs[system] if label in run["rows"]]
+            row[f"{system}_s"] = common.median(r["seconds"] for r in found) if found else None
+            row[f"{system}_runs_s"] = [r["seconds"] for r in found]
+        patched = [run["rows"][label] for run in runs["patched"]]
+        row["triton_compiles"] = max(r["triton_compiles"] for r in patched)
+        row["graphs_captured"] = max(r["graphs_captured"] for r in patched)
+        stock, paged = row["stock_s"], row["patched_s"]
+        row["patched_over_stock"] = paged / stock if stock else None
+        rows.append(row)
+    return rows
+
+
+def print_table(rows: list[dict], args) -> None:
+    common.print_table(
+        ["call", "stock HF s", "patched s", "patched / stock", "Triton compiles", "graphs captured"],
+        ([r["call"], common.fmt(r["stock_s"], ".3f"), common.fmt(r["patched_s"], ".3f"),
+          common.fmt(r["patched_over_stock"], ".2f"), r["triton_compiles"], r["graphs_captured"]] for r in rows),
+        title=f"{args.shape} layout on {args.device}, {args.src_len}-token inputs, {args.new_tokens} new tokens; "
+              f"medians of {args.repeats} fresh processes each, Triton cache empty")
+    first = [r for r in rows if r["call"].startswith("first") and r["patched_over_stock"] is not None]
+    print(f"every first call no slower than stock HF's: {all(r['patched_over_stock'] <= 1.0 for r in first)}")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="t5-small",
+                    help="hf_paged_t5.tiny layout (default: t5-small; tiny: a smoke run)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="default: cuda where torch sees a GPU, else cpu")
+    ap.add_argument("--repeats", type=int, default=3, help="fresh processes per system (default: 3)")
+    ap.add_argument("--batch", type=int, default=1, help="rows of the first call (default: 1)")
+    ap.add_argument("--new-batch", type=int, default=8, help="rows of the call at a new batch size (default: 8)")
+    ap.add_argument("--beams", type=int, default=4, help="beams of the first beam call (default: 4)")
+    ap.add_argument("--src-len", type=int, default=512, help="input tokens per row (default: 512)")
+    ap.add_argument("--new-tokens", type=int, default=32, help="new tokens forced per call (default: 32)")
+    ap.add_argument("--out", default=None, help="folder for cold.json (default: benchmarks/results/<date>-<gpu>)")
+    ap.add_argument("--worker", choices=SYSTEMS, default=None, help=argparse.SUPPRESS)  # one fresh process's part
+    args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error("--repeats must be >= 1")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    common.require_cuda("bench_cold.py", args.device)
+    if args.worker is not None:
+        print(RESULT_PREFIX + json.dumps(worker(args)), flush=True)
+        return
+    out = common.start_suite(args.out, "cold")
+
+    def one(system: str) -> dict:
+        run = fresh_process(system, args)
+        print(f"{system}: " + ", ".join(f"{label} {r['seconds']:.3f} s" for label, r in run["rows"].items()),
+              flush=True)
+        return run
+
+    runs = common.interleaved(SYSTEMS, args.repeats, one)
+    rows = summarize(runs, args)
+    reasons = sorted({reason for run in runs["patched"] for reason in run["fallback_reasons"]})
+    report = dict(gpu=torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu",
+                  shape=args.shape, dtype="bfloat16" if args.device.startswith("cuda") else "float32",
+                  settings={k: v for k, v in vars(args).items() if k not in ("out", "worker")},
+                  patched_fallback_reasons=reasons, rows=rows, runs=runs)
+    common.write_json(out / "cold.json", report)
+    print_table(rows, args)
+    if reasons:
+        print(f"patched calls that ran on stock HF: {'; '.join(reasons)}")
+
+
+if __name__ == "__main__":
+    main()

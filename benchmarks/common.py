@@ -1,0 +1,524 @@
+"""What the benchmark scripts share: where results go and the `env.json` beside them, tables and
+JSON, timing (CUDA-synced, medians, interleaved rounds), the random-weight models and inputs, and
+the few reads of hf_paged_t5's private state that the scripts still need, each in one function.
+
+Results of one machine and day go to `benchmarks/results/<YYYY-MM-DD>-<gpu>/` (`<gpu>` a slug of
+the GPU's name, e.g. `h200`, or `cpu` without CUDA), one JSON file per suite, and one `env.json`:
+the GPU, versions, the git state and the exact command of every suite that wrote there.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import datetime
+import gc
+import hashlib
+import importlib.metadata
+import inspect
+import json
+import logging
+import os
+import pathlib
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+
+BENCH = pathlib.Path(__file__).resolve().parent
+REPO = BENCH.parent
+RESULTS = BENCH / "results"
+
+# ----------------------------------------------------------------------------- machine and code
+
+
+def gpu_names() -> list[str]:
+    """Names of the CUDA devices torch sees ([] without CUDA)."""
+    if not torch.cuda.is_available():
+        return []
+    return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+
+
+def gpu_slug(name: str | None) -> str:
+    """'NVIDIA H200' -> 'h200'; None (no GPU) -> 'cpu'."""
+    if not name:
+        return "cpu"
+    name = name.lower().removeprefix("nvidia").strip()
+    return "-".join("".join(c if c.isalnum() else " " for c in name).split())
+
+
+def results_dir(out: str | os.PathLike | None = None, day: datetime.date | None = None) -> pathlib.Path:
+    """`out`, or benchmarks/results/<day>-<gpu slug>/ (created)."""
+    if out:
+        folder = pathlib.Path(out)
+    else:
+        names = gpu_names()
+        folder = RESULTS / f"{(day or datetime.date.today()).isoformat()}-{gpu_slug(names[0] if names else None)}"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def git_state() -> dict:
+    """The commit checked out, whether the tree differs from it and which files do (results left
+    out: a run writes them); without a git checkout commit and dirty are None. `source_sha256`: a
+    digest of the package's Python files, which names the measured code either way."""
+    digest = hashlib.sha256()
+    for path in sorted((REPO / "hf_paged_t5").rglob("*.py")):
+        digest.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes())
+    state = {"commit": None, "dirty": None, "changed": None, "source_sha256": digest.hexdigest()[:16]}
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout
+
+    try:  # porcelain lines are "XY path": two status letters, a space
+        status = git("status", "--porcelain", "--", ".", ":(exclude)benchmarks/results")
+        changed = [line[3:] for line in status.splitlines()]
+        state.update(commit=git("rev-parse", "HEAD").strip(), dirty=bool(changed), changed=changed)
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return state
+
+
+def package_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def environment() -> dict:
+    """The machine, the versions and the code measured."""
+    names = gpu_names()
+    return {
+        "gpu": names[0] if names else None,
+        "gpus": names,
+        "cuda": torch.version.cuda,
+        "cpu": {"arch": platform.machine(), "count": os.cpu_count(), "processor": platform.processor() or None},
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": package_version("transformers"),
+        "triton": package_version("triton"),
+        "git": git_state(),
+    }
+
+
+def command_line(argv: Sequence[str] | None = None) -> str:
+    """This process's command as typed from the repository root: `python benchmarks/x.py ...`."""
+    argv = list(sys.argv if argv is None else argv)
+    script = pathlib.Path(argv[0]).resolve() if argv else None
+    if script is not None and script.is_file() and script.is_relative_to(REPO):
+        argv[0] = str(script.relative_to(REPO))
+    return shlex.join(["python", *argv])
+
+
+def write_env(folder: str | os.PathLike, suite: str | None = None, commit: str | None = None,
+              **fields) -> pathlib.Path:
+    """Write `folder`/env.json: this machine and code and this process's command line at the top;
+    under "suites", `fields` added to the entry of `suite`. Fields with a "command" start a new
+    entry (when it started, the commit and dirty flag too). Entries of other suites are kept, so
+    one folder holds one env.json for all the runs that wrote there. `commit` (`git describe
+    --always --dirty` output, a "-dirty" suffix for uncommitted changes) replaces the tree's own
+    git state, for a copied tree whose .git may lag."""
+    path = pathlib.Path(folder) / "env.json"
+    old = json.loads(path.read_text()) if path.exists() else {}
+    env = {"date": datetime.date.today().isoformat(), **environment(), "command": command_line(),
+           "suites": old.get("suites", {})}
+    if commit is not None:
+        env["git"] = {"commit": commit.removesuffix("-dirty"), "dirty": commit.endswith("-dirty"),
+                      "given": True, "source_sha256": env["git"]["source_sha256"]}
+    if suite is not None:
+        entry = env["suites"].setdefault(suite, {})
+        if "command" in fields:
+            entry.clear()
+            entry["started_utc"] = utc_now()
+        if "command" in fields or commit is not None:
+            entry.update(commit=env["git"]["commit"], dirty=env["git"]["dirty"])
+        entry.update(fields)
+    return write_json(path, env, quiet=True)
+
+
+def start_suite(out: str | os.PathLike | None, suite: str) -> pathlib.Path:
+    """The results folder of a suite's script (see `results_dir`), with its env.json entry written."""
+    folder = results_dir(out)
+    write_env(folder, suite, command=command_line())
+    return folder
+
+
+def utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def require_cuda(script: str, device: str | torch.device = "cuda") -> None:
+    """Exit with one line when `device` is a CUDA device and torch sees none."""
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        sys.exit(f"{script}: needs a CUDA GPU, and torch {torch.__version__} sees none "
+                 f"(torch.cuda.is_available() is False)")
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def write_json(path: str | os.PathLike, obj, quiet: bool = False) -> pathlib.Path:
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=1, default=str) + "\n", encoding="utf-8")
+    if not quiet:
+        print(f"wrote {path}", flush=True)
+    return path
+
+
+def cell(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def fmt(value, spec: str) -> str | None:
+    """`value` formatted with `spec`; None stays None (a '-' cell)."""
+    return None if value is None else format(value, spec)
+
+
+def print_table(header: Sequence[str], rows: Iterable[Sequence], title: str | None = None) -> None:
+    """A Markdown table, columns padded to their widest cell; None prints as '-'."""
+    cells = [[str(h) for h in header]] + [[cell(v) for v in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    if title:
+        print(f"\n{title}")
+    for i, row in enumerate(cells):
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |")
+        if i == 0:
+            print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    sys.stdout.flush()
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def sync(device: str | torch.device | Sequence | None = None) -> None:
+    """Wait for the GPU when `device` (default: the current one, if any) is a CUDA device; for
+    each of them when it is a list."""
+    if isinstance(device, (list, tuple)):
+        for one in device:
+            sync(one)
+    elif device is None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    elif torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], object], device: str | torch.device | Sequence | None = None) -> tuple[float, object]:
+    """(seconds, result) of `fn()`, the GPU synced before and after."""
+    sync(device)
+    start = time.perf_counter()
+    result = fn()
+    sync(device)
+    return time.perf_counter() - start, result
+
+
+def median(values: Iterable[float]) -> float:
+    return statistics.median(list(values))
+
+
+def upper_median(items: Sequence, key: Callable) -> object:
+    """The item at the median of `key`; of an even count, the larger of the middle two."""
+    return sorted(items, key=key)[len(items) // 2]
+
+
+def interleaved(names: Sequence[str], rounds: int, run: Callable[[str], object]) -> dict[str, list]:
+    """`run(name)` for every name, `rounds` times, the order reversed every other round, so drift
+    of the machine (clock, cache, a busy neighbour) falls on every name alike; name -> results."""
+    results: dict[str, list] = {name: [] for name in names}
+    for i in range(rounds):
+        for name in names if i % 2 == 0 else reversed(names):
+            results[name].append(run(name))
+    return results
+
+
+def fresh_workspaces() -> None:
+    """Free every cuBLAS workspace and cached block, so a case's peak memory counts the workspaces
+    (32 MiB per stream on an H200) its own system makes, not those an earlier case left. Call it
+    where no CUDA graph is alive: a graph replays into the workspace it captured."""
+    gc.collect()
+    torch.cuda.synchronize()
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+    torch.cuda.empty_cache()
+
+
+def kernel_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 200, cpu_calls: int = 3) -> float:
+    """Median ms of `fn()`: triton's do_bench on a GPU (L2 cleared before each call); on CPU (the
+    Triton interpreter) one warm-up call and the median of `cpu_calls`."""
+    if torch.cuda.is_available():
+        import triton
+
+        return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+    fn()
+    return 1e3 * median(timed(fn, "cpu")[0] for _ in range(cpu_calls))
+
+
+def copy_bandwidth(device: torch.device, nbytes: int) -> float:
+    """GB/s of a device-to-device copy, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    ms = kernel_ms(lambda: dst.copy_(src))
+    return 2 * src.numel() * src.element_size() / ms / 1e6
+
+
+def graph_us(calls: Sequence[Callable[[], object]]) -> float:
+    """Median µs per call of `calls` replayed back to back in one CUDA graph (NaN without CUDA):
+    no host launch cost in the number, as a captured decode step runs them."""
+    if not torch.cuda.is_available():
+        return float("nan")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (Triton compiles, cuBLAS picks) outside the capture
+        for fn in calls[:2]:
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(7):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del graph
+    return median(times) * 1e3 / len(calls)
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of `device` (132, an H200's, without CUDA)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+class TritonCompiles:
+    """Counts Triton kernel compilations while entered (a JIT compile is a one-time stall of ~0.1-1 s);
+    counts nothing where this Triton has no post-compile hook (or there is no Triton)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._knobs = None
+        self._previous = None
+
+    def __enter__(self) -> TritonCompiles:
+        try:
+            from triton import knobs
+        except ImportError:
+            return self
+        self._knobs, self._previous = knobs, knobs.runtime.jit_post_compile_hook
+        previous = self._previous
+
+        def hook(*args, **kwargs):
+            self.count += 1
+            return previous(*args, **kwargs) if previous else None
+
+        knobs.runtime.jit_post_compile_hook = hook
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._knobs is not None:
+            self._knobs.runtime.jit_post_compile_hook = self._previous
+
+
+class FallbackLog(logging.Handler):
+    """Collects hf_paged_t5's "running ... on stock HF: reason" warnings while installed."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.reasons: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "on stock HF" in message:
+            self.reasons.append(message)
+
+    def __enter__(self) -> FallbackLog:
+        logging.getLogger("hf_paged_t5").addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        logging.getLogger("hf_paged_t5").removeHandler(self)
+
+
+# ----------------------------------------------------------------------------- models and inputs
+
+
+def make_model(shape: str, attn: str = "sdpa", dtype: torch.dtype = torch.bfloat16, device="cuda"):
+    """A T5 model with a real shape (`hf_paged_t5.tiny.SHAPES`) and HF's own random init (seed 0),
+    HF attention `attn`: the model of bench_generate / bench_batch and the profiles. HF's init
+    makes greedy decoding repeat one token (see `tiny.INIT_FACTOR`); `tiny.build_model` makes
+    input-dependent outputs."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from hf_paged_t5.tiny import SHAPES
+
+    config = T5Config(decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, **SHAPES[shape])
+    config._attn_implementation = attn
+    with torch.device(device):
+        torch.manual_seed(0)
+        model = T5ForConditionalGeneration(config)
+    return model.to(dtype).eval()
+
+
+def random_inputs(batch: int, src_len: int, device="cuda", vocab_size: int = 32000, seed: int = 1):
+    """input_ids [batch, src_len] of random tokens >= 2 (no pad, no EOS), drawn on `device`, and an
+    all-ones attention mask."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    ids = torch.randint(2, vocab_size, (batch, src_len), device=device, generator=g)
+    return ids, torch.ones_like(ids)
+
+
+# ----------------------------------------------------------------------------- private state
+# Each function below is the one place a benchmark reads hf_paged_t5's private state; the comment
+# names the private attribute it reads. They go when the package has public counters for them.
+
+
+def _runtime(model):
+    # private: the runtime patch_model attaches as `model._hf_paged_t5` (None when unpatched)
+    return getattr(model, "_hf_paged_t5", None)
+
+
+def graphs_captured(model) -> int:
+    """CUDA graphs captured so far by the patched model (0 unpatched): `hf_paged_t5.runtime_stats`."""
+    import hf_paged_t5
+
+    if _runtime(model) is None:
+        return 0
+    stats = getattr(hf_paged_t5, "runtime_stats", None)
+    if stats is not None:
+        return stats(model)["graphs_captured"]
+    return _runtime(model).graphs.captures  # private: a package without runtime_stats (A/B against one)
+
+
+def decode_graphs(model) -> dict:
+    """The patched model's captured decode steps, key -> torch.cuda.CUDAGraph, oldest first."""
+    # private: `model._hf_paged_t5.runner.graphs._graphs` (key -> _StaticStep, whose `.graph` is the
+    # CUDA graph, None for a step that runs eagerly)
+    runtime = _runtime(model)
+    graphs = runtime.runner.graphs if hasattr(runtime, "runner") else runtime.graphs  # (A/B: either layout)
+    steps = graphs._graphs.items()
+    return {key: static.graph for key, static in steps if static.graph is not None}
+
+
+def kv_pool(model):
+    """The patched model's KV pool (a `KVPool`; None before its first paged call)."""
+    # private: `model._hf_paged_t5.pool`
+    return _runtime(model).pool
+
+
+def batch_run_phases() -> list[tuple]:
+    """(owner, attribute, label) of a BatchGenerator job's host phases, for `timers`."""
+    # private: the methods of `hf_paged_t5.batch.run.BatchRun`, and `decode.runner.DecodeRunner.decode`
+    from hf_paged_t5.batch import run
+    from hf_paged_t5.decode import runner
+
+    names = ("_admit", "_encode", "_decode_step", "_rebuild_order", "_advance_rows", "_advance_beams", "_retire")
+    return [(run.BatchRun, name, name) for name in names] + [(runner.DecodeRunner, "decode", "decode step launch")]
+
+
+def step_launches() -> list[tuple]:
+    """(owner, attribute, label) of the host launches of a device-resident decode step: the decode
+    graph's replay and the greedy / beam update's run, for `timers`."""
+    # private: `hf_paged_t5.decode.graphs.DecodeGraphs.replay`, `decode.greedy_graph.GreedyStep.run`,
+    # `decode.beam_graph.BeamStep.run`
+    from hf_paged_t5.decode import beam_graph, graphs, greedy_graph
+
+    return [(graphs.DecodeGraphs, "replay", "decode graph replay"), (greedy_graph.GreedyStep, "run", "update run"),
+            (beam_graph.BeamStep, "run", "update run")]
+
+
+def call_phases(model) -> list[tuple]:
+    """(owner, attribute, label) of the phases of a patched generate() call, for `timers`: the
+    encoder, the loop's set-up (decoder prompt + static step buffers), the update's capture, the
+    step state."""
+    # private: `hf_paged_t5.decode.graphs.ResidentLoop.__init__` / `.capture_update`,
+    # `decode.greedy_graph.GreedyStep.__init__`, `decode.beam_graph.BeamStep.__init__`
+    from hf_paged_t5.decode import beam_graph, graphs, greedy_graph
+
+    return [(model.encoder, "forward", "encoder"), (graphs.ResidentLoop, "__init__", "prompt + buffers"),
+            (graphs.ResidentLoop, "capture_update", "update capture"),
+            (greedy_graph.GreedyStep, "__init__", "step state"), (beam_graph.BeamStep, "__init__", "step state")]
+
+
+@contextlib.contextmanager
+def on_callers_stream():
+    """While entered, a patched generate() runs on the caller's stream instead of its own
+    generation stream (the A/B of ab_stream.py)."""
+    # private: replaces `hf_paged_t5.hf.generate._generation_stream(runtime, devices)`
+    from hf_paged_t5.hf import generate
+
+    @contextlib.contextmanager
+    def callers_stream(runtime, devices):
+        yield lambda result: result
+
+    original = generate._generation_stream
+    generate._generation_stream = callers_stream
+    try:
+        yield
+    finally:
+        generate._generation_stream = original
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The head dim the kernels pad to (a power of two >= 16)."""
+    # private: `hf_paged_t5.kernels._checks.block_d`
+    from hf_paged_t5.kernels._checks import block_d
+
+    return block_d(head_dim)
+
+
+@contextlib.contextmanager
+def timers(targets: Sequence[tuple], synced: bool = False):
+    """Wrap each (owner, attribute, label) of `targets` with a timer while entered; yields
+    (seconds, calls), Counters by label. `synced`: the GPU synced around every call (a phase's
+    own time, at the price of the overlap); else host time only. Restored on exit."""
+    spent, calls = collections.Counter(), collections.Counter()
+    saved = []
+
+    def wrap(fn, label):
+        def wrapper(*args, **kwargs):
+            if synced:
+                sync()
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if synced:
+                    sync()
+                spent[label] += time.perf_counter() - start
+                calls[label] += 1
+        return wrapper
+
+    for owner, attr, label in targets:
+        own = owner.__dict__.get(attr) if hasattr(owner, "__dict__") else None
+        saved.append((owner, attr, own))
+        raw = inspect.getattr_static(owner, attr)
+        if isinstance(raw, staticmethod):
+            setattr(owner, attr, staticmethod(wrap(raw.__func__, label)))
+        else:
+            setattr(owner, attr, wrap(getattr(owner, attr), label))
+    try:
+        yield spent, calls
+    finally:
+        for owner, attr, own in reversed(saved):
+            if own is None:
+                delattr(owner, attr)  # an attribute found on the class: the instance's copy goes
+            else:
+                setattr(owner, attr, own)
