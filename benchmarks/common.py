@@ -126,7 +126,8 @@ def write_env(folder: str | os.PathLike, suite: str | None = None, commit: str |
     git state, for a copied tree whose .git may lag."""
     path = pathlib.Path(folder) / "env.json"
     old = json.loads(path.read_text()) if path.exists() else {}
-    env = {"date": datetime.date.today().isoformat(), **environment(), "command": command_line(),
+    # keys this function does not write (a folder's hand-written "commands", "note") are kept
+    env = {**old, "date": datetime.date.today().isoformat(), **environment(), "command": command_line(),
            "suites": old.get("suites", {})}
     if commit is not None:
         env["git"] = {"commit": commit.removesuffix("-dirty"), "dirty": commit.endswith("-dirty"),
