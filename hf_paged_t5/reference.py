@@ -4,12 +4,12 @@ Written for reading, not speed. Every function here has a Triton twin in `kernel
 with the same name, the same keyword arguments in the same order, and the same result
 up to floating-point rounding.
 
-KV pool layout (one pair per decoder layer, made in `cache.py`):
+KV pool layout (one pair per decoder layer, made in `kv/pool.py`):
     key_cache, value_cache: [num_blocks, block_size, num_heads, head_dim]
 A slot is `block_id * block_size + offset`; `block_table[row, i]` is the block holding
 tokens `[i * block_size, (i + 1) * block_size)` of that row.
 
-Bias tables (made in `bias.py`), float32 (float64 for a float64 model):
+Bias tables (made in `model/bias.py`), float32 (float64 for a float64 model):
     causal:        [num_heads, max_distance + 1], index `min(q_pos - k_pos, max_distance)`
     bidirectional: [num_heads, 2 * max_distance + 1], index `clamp(k_pos - q_pos, ±max_distance) + max_distance`
 Attention scores are `scale * q·k + bias`; T5 uses scale 1.0. Softmax and accumulation are

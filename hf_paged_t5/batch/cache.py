@@ -2,7 +2,7 @@
 
 Unlike `PagedEncoderDecoderCache` (one `generate()` call, a fixed batch), a `BatchCache` lives for a
 whole batch job. Requests join it when admitted and leave it the moment they finish, returning their
-blocks to the pool at once. It offers what `patch._decode` and `graphs.DecodeGraphs.run` need of a
+blocks to the pool at once. It offers what `DecodeRunner.decode` and `graphs.DecodeGraphs.run` need of a
 cache: `pool`, `min_graph_rows`, `begin_step`, `host_tables`, `device_self_table` and `metadata`.
 
 Bookkeeping is in numpy over fixed row and source *slots* (a slot is reused after its row leaves):
@@ -179,7 +179,7 @@ class BatchCache:
             self._num_self[row] = len(blocks)
         self.pool.copy_blocks(cow_src, cow_dst)
 
-    # ---- one decode step (the interface of patch._decode and graphs.DecodeGraphs.run) ---------
+    # ---- one decode step (the interface of DecodeRunner.decode and DecodeGraphs.run) ---------
     def prepare_step(self) -> None:
         """Make the blocks the next `begin_step` opens free now, growing the pool if needed: growth
         re-allocates the pool tensors, which must not happen inside `DecodeGraphs.run`, between its

@@ -10,7 +10,7 @@ packed (varlen) batch and their cross-attention K/V are stored once per source; 
 then runs all live rows, each at its own position; a finished request returns its blocks to the
 pool at once and its place goes to the next waiting request. Each result is what patched
 `generate()` returns for that input alone (greedy and beam search; fp32 token-exact). The job's
-steps live in `batch_run.py`; the per-row logits rules and beam search in `batch_decoding.py`.
+steps live in `run.py`; the per-row logits rules and beam search in `decoding.py`.
 """
 
 from __future__ import annotations

@@ -207,7 +207,7 @@ def _lean_loop(runtime: PagedRuntime, cache: PagedEncoderDecoderCache, gen_confi
     (`return_dict_in_generate`, `low_memory`).
 
     HF hands a custom callable only the keyword arguments `_sample` lacks, so the streamer
-    comes through this closure. (synced_gpus never gets here: `modes` sends it to stock HF.)
+    comes through this closure. (synced_gpus never gets here: `policy` sends it to stock HF.)
     """
     mode = gen_config.get_generation_mode()
     if gen_config.return_dict_in_generate or gen_config.low_memory:

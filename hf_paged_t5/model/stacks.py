@@ -198,7 +198,7 @@ def store_cross(
     encoder_hidden: [rows, src_len, d_model], rows = num_sources * expand (HF's expanded batch,
     of which every `expand`-th row is read) or num_sources.
     """
-    # one row per source already where generate() did not expand it (patch._encoder_outputs_per_source)
+    # one row per source already where generate() did not expand it (hf.generate._encoder_outputs_per_source)
     per_source = encoder_hidden.shape[0] == cache.num_sources
     sources = encoder_hidden if per_source else encoder_hidden[:: cache.expand]
     if encoder_mask is None:
