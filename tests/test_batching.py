@@ -289,8 +289,8 @@ def late_steps(monkeypatch):
         slots = original_begin(self, num_new)
         for slot in self.order.tolist():
             promised, row = of_slot[slot]
-            assert self._num_self[slot] <= promised, "a row outgrew the blocks promised to it"
-            row[1] = int(self._self_lens[slot])
+            assert self.rows.held[slot] <= promised, "a row outgrew the blocks promised to it"
+            row[1] = int(self.rows.lens[slot])
         return slots
 
     original_encode, original_begin = BatchRun._encode, BatchCache.begin_step

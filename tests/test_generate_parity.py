@@ -135,7 +135,7 @@ def test_beam_search_stores_cross_kv_once_per_source(monkeypatch):
 
     def spy(self, lens):
         slots = original(self, lens)
-        seen.append((list(lens), [len(b) for b in self.cross_blocks], self.num_rows))
+        seen.append((list(lens), [len(self.source_blocks(s)[0]) for s in range(self.num_sources)], self.num_rows))
         return slots
 
     monkeypatch.setattr(hp.PagedEncoderDecoderCache, "store_cross_plan", spy)
@@ -361,24 +361,26 @@ def test_lean_beam_loop_matches_hf(monkeypatch, opts, path):
 @pytest.mark.parametrize("opts", [dict(num_beams=4, num_return_sequences=2), dict(num_beams=3, do_sample=True)],
                          ids=["beams", "beam-sample"])
 def test_beam_reorder_on_the_device_matches_hf(monkeypatch, opts):
-    """On a GPU, beams reorder the cache on the device (`_reorder_on_device`: table rows gathered
-    there, the partial block copied for every row, no host sync). Forced here on CPU for every
-    reorder: HF's sequences, the pool idle afterwards, the device table actually used. (A model
-    on one device takes beam_graph's resident path for plain beams, which reorders inside its
+    """On a GPU, beams reorder the cache on the device (`BlockTables.reorder_owned_on_device`: table
+    rows gathered there, the partial block copied for every row, no host sync). Forced here on CPU
+    for every reorder: HF's sequences, the pool idle afterwards, the device table actually used. (A
+    model on one device takes beam_graph's resident path for plain beams, which reorders inside its
     update: turned off here.)"""
     import hf_paged_t5.hf.generate as patch_mod
+    from hf_paged_t5.kv.tables import BlockTables
 
     monkeypatch.setattr(patch_mod, "_on_one_device", lambda model: False)
     used = []
-    real = PagedEncoderDecoderCache._reorder_on_device
+    real = BlockTables.reorder_owned_on_device
 
-    def on_device(self, beam_idx):
+    def on_device(self, beam_idx, length):
         used.append(beam_idx.shape[0])
-        real(self, beam_idx)
+        real(self, beam_idx, length)
 
-    monkeypatch.setattr(PagedEncoderDecoderCache, "_reorder_on_device", on_device)
+    monkeypatch.setattr(BlockTables, "reorder_owned_on_device", on_device)
     monkeypatch.setattr(PagedEncoderDecoderCache, "reorder_cache",
-                        lambda self, idx: (self._check_live(), self._reorder_on_device(idx)) and None)
+                        lambda self, idx: (self._check_live(), self.rows.reorder_owned_on_device(idx, self.length))
+                        and None)
     model = make_model("t5", seed=6)
     ids, mask = make_batch([14, 5, 9], padding_side="left")
     compare_with_stock(model, hp.PagedCacheConfig(block_size=4), seed=0, input_ids=ids, attention_mask=mask,

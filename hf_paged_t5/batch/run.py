@@ -27,13 +27,12 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..model import attention as attn_ops
 from .cache import BatchCache, blocks_for
 from .decoding import BeamGroup
 from .rows import DecodeRows
 from ..kv.block_manager import PoolExhaustedError
 from ..kv.pool import KVPool
-from ..model.stacks import encoder_forward, module_device, upload
+from ..model.stacks import encoder_forward, store_cross_packed, upload
 
 from .requests import BatchResult, Request
 
@@ -123,7 +122,7 @@ class BatchRun:
             if not alone and self.promised_tokens + request.tokens > gen.max_batch_tokens:
                 break
             # the pool must hold what every running request may still take, plus this one
-            if not _pool_allows(pool, self.promised_blocks - self.cache.num_held + request.blocks):
+            if not pool.can_reserve(self.promised_blocks - self.cache.num_held + request.blocks):
                 if not alone:
                     break
                 self._refuse(request, pool)  # returns only if the pool found room after all
@@ -192,16 +191,7 @@ class BatchRun:
             request.source, source_slots = self.cache.add_source(len(request.ids))
             slots.append(source_slots)
         slot_mapping = torch.cat(slots)  # [total_tokens] int64, source by source as packed
-        on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # one transfer per device
-        for i, block in enumerate(model.decoder.block):
-            layer_device = module_device(block)
-            if layer_device not in on_device:
-                on_device[layer_device] = (packed.to(layer_device), upload(slot_mapping, layer_device))
-            tokens, layer_slots = on_device[layer_device]
-            attn_ops.store_cross_kv(
-                runtime.ops_for(layer_device), block.layer[1].EncDecAttention, tokens,
-                pool.key_caches[i], pool.value_caches[i], layer_slots,
-            )
+        store_cross_packed(model.decoder, runtime.ops_for, pool, packed, slot_mapping)
 
     def _form_groups(self, admitted: list[Request]) -> None:
         """Beam search: one `BeamGroup` per (max length, EOS ids) among requests admitted together."""
@@ -307,14 +297,6 @@ class BatchRun:
         self.promised_blocks -= request.blocks
         self.promised_tokens -= request.tokens
         return self.gen.result(request, sequences, scores)
-
-
-def _pool_allows(pool: KVPool, blocks: int) -> bool:
-    """Whether `pool.reserve(blocks)` would succeed by its config (free blocks, or growth within the cap)."""
-    if blocks <= pool.manager.num_free:
-        return True
-    cap = pool.config.max_num_blocks
-    return pool.config.grow and (cap is None or pool.manager.num_used + blocks <= cap)
 
 
 def _pad_rows(histories: list[list[int]], pad_id: int) -> list[list[int]]:

@@ -1,9 +1,9 @@
 """`PagedEncoderDecoderCache`: one `generate()` call's view of the model's `KVPool`.
 
-Two kinds of block tables over the pool:
-    self-attention:  one row of blocks per decoder row (a beam / returned sequence). Each row
-                     *owns* `max_self_blocks` blocks, allocated up front, and only ever writes
-                     into its own; its table may read full blocks owned by another row.
+Two `BlockTables` over the pool (`kv/tables.py`):
+    self-attention:  one row of blocks per decoder row (a beam / returned sequence), in owned
+                     mode: each row owns `max_self_blocks` blocks, allocated up front, and only
+                     ever writes into its own; its table may read full blocks owned by another row.
     cross-attention: one list of blocks per *source* sequence, shared by the `expand` rows HF
                      made of it (beams, num_return_sequences): the encoder's K/V is stored once
                      per source, real tokens only.
@@ -23,14 +23,11 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..kv.pool import KVPool, LayerSpec, StepMetadata
+from ..kv.tables import BlockTables, blocks_for
 
 __all__ = ["KVPool", "LayerSpec", "PagedEncoderDecoderCache", "StepMetadata"]
 
 logger = logging.getLogger(__name__)
-
-
-def _blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
 
 
 class PagedEncoderDecoderCache(Cache):
@@ -54,21 +51,18 @@ class PagedEncoderDecoderCache(Cache):
         self.expand = expand
         self.num_rows = num_sources * expand
         self.block_size = pool.block_size
-        self.max_self_blocks = _blocks_for(max(max_self_tokens, 1), self.block_size)
+        self.max_self_blocks = blocks_for(max(max_self_tokens, 1), self.block_size)
         self.length = 0  # decoder tokens stored in every row
-        # [rows, max_self_blocks] int32: the blocks row r writes into (allocated here, freed by release)
-        owned = pool.manager.allocate(self.num_rows * self.max_self_blocks)
-        self._owned = np.asarray(owned, dtype=np.int32).reshape(self.num_rows, self.max_self_blocks)
-        # [rows, max_self_blocks] int32: the blocks row r reads (after beam reorders, maybe another row's)
-        self._self_table = self._owned.copy()
-        self.cross_blocks: list[list[int]] = []
-        self.cross_lens: list[int] = []
+        # rows own max_self_blocks blocks each, allocated here, freed by release (owned mode)
+        self.rows = BlockTables(pool, self.num_rows)
+        self.rows.own_all(self.max_self_blocks)
+        self.sources = BlockTables(pool, num_sources)  # cross blocks, one slot per source
+        self.cross_stored = False
         self.released = False
+        self._source_of_row = np.arange(self.num_rows) // expand
         self._tables_dirty = True
         self._host: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
         self._device_state: dict[torch.device, dict[str, torch.Tensor]] = {}
-        self._device_table: Optional[torch.Tensor] = None  # see `_reorder_on_device`
-        self._device_owned: Optional[torch.Tensor] = None
 
     # ---- the transformers.Cache contract -------------------------------------------------
     def get_seq_length(self, layer_idx: Optional[int] = 0) -> int:
@@ -116,44 +110,22 @@ class PagedEncoderDecoderCache(Cache):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Row `r` continues from row `beam_idx[r]`: gather table rows, copy only partial blocks.
 
-        With `beam_idx` on a CUDA device this happens there (`_reorder_on_device`): no host sync.
+        With `beam_idx` on a CUDA device this happens there (`BlockTables.reorder_owned_on_device`):
+        no host sync.
         """
         self._check_live()
         if beam_idx.shape != (self.num_rows,):
             raise ValueError(f"beam_idx has shape {tuple(beam_idx.shape)}, expected ({self.num_rows},)")
-        if beam_idx.device.type == "cuda" or self._device_table is not None:
-            self._reorder_on_device(beam_idx)
-            return
-        src_rows = np.asarray(beam_idx.tolist(), dtype=np.int64)
-        table = self._self_table[src_rows]
-        current = self.length // self.block_size  # the block the next token goes into
-        if self.length % self.block_size:
-            # It already holds the source's first tokens: copy them into the row's own block.
-            src, dst = table[:, current], self._owned[:, current]
-            moved = src != dst
-            self.pool.copy_blocks(src[moved], dst[moved])
-        table[:, current:] = self._owned[:, current:]
-        self._self_table = table
-        self._tables_dirty = True
-
-    def _reorder_on_device(self, beam_idx: torch.Tensor) -> None:
-        """`reorder_cache` on the device: the self table lives there from the first such reorder on
-        (`device_self_table`), and the partial block is copied for every row (a row continuing
-        from itself copies its block onto itself), so no value of `beam_idx` reaches the host."""
-        if self._device_table is None:
-            self._device_table = torch.from_numpy(self._self_table).to(beam_idx.device)
-        owned = self.owned_table(self._device_table.device)
-        table = self._device_table.index_select(0, beam_idx.to(self._device_table.device, torch.long))
-        current = self.length // self.block_size
-        if self.length % self.block_size:
-            self.pool.copy_blocks(table[:, current], owned[:, current])
-        table[:, current:] = owned[:, current:]
-        self._device_table = table
+        if beam_idx.device.type == "cuda" or self.rows.device_table is not None:
+            self.rows.reorder_owned_on_device(beam_idx, self.length)
+        else:
+            self.rows.reorder_owned(np.asarray(beam_idx.tolist(), dtype=np.int64), self.length)
+            self._tables_dirty = True
 
     def device_self_table(self) -> Optional[torch.Tensor]:
         """[rows, max_self_blocks] int32 on the device once beams were reordered there (the host
         copy is stale from then on), else None."""
-        return self._device_table
+        return self.rows.device_table
 
     # ---- bookkeeping --------------------------------------------------------------------
     def _check_live(self) -> None:
@@ -166,27 +138,26 @@ class PagedEncoderDecoderCache(Cache):
     @staticmethod
     def blocks_needed(source_lens: Sequence[int], expand: int, max_self_tokens: int, block_size: int) -> int:
         """Blocks one generate() call takes: every row's self blocks plus each source's cross blocks."""
-        cross = sum(_blocks_for(n, block_size) for n in source_lens)
-        return cross + len(source_lens) * expand * _blocks_for(max(max_self_tokens, 1), block_size)
+        cross = sum(blocks_for(n, block_size) for n in source_lens)
+        return cross + len(source_lens) * expand * blocks_for(max(max_self_tokens, 1), block_size)
 
     def owned_blocks(self) -> list[int]:
         """Every block this cache holds (self blocks it owns, then cross blocks)."""
-        return self._owned.reshape(-1).tolist() + [b for blocks in self.cross_blocks for b in blocks]
+        return self.rows.blocks_held() + self.sources.blocks_held()
+
+    def source_blocks(self, source: int) -> tuple[list[int], int]:
+        """(cross block ids, encoder tokens stored) of one source."""
+        held = int(self.sources.held[source])
+        return self.sources.table[source, :held].tolist(), int(self.sources.lens[source])
 
     def store_cross_plan(self, source_lens: Sequence[int]) -> torch.Tensor:
         """Allocate cross blocks per source; returns the slot mapping [sum(source_lens)] int64 (CPU)
         for the packed real encoder tokens, source by source."""
         self._check_live()
-        if self.cross_blocks:
+        if self.cross_stored:
             raise RuntimeError("cross-attention K/V were already stored for this cache")
-        bs = self.block_size
-        slots = []
-        for n in source_lens:
-            blocks = self.pool.manager.allocate(_blocks_for(n, bs))
-            self.cross_blocks.append(blocks)
-            self.cross_lens.append(n)
-            pos = np.arange(n)
-            slots.append(np.asarray(blocks, dtype=np.int64)[pos // bs] * bs + pos % bs)
+        slots = [self.sources.open(source, n) for source, n in enumerate(source_lens)]
+        self.cross_stored = True
         self._tables_dirty = True
         return torch.from_numpy(np.concatenate(slots)) if slots else torch.zeros(0, dtype=torch.int64)
 
@@ -202,35 +173,27 @@ class PagedEncoderDecoderCache(Cache):
                 f"the call); a step to {end} tokens does not fit"
             )
         self.length = end
+        self.rows.lens[:] = end
 
     def begin_step(self, num_new: int) -> torch.Tensor:
         """Slots for `num_new` more tokens in every row; returns slot_mapping [rows * num_new] int64 (CPU)."""
         start = self.length
         self.advance(num_new)
-        pos = np.arange(start, self.length)
-        slots = self._owned[:, pos // self.block_size].astype(np.int64) * self.block_size + pos % self.block_size
-        return torch.from_numpy(slots.reshape(-1))
+        rows = np.repeat(np.arange(self.num_rows), num_new)
+        positions = np.tile(np.arange(start, self.length), self.num_rows)
+        return torch.from_numpy(self.rows.slots_of(rows, positions))
 
     def owned_table(self, device: torch.device) -> torch.Tensor:
         """[rows, max_self_blocks] int32 on `device`: the blocks each row writes into."""
-        if self._device_owned is None or self._device_owned.device != torch.device(device):
-            self._device_owned = torch.from_numpy(self._owned).to(device)
-        return self._device_owned
+        return self.rows.owned_on(device)
 
     def host_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """CPU (self_block_table [rows, W] int32, self_seq_lens [rows] int32,
         cross_block_table [rows, Wc] int32, cross_seq_lens [rows] int32); rebuilt only when changed."""
         if self._tables_dirty or self._host is None:
-            width = max((len(b) for b in self.cross_blocks), default=1)
-            cross = np.zeros((self.num_sources, width), dtype=np.int32)  # unused entries are never read
-            for source, blocks in enumerate(self.cross_blocks):
-                cross[source, : len(blocks)] = blocks
-            lens = np.asarray(self.cross_lens or [0] * self.num_sources, dtype=np.int32)
-            self._host = (
-                torch.from_numpy(self._self_table.copy()),
-                torch.from_numpy(np.repeat(cross, self.expand, axis=0)),
-                torch.from_numpy(np.repeat(lens, self.expand)),
-            )
+            self_table, _ = self.rows.gather(np.arange(self.num_rows))
+            cross_table, cross_lens = self.sources.gather(self._source_of_row)
+            self._host = tuple(torch.from_numpy(t) for t in (self_table, cross_table, cross_lens))
             self._device_state.clear()
             self._tables_dirty = False
         self_table, cross_table, cross_lens = self._host
@@ -247,7 +210,7 @@ class PagedEncoderDecoderCache(Cache):
                 "cross_seq_lens": cross_lens.to(device),
             }
             self._device_state[device] = state
-        device_table = self._device_table
+        device_table = self.rows.device_table
         return StepMetadata(
             num_new=num_new,
             slot_mapping=slot_mapping.to(device, non_blocking=True),
@@ -261,7 +224,7 @@ class PagedEncoderDecoderCache(Cache):
         """Return every block to the pool. Idempotent; the cache is unusable afterwards."""
         if self.released:
             return
-        self.pool.manager.free(self.owned_blocks())
-        self.cross_blocks = []
+        self.rows.free_all()
+        self.sources.free_all()
         self._device_state.clear()
         self.released = True

@@ -78,7 +78,8 @@ def _cross_rows(pool_layer: torch.Tensor, cache: PagedEncoderDecoderCache, real:
     sources, source_len = real.shape
     heads, dim = pool_layer.shape[2:]
     out = pool_layer.new_zeros(sources, source_len, heads, dim)
-    for source, (blocks, n) in enumerate(zip(cache.cross_blocks, cache.cross_lens)):
+    for source in range(sources):
+        blocks, n = cache.source_blocks(source)
         ids = torch.tensor(blocks, dtype=torch.long, device=pool_layer.device)
         stored = pool_layer[ids].reshape(-1, heads, dim)[:n]  # the source's real tokens, in order
         out[source, real[source].nonzero().squeeze(1).to(pool_layer.device)] = stored

@@ -102,7 +102,7 @@ def make_forward(runtime: PagedRuntime, original):
         if past and ids.shape[1] > 1:
             ids = ids[:, past:]  # a caller that passes the whole history: keep the new tokens
         with torch.no_grad():
-            if not cache.cross_blocks:
+            if not cache.cross_stored:
                 store_cross(self.decoder, runtime.ops_for, cache, enc_hidden, kwargs.get("attention_mask"))
             logits = runtime.runner.decode(self, cache, ids)
         return Seq2SeqLMOutput(logits=logits, **{key: cache})

@@ -81,6 +81,13 @@ class KVPool:
             2 * self.block_size * s.num_heads * s.head_dim * torch.finfo(s.dtype).bits // 8 for s in self.specs
         )
 
+    def can_reserve(self, blocks_needed: int) -> bool:
+        """Whether `reserve(blocks_needed)` would succeed: enough free blocks, or growth within the cap."""
+        if blocks_needed <= self.manager.num_free:
+            return True
+        cap = self.config.max_num_blocks
+        return self.config.grow and (cap is None or self.manager.num_used + blocks_needed <= cap)
+
     def reserve(self, blocks_needed: int) -> None:
         """Make sure `blocks_needed` blocks are free, growing the pool if the config allows.
 
@@ -92,7 +99,7 @@ class KVPool:
             return
         target = self.manager.num_used + blocks_needed
         cap = self.config.max_num_blocks
-        if not self.config.grow or (cap is not None and target > cap):
+        if not self.can_reserve(blocks_needed):
             limit = cap if self.config.grow else self.num_blocks
             raise PoolExhaustedError(
                 f"this generate() call needs {blocks_needed} KV blocks of {self.block_size} tokens, but only "

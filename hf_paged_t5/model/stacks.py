@@ -207,12 +207,27 @@ def store_cross(
         encoder_mask = encoder_mask[:: cache.expand]
     index, lens, _, _ = pack_tokens(encoder_mask)
     packed = sources.reshape(-1, sources.shape[-1])[index.to(sources.device)]  # [total_tokens, d_model]
-    slots = cache.store_cross_plan(lens)
+    store_cross_packed(decoder, ops_for, cache.pool, packed, cache.store_cross_plan(lens))
+
+
+def store_cross_packed(
+    decoder: nn.Module,
+    ops_for: Callable[[torch.device], ModuleType],
+    pool: KVPool,
+    packed: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Every decoder layer's cross-attention K/V of `packed` [tokens, d_model] (real encoder tokens,
+    source by source) into the pool at `slot_mapping` [tokens] int64. The tokens and slots move
+    to each layer device once."""
+    on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
     for i, block in enumerate(decoder.block):
         device = module_device(block)
+        if device not in on_device:
+            on_device[device] = (packed.to(device), upload(slot_mapping, device))
+        tokens, slots = on_device[device]
         attn_ops.store_cross_kv(
-            ops_for(device), block.layer[1].EncDecAttention, packed.to(device),
-            cache.pool.key_caches[i], cache.pool.value_caches[i], slots.to(device),
+            ops_for(device), block.layer[1].EncDecAttention, tokens, pool.key_caches[i], pool.value_caches[i], slots,
         )
 
 
