@@ -82,9 +82,9 @@ class DecodeRows:
     def join(self, slot: int, min_new: int, max_new: int, eos: Sequence[int]) -> None:
         """A new row in `slot` (just taken from the cache), holding only the start token."""
         if 1 + max_new > self.history.shape[1]:
-            self.history = _grow_history(self.history, 1 + max_new)
+            self.history = _widen_repeating(self.history, 1 + max_new)
         if len(eos) > self.eos.shape[1]:
-            self.eos = _grow_history(self.eos, len(eos))
+            self.eos = _widen_repeating(self.eos, len(eos))
         self.steps[slot], self.length[slot], self.history[slot, 0] = 0, 1, self.start_id
         self.min_new[slot], self.max_new[slot] = min_new, max_new
         self.eos[slot, : len(eos)] = eos
@@ -188,7 +188,7 @@ class DecodeRows:
         return live[done]
 
 
-def _grow_history(table: np.ndarray, width: int) -> np.ndarray:
+def _widen_repeating(table: np.ndarray, width: int) -> np.ndarray:
     """`table` with at least `width` columns (doubling), the new ones copies of column 0."""
     new_width = max(width, 2 * table.shape[1])
     return np.concatenate([table, np.repeat(table[:, :1], new_width - table.shape[1], axis=1)], axis=1)
