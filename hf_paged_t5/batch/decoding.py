@@ -28,6 +28,7 @@ from torch import nn
 from transformers import GenerationConfig, LogitsProcessorList
 
 from ..decode.beam_start import BeamStart, fill_value
+from ..decode.min_length import forbid_eos, row_eos_mask
 from ..model.stacks import upload
 
 # Processors that read the scores only, never `input_ids`: they run on all rows at once.
@@ -84,9 +85,7 @@ class _RowMinNewTokens:
     """HF's MinLength / MinNewTokens processors with each row's own minimum: EOS is -inf until reached."""
 
     def apply(self, scores: torch.Tensor, limits: RowLimits) -> torch.Tensor:
-        blocked = (limits.generated < limits.min_new)[:, None].expand_as(limits.eos)  # [rows, num_eos]
-        mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, limits.eos, blocked)
-        return scores.masked_fill(mask, -math.inf)
+        return forbid_eos(scores, row_eos_mask(scores, limits.eos), (limits.generated < limits.min_new)[:, None])
 
 
 class _RowForcedEos:

@@ -22,7 +22,6 @@ processors none or min-length, stopping criteria max length and EOS. Anything el
 from __future__ import annotations
 
 import logging
-import math
 from typing import Optional
 
 import numpy as np
@@ -31,7 +30,8 @@ from torch import nn
 
 from .beam_start import BeamStart, fill_value
 from .late_flag import LateFlag
-from .loop import _MinLength, criteria_supported, eos_ids, lean_processors
+from .loop import criteria_supported, eos_ids, lean_processors
+from .min_length import MinLength, forbid_eos
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 def supported(generation_config, logits_processor, stopping_criteria) -> bool:
     if generation_config.do_sample:
         return False
-    if any(type(p) is not _MinLength for p in lean_processors(logits_processor)):
+    if any(type(p) is not MinLength for p in lean_processors(logits_processor)):
         return False
     return criteria_supported(stopping_criteria, generation_config)
 
@@ -69,7 +69,7 @@ class BeamStep:
         eos = cfg._eos_token_tensor
         pad = cfg._pad_token_tensor
         self.eos = eos_ids(stopping_criteria, device)
-        minimum = [p for p in lean_processors(logits_processor) if isinstance(p, _MinLength)]
+        minimum = [p for p in lean_processors(logits_processor) if isinstance(p, MinLength)]
         self.min_length = minimum  # applied in order, each with its own on/off flag
         self.min_masks = [p.eos_mask(vocab_size, device) for p in minimum]
         start = BeamStart.build(input_ids.reshape(batch, beams, -1), self.max_length, fill_value(pad, eos),
@@ -110,7 +110,7 @@ class BeamStep:
         """This step's numbers (HF's Python values for `cur_len`): [cur_len, cur_len - prompt_len,
         at max length, min-length flags...] and [length-penalty factor, heuristic factor]."""
         ints = [cur_len, cur_len - self.prompt_len, int(cur_len + 1 >= self.max_length)]
-        ints += [int(cur_len - p.skip < p.minimum) for p in self.min_length]
+        ints += [int(p.blocked(cur_len)) for p in self.min_length]
         if self.early_stopping == "never" and self.length_penalty > 0.0:
             best = self.max_length - self.prompt_len
         else:
@@ -184,7 +184,7 @@ class BeamStep:
         col, col_idx, at_max = ints[0], ints[1], ints[2].bool()
         log_probs = nn.functional.log_softmax(logits, dim=-1)
         for i, mask in enumerate(self.min_masks):
-            log_probs = torch.where(mask & ints[3 + i].bool(), -math.inf, log_probs)
+            log_probs = forbid_eos(log_probs, mask, ints[3 + i].bool())
         log_probs = log_probs.reshape(batch, beams, vocab) + self.running_beam_scores[:, :, None]
         log_probs = log_probs.reshape(batch, beams * vocab)
         # _get_top_k_continuations

@@ -17,14 +17,14 @@ decode step run eagerly on the same static buffers.
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch
 from transformers.generation.stopping_criteria import EosTokenCriteria
 
 from .graphs import DecodeGraphs, ResidentLoop, capture_update
-from .loop import _MinLength, criteria_supported, eos_ids, lean_processors
+from .loop import criteria_supported, eos_ids, lean_processors
+from .min_length import MinLength, forbid_eos
 
 # Largest batch whose captured update is kept across generate() calls (`DecodeGraphs.keep_update`).
 _CACHED_UPDATE_ROWS = 16
@@ -33,7 +33,7 @@ _CACHED_UPDATE_ROWS = 16
 def supported(generation_config, logits_processor, stopping_criteria) -> bool:
     if generation_config.do_sample or (generation_config.num_beams or 1) != 1:
         return False
-    if any(type(p) is not _MinLength for p in lean_processors(logits_processor)):
+    if any(type(p) is not MinLength for p in lean_processors(logits_processor)):
         return False
     if not criteria_supported(stopping_criteria, generation_config):
         return False
@@ -59,7 +59,7 @@ class GreedyStep:
         self.logits, self.step_ids, self.slot_mapping, self.self_seq_lens = logits, step_ids, slot_mapping, self_seq_lens
         self.owned, self.block_size = owned, block_size
         vocab = logits.shape[-1]
-        self.minimum = [p for p in lean_processors(logits_processor) if isinstance(p, _MinLength)]
+        self.minimum = [p for p in lean_processors(logits_processor) if isinstance(p, MinLength)]
         self.min_masks = [p.eos_mask(vocab, device) for p in self.minimum]
         self.eos = eos_ids(stopping_criteria, device)
         self.pad = None
@@ -79,7 +79,7 @@ class GreedyStep:
         """What a captured update bakes in besides the tensors `reset` refills: shapes, and the
         min-length processors' Python numbers. Two calls with one signature (and one static step)
         can share the captured update."""
-        minimum = tuple((p.minimum, p.skip) for p in lean_processors(logits_processor) if isinstance(p, _MinLength))
+        minimum = tuple((p.minimum, p.skip) for p in lean_processors(logits_processor) if isinstance(p, MinLength))
         eos = [c.eos_token_id.numel() for c in stopping_criteria if type(c) is EosTokenCriteria]
         return (input_ids.shape[0], generation_config.max_length, tuple(owned.shape), vocab, block_size, minimum,
                 sum(eos) if eos else None)
@@ -94,7 +94,7 @@ class GreedyStep:
         self.unfinished.fill_(True)
         self.all_done.fill_(False)
         self.owned.copy_(owned)
-        minimum = [p for p in lean_processors(logits_processor) if isinstance(p, _MinLength)]
+        minimum = [p for p in lean_processors(logits_processor) if isinstance(p, MinLength)]
         for p, mask in zip(minimum, self.min_masks):
             mask.copy_(p.eos_mask(mask.shape[0], self.device))
         if self.eos is not None:
@@ -107,7 +107,7 @@ class GreedyStep:
         cur = self.cur_len
         scores = self.logits[:, -1].to(torch.float32)  # HF: next_token_logits, a float32 copy
         for p, mask in zip(self.minimum, self.min_masks):
-            scores = torch.where(mask & (cur - p.skip < p.minimum), -math.inf, scores)
+            scores = forbid_eos(scores, mask, p.blocked(cur))
         tokens = torch.argmax(scores, dim=-1)
         if self.eos is not None:
             tokens = torch.where(self.unfinished, tokens, self.pad)

@@ -11,7 +11,6 @@ dropped (its K/V lands in blocks that `release()` frees), so the returned tokens
 from __future__ import annotations
 
 import inspect
-import math
 from typing import Callable, Optional
 
 import torch
@@ -26,30 +25,11 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 
 from .beam_start import BeamStart, fill_value
 from .late_flag import LateFlag
-
-
-class _MinLength:
-    """HF's MinLength / MinNewTokensLength processors with the EOS mask over the vocabulary built
-    once, not every step, and nothing done once the minimum is reached (same scores either way)."""
-
-    def __init__(self, eos_token_id: torch.Tensor, minimum: int, skip: int) -> None:
-        self.eos_token_id, self.minimum, self.skip = eos_token_id, minimum, skip
-        self.mask: Optional[torch.Tensor] = None  # [vocab] bool
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        if input_ids.shape[-1] - self.skip >= self.minimum:
-            return scores
-        if self.mask is None:
-            self.mask = self.eos_mask(scores.shape[-1], scores.device)
-        return torch.where(self.mask, -math.inf, scores)
-
-    def eos_mask(self, vocab_size: int, device: torch.device) -> torch.Tensor:
-        """[vocab_size] bool: the EOS ids this processor forbids below the minimum."""
-        return torch.isin(torch.arange(vocab_size, device=device), self.eos_token_id.to(device))
+from .min_length import MinLength
 
 
 def lean_processors(processors: LogitsProcessorList) -> list[Callable]:
-    """The same processors, in order; the two min-length ones replaced by `_MinLength`.
+    """The same processors, in order; the two min-length ones replaced by `MinLength`.
 
     `LogitsProcessorList.__call__` inspects every processor's signature every step; here that
     is done once (a processor that wants more arguments keeps HF's call, and HF's error).
@@ -57,9 +37,9 @@ def lean_processors(processors: LogitsProcessorList) -> list[Callable]:
     lean: list[Callable] = []
     for p in processors:
         if type(p) is MinNewTokensLengthLogitsProcessor:
-            lean.append(_MinLength(p.eos_token_id, p.min_new_tokens, p.prompt_length_to_skip))
+            lean.append(MinLength(p.eos_token_id, p.min_new_tokens, p.prompt_length_to_skip))
         elif type(p) is MinLengthLogitsProcessor:
-            lean.append(_MinLength(p.eos_token_id, p.min_length, 0))
+            lean.append(MinLength(p.eos_token_id, p.min_length, 0))
         elif len(inspect.signature(p.__call__).parameters) > 2:
             lean.append(LogitsProcessorList([p]))
         else:
