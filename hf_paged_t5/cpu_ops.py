@@ -182,10 +182,12 @@ def prefill(
     causal: bool = False,
     bias_table: Optional[torch.Tensor] = None,
     dense_bias: Optional[torch.Tensor] = None,
+    band_memo: Optional[dict] = None,
 ) -> torch.Tensor:
     """Attention within each packed sequence (see `reference.prefill`).
 
     query, key, value: [total_tokens, num_heads, head_dim]; cu_seqlens: [batch + 1] int32;
+    band_memo: the Triton kernel's cache of what it derives from the table; unused here
     returns [total_tokens, num_heads, head_dim], query's dtype
     """
     total, num_heads, head_dim = query.shape

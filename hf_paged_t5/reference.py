@@ -131,6 +131,7 @@ def prefill(
     causal: bool = False,
     bias_table: Optional[torch.Tensor] = None,
     dense_bias: Optional[torch.Tensor] = None,
+    band_memo: Optional[dict] = None,
 ) -> torch.Tensor:
     """Attention within each packed sequence (varlen, no padding), O(L) memory in the kernel.
 
@@ -142,6 +143,7 @@ def prefill(
         table [num_heads, 2 * max_distance + 1] otherwise; or None
     dense_bias: [batch | 1, num_heads | 1, max_seqlen, max_seqlen] indexed by positions
         within the sequence, or None. At most one of bias_table / dense_bias.
+    band_memo: the kernel's cache of what it derives from the table; unused here
     returns: [total_tokens, num_heads, head_dim], query's dtype
     """
     out = torch.empty_like(query)

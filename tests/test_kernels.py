@@ -669,31 +669,36 @@ def test_gemv_refuses_what_it_does_not_serve():
         kernels.gemv(torch.randn(1, 15).half(), w)
 
 
-def test_prefill_band_tiles_kept_on_the_table():
-    """The band tiles are built once per table and tile shape and rebuilt after an in-place write
-    to the table (the result follows the new values)."""
+def test_prefill_band_tiles_kept_in_the_memo():
+    """Given the owner's memo, the band tiles are built once per table and tile shape and rebuilt
+    after an in-place write to the table (the result follows the new values); without one, they
+    are built every call and kept nowhere."""
     num_heads, head_dim, lens = 2, 16, [40, 23]
     query, key, value, cu_seqlens = packed(lens, num_heads, head_dim, torch.float32, seed=8)
     table = torch.randn(num_heads, 15, device=DEVICE)  # max_distance 7
     config = PrefillConfig(16, 16, 4, 2, band_tiles=True)
+    memo = {}
     args = dict(query=query, key=key, value=value, cu_seqlens=cu_seqlens, max_seqlen=max(lens), bias_table=table,
-                config=config)
+                config=config, band_memo=memo)
     prefill(**args)
-    kept = table._hf_paged_t5_band[1]
+    kept = memo["band"][1]
     prefill(**args)
-    assert table._hf_paged_t5_band[1] is kept
+    assert memo["band"][1] is kept
     with torch.no_grad():
         table.mul_(-2.0)
     out = prefill(**args)
-    assert table._hf_paged_t5_band[1] is not kept
+    assert memo["band"][1] is not kept
     ref = prefill_reference(query, key, value, cu_seqlens, max(lens), bias_table=table)
     assert rel_err(out, ref) < TOLERANCE[torch.float32]
+    args.pop("band_memo")
+    assert torch.equal(prefill(**args), out)
+    assert vars(table) == {}  # nothing hangs on the caller's tensor
 
 
 def test_prefill_band_tiles_with_inference_tensors():
     """A table made under torch.inference_mode has no version counter: its band tiles are rebuilt
-    every call, never kept on it; the patched model's own tables are normal tensors even when built
-    under inference mode, so theirs are kept."""
+    every call, never kept; the patched model's own tables are normal tensors even when built
+    under inference mode, so theirs are kept, in one memo per distinct table."""
     from hf_paged_t5.model.bias import BiasTableCache
     from hf_paged_t5 import tiny
 
@@ -702,13 +707,17 @@ def test_prefill_band_tiles_with_inference_tensors():
     config = PrefillConfig(16, 16, 4, 2, band_tiles=True)
     with torch.inference_mode():
         table = torch.randn(num_heads, 15, device=DEVICE)
+        memo = {}
         args = dict(query=query, key=key, value=value, cu_seqlens=cu_seqlens, max_seqlen=max(lens), config=config)
-        out = prefill(**args, bias_table=table)
-        assert not hasattr(table, "_hf_paged_t5_band")
-        assert torch.equal(prefill(**args, bias_table=table), out)
+        out = prefill(**args, bias_table=table, band_memo=memo)
+        assert memo == {}
+        assert torch.equal(prefill(**args, bias_table=table, band_memo=memo), out)
         model = tiny.build_model().to(DEVICE)
-        own = BiasTableCache(on_rebuild=lambda: None).get(model.encoder, causal=False)[0]
-        assert not own.is_inference()
+        cache = BiasTableCache(on_rebuild=lambda: None)
+        own = cache.get(model.encoder, causal=False)
+        memos = cache.memos(model.encoder, causal=False)
+        assert not own[0].is_inference()
+        assert len(memos) == len(own) and all(m is memos[0] for m in memos)  # T5: one table for all layers
     ref = prefill_reference(query, key, value, cu_seqlens, max(lens), bias_table=table)
     assert rel_err(out, ref) < TOLERANCE[torch.float32]
 

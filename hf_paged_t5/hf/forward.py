@@ -66,7 +66,8 @@ def make_encoder_forward(runtime: PagedRuntime, original):
             runtime.check_weights()
         tables = runtime.bias_tables(self, causal=False)
         # given input_ids, only the real tokens are embedded (inside encoder_forward)
-        hidden = encoder_forward(self, runtime.ops_for, tables, inputs_embeds, attention_mask, input_ids=input_ids)
+        hidden = encoder_forward(self, runtime.ops_for, tables, inputs_embeds, attention_mask, input_ids=input_ids,
+                                 band_memos=runtime.band_memos(self))
         # the class T5's stacks return (a caller that compiles generate() sees one type either way)
         out = BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=hidden)
         if return_dict is None:

@@ -58,6 +58,10 @@ class PagedRuntime:
         """Each layer's bias table of `stack` (`bias.BiasTableCache`; no host sync)."""
         return self.tables.get(stack, causal)
 
+    def band_memos(self, stack: nn.Module) -> list[dict]:
+        """Each encoder layer's memo for the prefill kernel's band tiles (`bias.BiasTableCache.memos`)."""
+        return self.tables.memos(stack, causal=False)
+
     def check_weights(self) -> None:
         """Once per generate() call and batch job: drop bias tables whose weights were written in
         place (one host sync); never per decode step."""

@@ -390,23 +390,23 @@ def _band_tiles(bias_table: torch.Tensor, max_distance: int, first: int, count: 
     return band
 
 
-def _cached_band_tiles(bias_table: torch.Tensor, max_distance: int, first: int, count: int, block_m: int,
-                       block_n: int) -> torch.Tensor:
-    """`_band_tiles`, kept on the table tensor itself for its next call: T5's layers share one
-    table, so an encoder builds its band tiles once, not once per layer (a launch each). Rebuilt
-    when the table is written in place (its version counter moves) or the tile shape changes;
-    never while a CUDA graph is being captured (the tiles would live in the graph's pool). A
-    table made under torch.inference_mode has no version counter: its tiles are built every call
-    (the patched model's tables are made outside inference mode, `bias.BiasTableCache`)."""
-    if bias_table.is_inference():
+def _cached_band_tiles(bias_table: torch.Tensor, memo: Optional[dict], max_distance: int, first: int, count: int,
+                       block_m: int, block_n: int) -> torch.Tensor:
+    """`_band_tiles`, kept in the caller's `memo` for its next call: T5's layers share one table, so
+    an encoder that passes the same memo for every layer builds its band tiles once, not once per
+    layer (a launch each). Rebuilt when the tile shape or device changes or the table is written in
+    place (its version counter moves); never kept while a CUDA graph is being captured (the tiles
+    would live in the graph's pool), nor for a table made under torch.inference_mode (no version
+    counter). Without a memo, built every call."""
+    if memo is None or bias_table.is_inference():
         return _band_tiles(bias_table, max_distance, first, count, block_m, block_n)
-    key = (bias_table._version, max_distance, first, count, block_m, block_n)
-    kept = getattr(bias_table, "_hf_paged_t5_band", None)
+    key = (bias_table.device, bias_table._version, max_distance, first, count, block_m, block_n)
+    kept = memo.get("band")
     if kept is not None and kept[0] == key:
         return kept[1]
     band = _band_tiles(bias_table, max_distance, first, count, block_m, block_n)
     if not (bias_table.is_cuda and torch.cuda.is_current_stream_capturing()):
-        bias_table._hf_paged_t5_band = (key, band)
+        memo["band"] = (key, band)
     return band
 
 
@@ -421,6 +421,7 @@ def prefill(
     bias_table: Optional[torch.Tensor] = None,
     dense_bias: Optional[torch.Tensor] = None,
     config: Optional[PrefillConfig] = None,
+    band_memo: Optional[dict] = None,
 ) -> torch.Tensor:
     """Attention within each packed sequence (varlen, no padding), O(L) memory.
 
@@ -433,6 +434,8 @@ def prefill(
     dense_bias: [batch | 1, num_heads | 1, max_seqlen, max_seqlen] indexed by positions
         within the sequence, or None. At most one of bias_table / dense_bias.
     config: optional override of the launch knobs (tuning)
+    band_memo: a dict the owner of `bias_table` keeps with it, where the tiles derived from the
+        table are kept between calls (`_cached_band_tiles`); None: derived every call
     returns: [total_tokens, num_heads, head_dim], query's dtype
     """
     max_distance = check_prefill_args(query, key, value, cu_seqlens, max_seqlen, causal, bias_table, dense_bias)
@@ -464,7 +467,7 @@ def prefill(
     band, band_first, band_count = bias, 0, 0  # unused placeholders without band tiles
     if band_tiles:
         band_first, band_count = band_range(max_distance, config.block_m, config.block_n)
-        band = _cached_band_tiles(bias_table, max_distance, band_first, band_count, config.block_m, config.block_n)
+        band = _cached_band_tiles(bias_table, band_memo, max_distance, band_first, band_count, config.block_m, config.block_n)
     # fp32 callers expect fp32 matmuls (HF parity); TF32 would cost ~3 decimal digits.
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     grid = (triton.cdiv(max_seqlen, config.block_m), batch, num_heads)

@@ -122,16 +122,18 @@ def encoder_self_attention(
     cu_seqlens: torch.Tensor,
     max_seqlen: int,
     bias_table: torch.Tensor,
+    band_memo: Optional[dict] = None,
 ) -> torch.Tensor:
     """Bidirectional attention within each packed sequence.
 
     hidden: [total_tokens, d_model] (already layer-normed); returns [total_tokens, d_model]
-    bias_table: [num_heads, 2 * D + 1] float32 (see bias.py)
+    bias_table: [num_heads, 2 * D + 1] float32 (see bias.py); band_memo: the table's memo for
+    what the kernel derives from it (`BiasTableCache.memos`), or None
     """
     q, k, v = _heads(attn.q(hidden), attn), _heads(attn.k(hidden), attn), _heads(attn.v(hidden), attn)
     out = ops.prefill(
         query=q, key=k, value=v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-        scale=1.0, causal=False, bias_table=bias_table,
+        scale=1.0, causal=False, bias_table=bias_table, band_memo=band_memo,
     )  # [total_tokens, num_heads, head_dim]
     del q, k, v  # three [total_tokens, inner_dim] tensors: not held through the output projection
     return attn.o(out.reshape(hidden.shape[0], -1))

@@ -70,13 +70,16 @@ class _StackTables:
     """One stack's tables and what they were built from.
 
     stamp: (data_ptr, device, dtype, shape) of each weight; snapshot: a flat copy of the weights;
-    tables: one per layer; weights: the stack's distinct bias weights
+    tables: one per layer; weights: the stack's distinct bias weights; memos: one per layer, a
+    dict the prefill kernel keeps what it derives from that layer's table in (layers sharing a
+    table share its memo), dropped with the tables
     """
 
     stamp: tuple
     snapshot: torch.Tensor
     tables: list[torch.Tensor]
     weights: list[torch.Tensor]
+    memos: list[dict]
 
 
 def _stamp(weights: list[torch.Tensor]) -> tuple:
@@ -114,13 +117,21 @@ class BiasTableCache:
             return cached.tables
         build = causal_bias_table if causal else bidirectional_bias_table
         by_module: dict[int, torch.Tensor] = {}
-        # Normal tensors even inside torch.inference_mode: their version counter lets the prefill
-        # kernel keep what it derives from a table (its band tiles) until the table changes.
+        # Normal tensors even inside torch.inference_mode: with a version counter, the prefill
+        # kernel keeps what it derives from a table (its band tiles, in the layer's memo).
         with torch.inference_mode(False):
             tables = [by_module.setdefault(id(m), build(m)) for m in modules]
-        self._stacks[key] = _StackTables(_stamp(weights), _flat_copy(weights), tables, weights)
+        memo_of: dict[int, dict] = {}
+        memos = [memo_of.setdefault(id(m), {}) for m in modules]
+        self._stacks[key] = _StackTables(_stamp(weights), _flat_copy(weights), tables, weights, memos)
         self._on_rebuild()
         return tables
+
+    def memos(self, stack: nn.Module, causal: bool) -> list[dict]:
+        """One dict per layer of `stack` for the prefill kernel's derived tiles (see `_StackTables`),
+        kept as long as the tables `get` returns."""
+        self.get(stack, causal)
+        return self._stacks["decoder" if causal else "encoder"].memos
 
     def check(self) -> None:
         """Drop the tables whose weights changed since they were built (`get` rebuilds them)."""

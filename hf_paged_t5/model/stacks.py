@@ -136,13 +136,15 @@ def encoder_forward(
     attention_mask: Optional[torch.Tensor],
     input_ids: Optional[torch.Tensor] = None,
     packed: bool = False,
+    band_memos: Optional[list[dict]] = None,
 ) -> torch.Tensor:
     """T5 encoder over the real tokens only (varlen); padded positions of the output are 0.
 
     inputs_embeds: [batch, seq_len, d_model], or None with input_ids [batch, seq_len]: then only
     the real tokens are embedded (no [batch, seq_len, d_model] copy of the embeddings is made);
     attention_mask: [batch, seq_len] or None; on the CPU, nothing here waits for the device
-    bias_tables[i]: layer i's bidirectional table (see bias.py)
+    bias_tables[i]: layer i's bidirectional table (see bias.py); band_memos[i]: its memo for the
+    prefill kernel (`BiasTableCache.memos`), or None
     packed: return the real tokens only, [total_tokens, d_model] row by row (no padded copy)
     returns: last_hidden_state [batch, seq_len, d_model] (or packed, above)
     """
@@ -169,6 +171,7 @@ def encoder_forward(
         del out
         out = sa.dropout(attn_ops.encoder_self_attention(
             ops, sa.SelfAttention, normed, cu_seqlens.to(device), max_seqlen, bias_tables[i].to(device),
+            None if band_memos is None else band_memos[i],
         ))
         normed, hidden = attn_ops.add_norm(ops, ff.layer_norm, hidden, out)
         del out
