@@ -86,6 +86,29 @@ def test_user_decoder_input_ids():
     compare_with_stock(model, input_ids=ids, attention_mask=mask, decoder_input_ids=dec, max_new_tokens=10)
 
 
+@pytest.mark.parametrize("length, reserved", [(dict(max_length=12), 11), (dict(), 23), (dict(max_new_tokens=6), 9)],
+                         ids=["max_length", "default", "max_new_tokens"])
+def test_decoder_prompt_sizes_the_cache_as_hf_counts(monkeypatch, length, reserved):
+    """With a decoder prompt of 3 tokens (start token included), HF's max_length counts the whole
+    decoder sequence, its default counts 20 new tokens after the prompt and max_new_tokens new
+    ones: HF's tokens, and the cache sized for what HF can reach (the prompt is counted with one
+    more start token, as HF would prepend one to a prompt without it)."""
+    model = make_model("t5", seed=10)
+    ids, mask = make_batch([10, 6])
+    dec = torch.tensor([[0, 57, 91], [0, 12, 7]])
+    sizes = []
+    original = hp.PagedEncoderDecoderCache.__init__
+
+    def spy(self, pool, num_sources, expand, max_self_tokens):
+        sizes.append(max_self_tokens)
+        original(self, pool, num_sources, expand, max_self_tokens)
+
+    monkeypatch.setattr(hp.PagedEncoderDecoderCache, "__init__", spy)
+    ref, _ = compare_with_stock(model, input_ids=ids, attention_mask=mask, decoder_input_ids=dec, **length)
+    assert sizes == [reserved]
+    assert ref.shape[1] - 1 <= reserved
+
+
 def test_streamer_and_scores(capsys):
     model = make_model("t5", seed=11)
     ids, mask = make_batch([8])

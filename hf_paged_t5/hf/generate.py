@@ -79,12 +79,22 @@ def _paged_generate(runtime, model, original, inputs, generation_config, gen_con
                     source, source_lens):
     expand = max(gen_config.num_beams or 1, gen_config.num_return_sequences or 1)
     dec_ids = model_kwargs.get("decoder_input_ids")
-    start_len = (dec_ids.shape[1] + 1) if dec_ids is not None else 1
-    new = gen_config.max_new_tokens if gen_config.max_new_tokens is not None else gen_config.max_length
-    if new is None:  # neither set: HF generates its default max_length (20) new tokens
-        new = _default_max_length()
-    # the last new token is returned, never fed back: the cache holds start_len + new - 1 tokens
-    max_self_tokens = start_len + new - 1
+    start_len = (dec_ids.shape[1] + 1) if dec_ids is not None else 1  # at most: HF may not prepend the start
+    # HF's `_prepare_generated_length`: max_new_tokens counts new tokens; a max_length set anywhere
+    # counts the whole decoder sequence; neither set: its default max_length of new tokens
+    has_default_max_length = (
+        kwargs.get("max_length") is None
+        and (generation_config is None or generation_config.max_length is None)
+        and model.generation_config.max_length is None
+    )
+    if gen_config.max_new_tokens is not None:
+        total = start_len + gen_config.max_new_tokens
+    elif has_default_max_length or gen_config.max_length is None:
+        total = start_len + (gen_config.max_length or _default_max_length())
+    else:
+        total = gen_config.max_length
+    # the last new token is returned, never fed back; the prompt is stored whatever the length
+    max_self_tokens = max(total - 1, start_len)
     # a user's MaxLengthCriteria replaces HF's default one, and may allow more (total decoder length)
     for c in kwargs.get("stopping_criteria") or ():
         if isinstance(c, MaxLengthCriteria):
