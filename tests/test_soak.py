@@ -192,9 +192,8 @@ SLOW_MIX_SEEDS = tuple(range(3, 24))
 
 
 def _largest_call(umt5: bool) -> dict:
-    """Call 0: as many blocks as any later call reserves (rows x beams, source, prompt, new tokens).
-    With max_length, patched generate() reserves the prompt plus max_length tokens (max_length
-    counts the prompt: more than the call can use), so call 0 asks with the largest max_length."""
+    """Call 0: as many blocks as any later call reserves (rows x beams, source, prompt, new tokens):
+    the longest prompt and the largest max_length (which counts the prompt) a later call can ask."""
     ids, mask = make_batch([MAX_SRC] * MAX_ROWS, seed=0)
     longest = MAX_NEW + MAX_PROMPT + 1
     kw = dict(input_ids=ids, attention_mask=mask, num_beams=MAX_BEAMS, max_length=longest, min_length=longest)
@@ -331,6 +330,7 @@ def test_soak_gpu():
     warm = time.perf_counter() - start
 
     def measure() -> int:
+        gc.collect()  # the checked calls' stock and fp64 outputs may sit in reference cycles until collected
         torch.cuda.synchronize()
         return torch.cuda.memory_allocated()
 
