@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from transformers import GenerationConfig, LogitsProcessorList
 
-from ..decode.beam_start import BeamStart, fill_value
+from ..decode.beam_state import BeamState, fill_value
 from ..decode.min_length import forbid_eos, row_eos_mask
 from ..model.stacks import upload
 
@@ -144,97 +144,38 @@ class LogitsRules:
         return scores
 
 
-class BeamGroup:
-    """HF beam-search state of `batch` requests that share cur_len, max_length and EOS ids.
+class BeamGroup(BeamState):
+    """The `BeamState` of `batch` requests that share cur_len, max_length and EOS ids (the decoder
+    start token as prompt), stepped by HF's helpers with each row's own length limits.
 
-    running_sequences / sequences: [batch, num_beams, max_length] int64
-    running_beam_scores / beam_scores: [batch, num_beams] float32
-    running_beam_indices / beam_indices: [batch, num_beams, max_length - 1] int32
-    is_sent_finished, next_token_hits: [batch, num_beams | beams_to_keep] bool
-    is_early_stop_heuristic_unsatisfied: [batch, 1] bool
     limits: `RowLimits` of the batch * num_beams rows, built once (`generated` is set each step)
     """
 
     def __init__(self, model: nn.Module, config: GenerationConfig, min_new: Sequence[int], max_length: int,
                  eos: Sequence[int], start_id: int, pad_id: Optional[int], device: torch.device) -> None:
-        self.model, self.config = model, config
-        self.num_beams = k = config.num_beams
-        self.max_length, self.cur_len = max_length, 1
+        k = config.num_beams
         batch, rows = len(min_new), len(min_new) * k
+        prompt = torch.full((batch, k, 1), start_id, dtype=torch.long, device=device)
+        super().__init__(prompt, max_length, fill_value(pad_id, list(eos)), len(eos))
+        self.model, self.config = model, config
         self.limits = RowLimits.build([0] * rows, [m for m in min_new for _ in range(k)], [max_length - 1] * rows,
                                       [eos] * rows, device)
         self.eos = torch.tensor(list(eos), dtype=torch.long, device=device)
-        prompt = torch.full((batch, k, 1), start_id, dtype=torch.long, device=device)
-        start = BeamStart.build(prompt, max_length, fill_value(pad_id, list(eos)), len(eos))
-        self.beams_to_keep, self.top_num_beam_mask = start.beams_to_keep, start.top_num_beam_mask
-        self.running_sequences, self.sequences = start.running_sequences, start.sequences
-        self.running_beam_scores, self.beam_scores = start.running_beam_scores, start.beam_scores
-        self.is_sent_finished = start.is_sent_finished
-        self.is_early_stop_heuristic_unsatisfied = start.is_early_stop_heuristic_unsatisfied
-        self.next_token_hits = torch.zeros((batch, k), dtype=torch.bool, device=device)
-        self.running_beam_indices, self.beam_indices = start.running_beam_indices, start.beam_indices
 
-    @property
-    def batch(self) -> int:
-        return self.running_sequences.shape[0]
-
-    def next_ids(self) -> torch.Tensor:
-        """[batch * num_beams] the last token of every running beam (the next step's input)."""
-        return self.running_sequences[:, :, self.cur_len - 1].reshape(-1)
-
-    def history(self) -> torch.Tensor:
-        """[batch * num_beams, cur_len] the running beams, as HF's processors see them."""
-        return self.running_sequences[:, :, : self.cur_len].reshape(self.batch * self.num_beams, -1)
-
-    def advance(self, logits: torch.Tensor, rules: LogitsRules) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(self, logits: torch.Tensor, rules: LogitsRules) -> tuple[torch.Tensor, torch.Tensor]:
         """One beam-search step from logits [batch * num_beams, vocab] float32.
 
-        Returns (beam_idx [batch * num_beams] int32: the group row each row continues from, as HF's
+        Returns (beam_idx [batch * num_beams]: the group row each row continues from, as HF's
         `reorder_cache` gets it; unfinished [batch] bool: HF's loop would go on for the request alone).
         """
-        m, cfg, b, k = self.model, self.config, self.batch, self.num_beams
-        cur_len, vocab = self.cur_len, logits.shape[-1]
-        self.limits.generated.fill_(cur_len - 1)
+        self.limits.generated.fill_(self.cur_len - 1)
         log_probs = rules(self.history(), nn.functional.log_softmax(logits, dim=-1), self.limits)
-        log_probs = (log_probs.view(b, k, vocab) + self.running_beam_scores[:, :, None]).reshape(b, k * vocab)
-        topk_log_probs, topk_sequences, topk_beam_indices = m._get_top_k_continuations(
-            accumulated_log_probs=log_probs, running_sequences=self.running_sequences,
-            running_beam_indices=self.running_beam_indices, cur_len=cur_len, decoder_prompt_len=1,
-            do_sample=cfg.do_sample, beams_to_keep=self.beams_to_keep, num_beams=k, batch_size=b, vocab_size=vocab,
-        )
-        # HF's MaxLengthCriteria and EosTokenCriteria on the candidates
-        hits = torch.isin(topk_sequences[:, :, cur_len], self.eos) | (cur_len + 1 >= self.max_length)
-        self.next_token_hits = hits
-        self.running_sequences, self.running_beam_scores, self.running_beam_indices = (
-            m._get_running_beams_for_next_iteration(
-                topk_log_probs=topk_log_probs, topk_running_sequences=topk_sequences,
-                topk_running_beam_indices=topk_beam_indices, next_token_hits_stopping_criteria=hits, num_beams=k,
-            )
-        )
-        self.sequences, self.beam_scores, self.beam_indices, self.is_sent_finished = m._update_finished_beams(
-            sequences=self.sequences, topk_running_sequences=topk_sequences, beam_scores=self.beam_scores,
-            topk_log_probs=topk_log_probs, beam_indices=self.beam_indices,
-            topk_running_beam_indices=topk_beam_indices,
-            is_early_stop_heuristic_unsatisfied=self.is_early_stop_heuristic_unsatisfied,
-            is_sent_finished=self.is_sent_finished, next_token_hits_stopping_criteria=hits,
-            top_num_beam_mask=self.top_num_beam_mask, num_beams=k, cur_len=cur_len, decoder_prompt_len=1,
-            length_penalty=cfg.length_penalty, early_stopping=cfg.early_stopping,
-        )
-        beam_idx = self.running_beam_indices[:, :, cur_len - 1].reshape(-1)
-        self.cur_len = cur_len = cur_len + 1
-        self.is_early_stop_heuristic_unsatisfied = m._check_early_stop_heuristic(
-            is_early_stop_heuristic_unsatisfied=self.is_early_stop_heuristic_unsatisfied,
-            running_beam_scores=self.running_beam_scores, beam_scores=self.beam_scores,
-            is_sent_finished=self.is_sent_finished, cur_len=cur_len, max_length=self.max_length,
-            decoder_prompt_len=1, early_stopping=cfg.early_stopping, length_penalty=cfg.length_penalty,
-        )
-        # HF's _beam_search_has_unfinished_sequences, per request
-        unfinished = (
-            self.is_early_stop_heuristic_unsatisfied[:, 0]
-            & ~(self.is_sent_finished.all(dim=-1) & (cfg.early_stopping is True))
-            & ~hits.all(dim=-1)
-        )
-        return beam_idx, unfinished
+
+        def hits_of(candidates: torch.Tensor, cur_len: int) -> torch.Tensor:  # HF's EOS and max-length criteria
+            return torch.isin(candidates[:, :, cur_len], self.eos) | (cur_len + 1 >= self.max_length)
+
+        beam_idx = self.advance(self.model, self.config, log_probs, hits_of)
+        return beam_idx, self.unfinished_each(self.config.early_stopping)
 
     def output(self, position: int) -> tuple[list[list[int]], list[float]]:
         """The finished request at `position`: its num_return_sequences rows, cropped as generate() crops
@@ -246,10 +187,7 @@ class BeamGroup:
 
     def keep(self, positions: Sequence[int]) -> None:
         """Drop every request but those at `positions` (in that order)."""
+        super().keep(positions)
         index = torch.tensor(list(positions), dtype=torch.long, device=self.running_sequences.device)
         k = self.num_beams
         self.limits = self.limits.select((index[:, None] * k + torch.arange(k, device=index.device)).reshape(-1))
-        for name in ("running_sequences", "sequences", "running_beam_scores", "beam_scores", "is_sent_finished",
-                     "is_early_stop_heuristic_unsatisfied", "next_token_hits", "running_beam_indices",
-                     "beam_indices"):
-            setattr(self, name, getattr(self, name).index_select(0, index))

@@ -256,7 +256,7 @@ class BatchRun:
         gen, offset, steps = self.gen, 0, []
         for group in self.groups:
             n = group.batch * group.num_beams
-            steps.append(group.advance(logits[offset : offset + n], gen.rules))
+            steps.append(group.step(logits[offset : offset + n], gen.rules))
             offset += n
         # One host sync for every group's reorder indices and unfinished flags: the next step cannot be
         # queued before them, since they decide which blocks its rows read and write.

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .beam_start import BeamStart, fill_value
+from .beam_state import BeamState, fill_value
 from .late_flag import LateFlag
 from .loop import criteria_supported, eos_ids, lean_processors
 from .min_length import MinLength, forbid_eos
@@ -51,8 +51,8 @@ def _gather(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return torch.take_along_dim(tensor, index, dim=1)
 
 
-class BeamStep:
-    """The state of one beam search and its per-step update (see the module docstring).
+class BeamStep(BeamState):
+    """One beam search's `BeamState` and its capturable per-step update (see the module docstring).
 
     input_ids: [batch * num_beams, prompt_len] decoder prompt, on the model's device.
     """
@@ -60,25 +60,21 @@ class BeamStep:
     def __init__(self, input_ids, generation_config, logits_processor, stopping_criteria, vocab_size: int) -> None:
         cfg = generation_config
         device = input_ids.device
-        self.device, self.num_beams, self.vocab = device, cfg.num_beams, vocab_size
-        self.max_length, self.length_penalty, self.early_stopping = cfg.max_length, cfg.length_penalty, cfg.early_stopping
-        self.num_return_sequences = cfg.num_return_sequences
-        flat_rows, self.prompt_len = input_ids.shape
-        self.batch = batch = flat_rows // self.num_beams
-        beams = self.num_beams
+        beams = cfg.num_beams
+        batch = input_ids.shape[0] // beams
         eos = cfg._eos_token_tensor
-        pad = cfg._pad_token_tensor
+        super().__init__(input_ids.reshape(batch, beams, -1), cfg.max_length, fill_value(cfg._pad_token_tensor, eos),
+                         eos.shape[0] if eos is not None else 0)
+        self.device, self.vocab = device, vocab_size
+        self.length_penalty, self.early_stopping = cfg.length_penalty, cfg.early_stopping
+        self.num_return_sequences = cfg.num_return_sequences
         self.eos = eos_ids(stopping_criteria, device)
         minimum = [p for p in lean_processors(logits_processor) if isinstance(p, MinLength)]
         self.min_length = minimum  # applied in order, each with its own on/off flag
         self.min_masks = [p.eos_mask(vocab_size, device) for p in minimum]
-        start = BeamStart.build(input_ids.reshape(batch, beams, -1), self.max_length, fill_value(pad, eos),
-                                eos.shape[0] if eos is not None else 0)
-        self.beams_to_keep, self.top_num_beam_mask = start.beams_to_keep, start.top_num_beam_mask
-        self.running_sequences, self.sequences = start.running_sequences, start.sequences
-        self.running_beam_scores, self.beam_scores = start.running_beam_scores, start.beam_scores
-        self.is_sent_finished, self.heuristic = start.is_sent_finished, start.is_early_stop_heuristic_unsatisfied
-        self.running_beam_indices, self.beam_indices = start.running_beam_indices, start.beam_indices
+        self.heuristic = self.is_early_stop_heuristic_unsatisfied  # updated in place (copy_) from here on
+        # (the step counter is the caller's, or `make_resident`'s on the device: `cur_len`, `history`
+        # and `next_ids` of the base class stay at the prompt)
         self.batch_offset = torch.arange(batch, device=device).view(-1, 1) * beams
         # per-step inputs: [cur_len, cur_len - prompt_len, at max length, min-length flags...] and
         # [length-penalty factor, heuristic factor] (see `_factor`)
@@ -265,15 +261,6 @@ class BeamStep:
         else:
             self.update()
 
-    def result(self) -> torch.Tensor:
-        """The sequences HF's `_beam_search` returns without `return_dict_in_generate`."""
-        nrs = self.num_return_sequences
-        sequences = self.sequences[:, :nrs].reshape(self.batch * nrs, -1)
-        beam_indices = self.beam_indices[:, :nrs].reshape(self.batch * nrs, -1)
-        max_generated_length = ((beam_indices + 1).bool()).sum(dim=1).max()
-        return sequences[:, : self.prompt_len + max_generated_length]
-
-
 def graph_beam_loop(step, prefill, reorder, input_ids, logits_processor, stopping_criteria, generation_config,
                     capture: bool = True, streams=None):
     """Beam search with `BeamStep` (captured as a graph on CUDA when `capture`, i.e. unless the
@@ -306,7 +293,7 @@ def graph_beam_loop(step, prefill, reorder, input_ids, logits_processor, stoppin
         stop, _ = late.queue_unless(state.unfinished, False, queue)
         if stop:
             break
-    return state.result()
+    return state.result(state.num_return_sequences)
 
 
 def resident_beam_loop(graphs, step_fn, cache, prefill, input_ids, logits_processor, stopping_criteria,
@@ -329,4 +316,4 @@ def resident_beam_loop(graphs, step_fn, cache, prefill, input_ids, logits_proces
             break  # every candidate hit max length: HF stops here too, known on the host
         if loop.next_step(state.unfinished, stop_on=False):
             break  # the step just queued is dropped
-    return state.result()
+    return state.result(state.num_return_sequences)

@@ -23,7 +23,7 @@ from transformers.generation.logits_process import (
 )
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
-from .beam_start import BeamStart, fill_value
+from .beam_state import BeamState, fill_value
 from .late_flag import LateFlag
 from .min_length import MinLength
 
@@ -134,16 +134,6 @@ def sample_loop(
     return input_ids
 
 
-def _unflatten(t: torch.Tensor, batch: int, beams: int) -> torch.Tensor:
-    """[batch * beams, ...] -> [batch, beams, ...]"""
-    return t.reshape(batch, beams, *t.shape[1:])
-
-
-def _flatten(t: torch.Tensor) -> torch.Tensor:
-    """[batch, beams, ...] -> [batch * beams, ...]"""
-    return t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])
-
-
 def beam_loop(
     model,
     step: Callable[[torch.Tensor], torch.Tensor],
@@ -154,26 +144,19 @@ def beam_loop(
     stopping_criteria,
     generation_config,
 ) -> torch.LongTensor:
-    """Beam search as HF's `_beam_search` does it, through HF's own beam helpers in HF's order, with
-    the model called directly (no `prepare_inputs_for_generation` / model-kwargs updates per step).
+    """Beam search as HF's `_beam_search` does it, through HF's own beam helpers in HF's order
+    (`BeamState.advance`), with the model called directly (no `prepare_inputs_for_generation` /
+    model-kwargs updates per step).
 
     input_ids: [batch * num_beams, prompt_len] decoder prompt; returns the sequences as HF returns
     them without `return_dict_in_generate`. reorder(beam_idx [batch * num_beams]) reorders the cache.
     """
     cfg = generation_config
     pad_token_id, eos_token_id = cfg._pad_token_tensor, cfg._eos_token_tensor
-    num_beams, max_length = cfg.num_beams, cfg.max_length
-    flat_rows, cur_len = input_ids.shape[:2]
-    batch_size, decoder_prompt_len, device = flat_rows // num_beams, cur_len, input_ids.device
-    start = BeamStart.build(_unflatten(input_ids, batch_size, num_beams), max_length,
-                            fill_value(pad_token_id, eos_token_id), eos_token_id.shape[0] if eos_token_id is not None else 0)
-    beams_to_keep, top_num_beam_mask = start.beams_to_keep, start.top_num_beam_mask
-    running_sequences, sequences = start.running_sequences, start.sequences
-    running_beam_scores, beam_scores = start.running_beam_scores, start.beam_scores
-    is_sent_finished = start.is_sent_finished
-    is_early_stop_heuristic_unsatisfied = start.is_early_stop_heuristic_unsatisfied
-    running_beam_indices, beam_indices = start.running_beam_indices, start.beam_indices
-    top_k_args = inspect.signature(model._get_top_k_continuations).parameters
+    num_beams = cfg.num_beams
+    batch_size, device = input_ids.shape[0] // num_beams, input_ids.device
+    state = BeamState(input_ids.reshape(batch_size, num_beams, -1), cfg.max_length,
+                      fill_value(pad_token_id, eos_token_id), eos_token_id.shape[0] if eos_token_id is not None else 0)
     processors = lean_processors(logits_processor)
 
     # the "go on" flag is read one step late on a GPU: the host queues the next step (cache reorder
@@ -182,66 +165,33 @@ def beam_loop(
     stop_length = getattr(stopping_criteria, "max_length", None)
     # HF's criteria over the 2 * num_beams candidates, with the max-length check done on the host
     criteria = lean_criteria(stopping_criteria, device)
-    no_hit = torch.zeros(batch_size * beams_to_keep, dtype=torch.bool, device=device)
+    no_hit = torch.zeros(batch_size * state.beams_to_keep, dtype=torch.bool, device=device)
     all_hit = torch.ones_like(no_hit)
 
-    flat_running_sequences = input_ids
-    logits = prefill(input_ids)
-    while True:
-        log_probs = nn.functional.log_softmax(logits[:, -1, :].to(copy=True, dtype=torch.float32), dim=-1)
-        for processor in processors:
-            log_probs = processor(flat_running_sequences, log_probs)
-        vocab_size = log_probs.shape[-1]
-        log_probs = _unflatten(log_probs, batch_size, num_beams) + running_beam_scores[:, :, None]
-        log_probs = log_probs.reshape(batch_size, num_beams * vocab_size)
-        extra = {"vocab_size": vocab_size} if "vocab_size" in top_k_args else {}
-        topk_log_probs, topk_running_sequences, topk_running_beam_indices = model._get_top_k_continuations(
-            accumulated_log_probs=log_probs, running_sequences=running_sequences,
-            running_beam_indices=running_beam_indices, cur_len=cur_len, decoder_prompt_len=decoder_prompt_len,
-            do_sample=cfg.do_sample, beams_to_keep=beams_to_keep, num_beams=num_beams, batch_size=batch_size,
-            **extra,
-        )
+    def hits_of(candidates: torch.Tensor, cur_len: int) -> torch.Tensor:
         if stop_length is not None and cur_len + 1 >= stop_length:
             hits = all_hit  # MaxLengthCriteria: every candidate, known on the host
         else:
-            candidates = _flatten(topk_running_sequences[:, :, : cur_len + 1])
+            flat = candidates[:, :, : cur_len + 1].reshape(-1, cur_len + 1)
             hits = no_hit
             for done in criteria:
-                hits = hits | done(candidates)
-        hits = _unflatten(hits, batch_size, beams_to_keep)
-        running_sequences, running_beam_scores, running_beam_indices = model._get_running_beams_for_next_iteration(
-            topk_log_probs=topk_log_probs, topk_running_sequences=topk_running_sequences,
-            topk_running_beam_indices=topk_running_beam_indices, next_token_hits_stopping_criteria=hits,
-            num_beams=num_beams,
-        )
-        sequences, beam_scores, beam_indices, is_sent_finished = model._update_finished_beams(
-            sequences=sequences, topk_running_sequences=topk_running_sequences, beam_scores=beam_scores,
-            topk_log_probs=topk_log_probs, beam_indices=beam_indices,
-            topk_running_beam_indices=topk_running_beam_indices,
-            is_early_stop_heuristic_unsatisfied=is_early_stop_heuristic_unsatisfied,
-            is_sent_finished=is_sent_finished, next_token_hits_stopping_criteria=hits,
-            top_num_beam_mask=top_num_beam_mask, num_beams=num_beams, cur_len=cur_len,
-            decoder_prompt_len=decoder_prompt_len, length_penalty=cfg.length_penalty,
-            early_stopping=cfg.early_stopping,
-        )
-        reorder(_flatten(running_beam_indices[..., cur_len - decoder_prompt_len]))
-        cur_len += 1
-        is_early_stop_heuristic_unsatisfied = model._check_early_stop_heuristic(
-            is_early_stop_heuristic_unsatisfied=is_early_stop_heuristic_unsatisfied,
-            running_beam_scores=running_beam_scores, beam_scores=beam_scores, is_sent_finished=is_sent_finished,
-            cur_len=cur_len, max_length=max_length, decoder_prompt_len=decoder_prompt_len,
-            early_stopping=cfg.early_stopping, length_penalty=cfg.length_penalty,
-        )
+                hits = hits | done(flat)
+        return hits.reshape(batch_size, state.beams_to_keep)
+
+    logits = prefill(input_ids)
+    while True:
+        log_probs = nn.functional.log_softmax(logits[:, -1, :].to(copy=True, dtype=torch.float32), dim=-1)
+        history = state.history()
+        for processor in processors:
+            log_probs = processor(history, log_probs)
+        reorder(state.advance(model, cfg, log_probs, hits_of))
         unfinished = model._beam_search_has_unfinished_sequences(
-            is_early_stop_heuristic_unsatisfied, is_sent_finished, hits, cfg.early_stopping,
+            state.is_early_stop_heuristic_unsatisfied, state.is_sent_finished, state.next_token_hits,
+            cfg.early_stopping,
         )
-        if stop_length is not None and cur_len >= stop_length:
+        if stop_length is not None and state.cur_len >= stop_length:
             break  # MaxLengthCriteria has just hit every candidate: HF stops here too, no wait
-        flat_running_sequences = _flatten(running_sequences[:, :, :cur_len])
-        stop, logits = late.queue_unless(unfinished, False, lambda: step(flat_running_sequences[:, -1:]))
+        stop, logits = late.queue_unless(unfinished, False, lambda: step(state.next_ids()[:, None]))
         if stop:
             break
-    sequences = _flatten(sequences[:, : cfg.num_return_sequences, :])
-    beam_indices = _flatten(beam_indices[:, : cfg.num_return_sequences, :])
-    max_generated_length = ((beam_indices + 1).bool()).sum(dim=1).max()
-    return sequences[:, : decoder_prompt_len + max_generated_length]
+    return state.result(cfg.num_return_sequences)
