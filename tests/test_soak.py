@@ -150,6 +150,8 @@ def soak(model, stock_model, calls: list[tuple[int, dict]], checked, measure, lo
             torch.manual_seed(seed)
             outputs = model.generate(**kw)
         del outputs, kw  # measured memory must not include this call's inputs or outputs
+        if i in checked:
+            gc.collect()  # the stock and fp64 outputs of a checked call may sit in reference cycles
         records.append(pool_record(model, measure()))
     return records
 
@@ -330,7 +332,6 @@ def test_soak_gpu():
     warm = time.perf_counter() - start
 
     def measure() -> int:
-        gc.collect()  # the checked calls' stock and fp64 outputs may sit in reference cycles until collected
         torch.cuda.synchronize()
         return torch.cuda.memory_allocated()
 
