@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from oracle import assert_within_stock_error, compare_with_stock, fp64_twin, stock_and_paged, teacher_forced_logits
@@ -265,7 +267,7 @@ def test_band_tiles_built_once_per_encoder_table(monkeypatch):
     """bf16 t5-small (head_dim 64, short inputs: prebuilt band tiles): the encoder's six layers share
     one bias table and its memo, so one call builds the tiles once and the next call none; a write
     to the bias weight makes new tables, whose tiles are built again."""
-    import hf_paged_t5.kernels.prefill as prefill_mod
+    prefill_mod = importlib.import_module("hf_paged_t5.kernels.prefill")  # the package exports a function of that name
 
     built = []
     real = prefill_mod._band_tiles
