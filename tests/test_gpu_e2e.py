@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 from oracle import assert_within_stock_error, compare_with_stock, fp64_twin, stock_and_paged, teacher_forced_logits
@@ -262,27 +260,3 @@ def test_kept_greedy_update_is_refilled_per_call(monkeypatch):
         hp.unpatch_model(model)
     assert len(captures) == 2  # one per signature: forced (a min-length processor), EOS only
 
-
-def test_band_tiles_built_once_per_encoder_table(monkeypatch):
-    """bf16 t5-small (head_dim 64, short inputs: prebuilt band tiles): the encoder's six layers share
-    one bias table and its memo, so one call builds the tiles once and the next call none; a write
-    to the bias weight makes new tables, whose tiles are built again."""
-    prefill_mod = importlib.import_module("hf_paged_t5.kernels.prefill")  # the package exports a function of that name
-
-    built = []
-    real = prefill_mod._band_tiles
-    monkeypatch.setattr(prefill_mod, "_band_tiles", lambda *a: built.append(1) or real(*a))
-    model = real_shape_model("t5-small", torch.bfloat16)
-    ids, mask = batch(4, 100)
-    hp.patch_model(model)
-    try:
-        first = model.get_encoder()(input_ids=ids, attention_mask=mask).last_hidden_state
-        assert len(built) == 1
-        again = model.get_encoder()(input_ids=ids, attention_mask=mask).last_hidden_state
-        assert len(built) == 1 and torch.equal(first, again)
-        with torch.no_grad():
-            model.encoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight.mul_(0.5)
-        model.get_encoder()(input_ids=ids, attention_mask=mask)
-        assert len(built) == 2
-    finally:
-        hp.unpatch_model(model)

@@ -722,6 +722,37 @@ def test_prefill_band_tiles_with_inference_tensors():
     assert rel_err(out, ref) < TOLERANCE[torch.float32]
 
 
+def test_patched_encoder_builds_band_tiles_once_per_table(monkeypatch):
+    """The patched encoder's layers share one bias table and its memo: a call builds the band tiles
+    once, the next call none; a write to the bias weight makes new tables, whose tiles are built
+    again. On CPU (the interpreter) the GPU's launch defaults for short bf16 inputs are forced."""
+    import importlib
+
+    import hf_paged_t5 as hp
+    from hf_paged_t5 import tiny
+
+    prefill_mod = importlib.import_module("hf_paged_t5.kernels.prefill")  # the package exports a function of that name
+    if DEVICE.type == "cpu":
+        monkeypatch.setattr(prefill_mod, "interpreting", lambda: False)
+        monkeypatch.setattr(prefill_mod, "prefill_config",
+                            lambda *a: PrefillConfig(block_m=32, block_n=16, num_warps=4, num_stages=1, band_tiles=True))
+    built = []
+    real = prefill_mod._band_tiles
+    monkeypatch.setattr(prefill_mod, "_band_tiles", lambda *a: built.append(1) or real(*a))
+    shape = "tiny" if DEVICE.type == "cpu" else "t5-small"  # d_kv 16 / 64: both under the band-tile defaults
+    model = tiny.build_model(shape, dtype=torch.bfloat16, device=DEVICE)
+    hp.patch_model(model, hp.PagedCacheConfig(backend="triton"))
+    ids = torch.randint(2, 500, (2, 40), device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(0))
+    encoder = model.get_encoder()
+    with torch.no_grad():  # the paged encoder serves inference (gradients run stock HF)
+        first = encoder(input_ids=ids).last_hidden_state
+        assert len(built) == 1
+        assert torch.equal(encoder(input_ids=ids).last_hidden_state, first) and len(built) == 1
+        encoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight.mul_(0.5)
+        encoder(input_ids=ids)
+        assert len(built) == 2
+
+
 # ---- compile once per configuration ------------------------------------------------------
 @gpu_test
 def test_gpu_new_workload_sizes_compile_nothing():

@@ -1,0 +1,83 @@
+"""Command line: `python -m hf_paged_t5 COMMAND [options]` (also installed as `hf-paged-t5`).
+
+Each subcommand is one row of `_COMMANDS`: its name, a one-line help, a function that adds its
+options to an argparse parser, and a function that runs it from the parsed arguments and returns
+the exit status. Adding a subcommand is adding a row.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Optional
+
+from .batch import cli
+from . import demo
+
+# name -> (help, add_arguments(parser), run(args) -> exit status)
+_COMMANDS = MappingProxyType({
+    "demo": (
+        "stock HF generate() vs the paged one on a few texts: outputs, token agreement, ms/token",
+        demo.add_arguments,
+        demo.cli,
+    ),
+    "checkpoint": (
+        "write a random-weight T5 and a local tokenizer to DIR, offline, for --model (output is gibberish)",
+        demo.add_checkpoint_arguments,
+        demo.checkpoint_cli,
+    ),
+    "summarize": (
+        "summarize a JSONL file with continuous batching (T5 'summarize: ' prefix); resumable output",
+        cli.add_arguments,
+        cli.command_runner("summarize"),
+    ),
+    "translate": (
+        "translate a JSONL file with continuous batching (T5 translation prefix, --task); resumable output",
+        cli.add_arguments,
+        cli.command_runner("translate"),
+    ),
+    "generate": (
+        "generate for a JSONL file with continuous batching (no task prefix); resumable output",
+        cli.add_arguments,
+        cli.command_runner("generate"),
+    ),
+})
+
+
+def _add_verbose(parser: argparse.ArgumentParser, default) -> None:
+    parser.add_argument("-v", "--verbose", action="store_true", default=default,
+                        help="also log the library's INFO messages")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m hf_paged_t5",
+        description="Paged KV cache and Triton kernels under Hugging Face generate() for T5-family models.",
+    )
+    _add_verbose(parser, default=False)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (help_text, add_arguments, run) in _COMMANDS.items():
+        sub = commands.add_parser(name, help=help_text, description=help_text)
+        add_arguments(sub)
+        # SUPPRESS: an absent -v after the command leaves the value of one given before it
+        _add_verbose(sub, default=argparse.SUPPRESS)
+        sub.set_defaults(run=run)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    # The library reports fallbacks to stock HF through logging; show them on the terminal.
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    # The commands' own reports (what a job does, where its output is) show at the default level too.
+    for name in (cli.__name__, demo.__name__):
+        logging.getLogger(name).setLevel(logging.INFO)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,199 @@
+"""`BatchGenerator`: continuous batching of a patched T5 over a stream of inputs of any length mix.
+
+    gen = BatchGenerator(model, tokenizer, max_new_tokens=128, max_batch_tokens=65536)
+    for result in gen.generate(texts):          # results in input order
+        print(result.text)
+
+Requests are admitted while the decode rows (`max_batch_rows`), the KV token budget
+(`max_batch_tokens`) and the pool allow; newly admitted requests run through the encoder as one
+packed (varlen) batch and their cross-attention K/V are stored once per source; every decode step
+then runs all live rows, each at its own position; a finished request returns its blocks to the
+pool at once and its place goes to the next waiting request. Each result is what patched
+`generate()` returns for that input alone (greedy and beam search; fp32 token-exact). The job's
+steps live in `run.py`; the per-row logits rules and beam search in `decoding.py`.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Iterator
+from typing import Any, Optional, Sequence, Union
+
+import torch
+from torch import nn
+from transformers import GenerationConfig
+
+from .decoding import LogitsRules
+from .requests import BatchRequest, BatchResult, Request
+from .run import BatchRun
+from ..hf.policy import fallback_reason
+
+# What one input may be: a text (needs a tokenizer), token ids, or a request with its own limits.
+InputItem = Union[str, Sequence[int], torch.Tensor, "BatchRequest"]
+
+
+class BatchGenerator:
+    """Continuous batching over a model patched by `hf_paged_t5.patch_model`.
+
+    Args:
+        model: a patched T5-family seq2seq model in eval mode.
+        tokenizer: needed for text inputs and for `BatchResult.texts`.
+        generation_config: as for `generate()`; `generate_kwargs` override it, as in `generate()`.
+            Greedy, sampling and beam search; max/min new tokens and EOS can be set per input with
+            `BatchRequest`. Options HF binds to one batch (encoder_repetition_penalty, guidance, ...)
+            are refused with the reason.
+        max_batch_tokens: KV tokens the running requests may hold together, counted at admission as
+            each request's worst case (input tokens + rows x (max_new_tokens + 1)). An input larger
+            than this alone still runs, by itself.
+        max_batch_rows: decoder rows (sequences x beams) per decode step; default: the pool config's
+            `max_graph_batch`, the largest batch a captured CUDA graph serves.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any = None,
+        generation_config: Optional[GenerationConfig] = None,
+        max_batch_tokens: int = 65536,
+        max_batch_rows: Optional[int] = None,
+        **generate_kwargs: Any,
+    ) -> None:
+        runtime = getattr(model, "_hf_paged_t5", None)
+        if runtime is None or not runtime.is_seq2seq:
+            raise TypeError(
+                "BatchGenerator needs a seq2seq model patched by hf_paged_t5: call hf_paged_t5.patch_model(model) first"
+            )
+        self.model, self.tokenizer, self.runtime = model, tokenizer, runtime
+        self.device = model.get_input_embeddings().weight.device
+        self.config, self.default_max_new, self.default_min_new = _resolve_config(
+            model, generation_config, generate_kwargs, self.device
+        )
+        cfg = self.config
+        self.num_beams = cfg.num_beams
+        self.expand = max(cfg.num_beams, cfg.num_return_sequences)
+        self.eos = tuple(cfg._eos_token_tensor.tolist())
+        self.start_id = int(cfg._decoder_start_token_tensor)
+        self.pad_id = int(cfg._pad_token_tensor)
+        self.rules = LogitsRules(model, cfg, self.device)
+        self.max_batch_rows = runtime.config.max_graph_batch if max_batch_rows is None else max_batch_rows
+        self.max_batch_tokens = max_batch_tokens
+        if not isinstance(self.max_batch_rows, int) or self.max_batch_rows < self.expand:
+            raise ValueError(
+                f"max_batch_rows must be an int >= the rows of one input ({self.expand}), got {self.max_batch_rows!r}"
+            )
+        if not isinstance(max_batch_tokens, int) or max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be a positive int, got {max_batch_tokens!r}")
+
+    # ---- public iteration ---------------------------------------------------------------------
+    def generate(self, inputs: Iterable[InputItem]) -> Iterator[BatchResult]:
+        """Results in input order (each waits for those before it). `inputs` is read lazily."""
+        stream = self.as_completed(inputs)
+        done: dict[int, BatchResult] = {}
+        next_index = 0
+        try:
+            for index, result in stream:
+                done[index] = result
+                while next_index in done:
+                    yield done.pop(next_index)
+                    next_index += 1
+        finally:
+            stream.close()
+
+    def as_completed(self, inputs: Iterable[InputItem]) -> Iterator[tuple[int, BatchResult]]:
+        """(input index, result) as each input finishes. Closing the iterator early, or an
+        exception, returns every block the job holds to the pool."""
+        run = BatchRun(self, inputs)
+        with self.runtime.runner.lock:
+            self.runtime.check_weights()  # once per job (a decode step must not sync)
+        try:
+            while (finished := run.step()) is not None:
+                for result in finished:
+                    yield result.index, result
+        finally:
+            run.close()
+
+    # ---- requests -----------------------------------------------------------------------------
+    def make_request(self, index: int, item: InputItem) -> Request:
+        """A `Request` for input `index`; clear errors for inputs that cannot run."""
+        limits = item if isinstance(item, BatchRequest) else BatchRequest(item)
+        ids = self._token_ids(index, limits.inputs)
+        max_new = self.default_max_new if limits.max_new_tokens is None else limits.max_new_tokens
+        min_new = self.default_min_new if limits.min_new_tokens is None else limits.min_new_tokens
+        if max_new < 1:
+            raise ValueError(f"input {index}: max_new_tokens must be >= 1, got {max_new}")
+        eos = self.eos
+        if limits.eos_token_id is not None:
+            eos = tuple(torch.tensor(limits.eos_token_id).reshape(-1).tolist())
+            if not eos:
+                raise ValueError(f"input {index}: eos_token_id is empty")
+            if eos != self.eos and self.rules.binds_eos:
+                raise ValueError(
+                    f"input {index}: a per-input eos_token_id cannot be combined with {self.rules.binds_eos}, "
+                    "which HF builds with the generation config's EOS"
+                )
+        return Request(index=index, ids=ids, max_new=max_new, min_new=min_new, eos=eos, expand=self.expand)
+
+    def _token_ids(self, index: int, inputs: Any) -> list[int]:
+        if isinstance(inputs, str):
+            if self.tokenizer is None:
+                raise ValueError(f"input {index} is a text, but BatchGenerator was given no tokenizer")
+            ids = list(self.tokenizer(inputs)["input_ids"])
+        elif isinstance(inputs, torch.Tensor):
+            if inputs.dim() != 1:
+                raise ValueError(f"input {index}: token ids must be 1-D, got shape {tuple(inputs.shape)}")
+            ids = inputs.tolist()
+        elif isinstance(inputs, Sequence) and all(isinstance(t, int) for t in inputs):
+            ids = list(inputs)
+        else:
+            raise TypeError(
+                f"input {index}: expected a str, a sequence of token ids or a BatchRequest, got {type(inputs).__name__}"
+            )
+        if not ids:
+            raise ValueError(f"input {index} has no tokens; each input needs at least one")
+        return ids
+
+    def result(self, request: Request, sequences: list[list[int]], scores: Optional[list[float]]) -> BatchResult:
+        texts = None
+        if self.tokenizer is not None:
+            texts = self.tokenizer.batch_decode(sequences, skip_special_tokens=True)
+        return BatchResult(request.index, sequences, texts, scores, len(request.ids))
+
+
+def _resolve_config(
+    model: nn.Module, generation_config: Optional[GenerationConfig], kwargs: dict, device: torch.device
+) -> tuple[GenerationConfig, int, int]:
+    """(merged config with HF's special-token tensors, default max new tokens, default min new tokens).
+
+    Merged and defaulted by HF's own `_prepare_generation_config`; the lengths follow HF's rule for an
+    encoder-decoder (one decoder start token): max_new_tokens, else max_length - 1 when max_length was
+    set anywhere, else 20 new tokens; min_new_tokens, else min_length - 1.
+    """
+    has_default_max_length = (
+        kwargs.get("max_length") is None
+        and (generation_config is None or generation_config.max_length is None)
+        and model.generation_config.max_length is None
+    )
+    # What patched generate() would send to stock HF, judged as it judges it: before HF's defaults.
+    asked = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
+    reason = fallback_reason(asked, asked.update(**kwargs), model.training)
+    if reason is not None:
+        raise ValueError(f"BatchGenerator cannot serve this configuration: {reason}")
+    config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
+    if model_kwargs:
+        raise TypeError(f"BatchGenerator got arguments that are not generation options: {sorted(model_kwargs)}")
+    if config.num_beams > 1 and config.num_return_sequences > config.num_beams:
+        raise ValueError(
+            f"num_return_sequences ({config.num_return_sequences}) must be <= num_beams ({config.num_beams})"
+        )
+    if config.num_beams == 1 and not config.do_sample and config.num_return_sequences > 1:
+        raise ValueError("greedy search returns one sequence per input: num_return_sequences must be 1")
+    model._prepare_special_tokens(config, False, device=device)
+    if config._eos_token_tensor is None or config._eos_token_tensor.numel() == 0:
+        raise ValueError("BatchGenerator needs an eos_token_id (in the generation config or model config); "
+                         "to force every output's length, give min_new_tokens = max_new_tokens")
+    if config.max_new_tokens is not None:
+        max_new = config.max_new_tokens
+    else:
+        max_new = config.max_length if has_default_max_length else config.max_length - 1
+    min_new = config.min_new_tokens if config.min_new_tokens is not None else max((config.min_length or 0) - 1, 0)
+    return config, max_new, min_new

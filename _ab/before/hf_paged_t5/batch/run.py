@@ -1,0 +1,323 @@
+"""`BatchRun`: one `BatchGenerator` job, one step at a time: admit, encode, decode, retire.
+
+Each `step()` holds the model's runtime lock (so a patched `generate()` from another thread waits
+for the step, never for the whole job) and:
+1. admits waiting requests, first come first served, while rows, the KV token budget and the pool
+   allow (the pool grows if its config lets it). Admission waits until an eighth of the rows and of
+   the token budget are free, so the encoder runs on batches rather than one input at a time;
+2. runs the encoder over the admitted inputs, packed (varlen), in chunks sorted by length, and
+   stores each source's cross-attention K/V once in freshly allocated blocks;
+3. runs one decode step (`DecodeRunner.decode`, a CUDA graph on the GPU) for every live row, each at its
+   own position;
+4. picks the next tokens and retires finished rows and requests, whose blocks go back to the pool.
+   Greedy and sampling (`DecodeRows`) keep the tokens on the device as the next step's input and read
+   them back one step late, so the host never waits for the step it has just queued: a finished row
+   is found, and its blocks freed, after it has run one more step, whose token is dropped. Beam
+   search (HF's steps per `BeamGroup`) reads each step's beam choices back before the next step,
+   since they decide which blocks the next step's rows hold.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict, deque
+from collections.abc import Iterable
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ..model import attention as attn_ops
+from .cache import BatchCache, blocks_for
+from .decoding import BeamGroup
+from .rows import DecodeRows
+from ..kv.block_manager import PoolExhaustedError
+from ..kv.pool import KVPool
+from ..model.stacks import encoder_forward, module_device, upload
+
+from .requests import BatchResult, Request
+
+logger = logging.getLogger(__name__)
+
+
+class BatchRun:
+    """The state of one job: waiting and running requests, the cache, beam groups."""
+
+    def __init__(self, generator, inputs: Iterable) -> None:  # generator: the job's BatchGenerator
+        self.gen = generator
+        self.inputs = enumerate(inputs)
+        self.exhausted = False
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.groups: list[BeamGroup] = []
+        self.group_of: dict[int, list[Request]] = {}  # id(group) -> its requests, in the group's order
+        self.cache: Optional[BatchCache] = None
+        self.live_rows = 0
+        self.promised_blocks = 0
+        self.promised_tokens = 0
+        self.rows: Optional[DecodeRows] = None  # greedy/sampling
+        self.order_dirty = True
+        self.graph_fits: Optional[bool] = None
+
+    # ---- the job's life -------------------------------------------------------------------------
+    def step(self) -> Optional[list[BatchResult]]:
+        """Admit, encode, decode one token per live row; the results that finished (None: job done)."""
+        with self.gen.runtime.runner.owning(), torch.no_grad():
+            return self._step()
+
+    def close(self) -> None:
+        """Return every block this job holds to the pool (idempotent)."""
+        if self.cache is not None:
+            with self.gen.runtime.runner.lock:
+                self.cache.release()
+        self.running.clear()
+        self.groups.clear()
+        self.live_rows = self.promised_blocks = self.promised_tokens = 0
+
+    def _step(self) -> Optional[list[BatchResult]]:
+        pool = self.gen.runtime.get_pool(self.gen.model.decoder)
+        if self.cache is None:
+            gen = self.gen
+            self.cache = BatchCache(pool, gen.max_batch_rows)
+            if gen.num_beams == 1:
+                self.rows = DecodeRows(gen.max_batch_rows, gen.rules, gen.config.do_sample, gen.start_id, gen.device)
+        elif self.cache.pool is not pool:
+            raise RuntimeError("the model's KV pool was re-created during the batch job (device or dtype changed)")
+        admitted = self._admit(pool)
+        if admitted:
+            self._encode(admitted, pool)
+        if not self.running:
+            return None
+        return self._decode_step()
+
+    # ---- 1. admission ---------------------------------------------------------------------------
+    def _peek(self) -> Optional[Request]:
+        if not self.waiting and not self.exhausted:
+            try:
+                index, item = next(self.inputs)
+            except StopIteration:
+                self.exhausted = True
+                return None
+            request = self.gen.make_request(index, item)
+            bs = self.cache.block_size
+            # per row: the K/V of the start token and of max_new - 1 tokens, and one more position for
+            # the step a greedy/sampling row runs before the host reads that it finished (DecodeRows);
+            # beam search: one block more, for a copy-on-write of a shared last block
+            rows_blocks = blocks_for(1 + request.max_new, bs) + (1 if request.expand > 1 else 0)
+            request.blocks = blocks_for(len(request.ids), bs) + request.expand * rows_blocks
+            request.tokens = len(request.ids) + request.expand * (1 + request.max_new)
+            self.waiting.append(request)
+        return self.waiting[0] if self.waiting else None
+
+    def _admit(self, pool: KVPool) -> list[Request]:
+        gen = self.gen
+        free_rows = gen.max_batch_rows - self.live_rows
+        free_tokens = gen.max_batch_tokens - self.promised_tokens
+        if self.running and (free_rows < max(1, gen.max_batch_rows // 8) or free_tokens < gen.max_batch_tokens // 8):
+            return []
+        admitted: list[Request] = []
+        while (request := self._peek()) is not None:
+            alone = not self.running
+            if self.live_rows + request.expand > gen.max_batch_rows:
+                break
+            if not alone and self.promised_tokens + request.tokens > gen.max_batch_tokens:
+                break
+            # the pool must hold what every running request may still take, plus this one
+            if not _pool_allows(pool, self.promised_blocks - self.cache.num_held + request.blocks):
+                if not alone:
+                    break
+                self._refuse(request, pool)  # returns only if the pool found room after all
+            self.waiting.popleft()
+            self.running.append(request)
+            self.live_rows += request.expand
+            self.promised_blocks += request.blocks
+            self.promised_tokens += request.tokens
+            admitted.append(request)
+        if admitted:  # grow once for the whole round (growth re-allocates the pool)
+            pool.reserve(self.promised_blocks - self.cache.num_held)
+            logger.debug("admitted %d inputs: %d running, %d rows, %d KV tokens promised", len(admitted),
+                         len(self.running), self.live_rows, self.promised_tokens)
+        return admitted
+
+    def _refuse(self, request: Request, pool: KVPool) -> None:
+        """Raise for an input the pool cannot hold even alone, with the pool's own advice."""
+        try:
+            pool.reserve(request.blocks)
+        except PoolExhaustedError as exc:
+            raise PoolExhaustedError(
+                f"input {request.index} ({len(request.ids)} tokens, up to {request.max_new} new, "
+                f"{request.expand} rows) needs {request.blocks} KV blocks by itself: {exc}"
+            ) from exc
+
+    # ---- 2. encoder and cross K/V ---------------------------------------------------------------
+    def _encode(self, admitted: list[Request], pool: KVPool) -> None:
+        budget = max(self.gen.max_batch_tokens, len(max(admitted, key=lambda r: len(r.ids)).ids))
+        chunk: list[Request] = []
+        for request in sorted(admitted, key=lambda r: -len(r.ids)):
+            if chunk and (len(chunk) + 1) * len(chunk[0].ids) > budget:  # padded size of the chunk
+                self._encode_chunk(chunk, pool)
+                chunk = []
+            chunk.append(request)
+        self._encode_chunk(chunk, pool)
+        gen, cache = self.gen, self.cache
+        for request in admitted:
+            # a row holds the start token's K/V, max_new - 1 more and the late step's (see _peek)
+            request.rows = [cache.add_row(request.source, 1 + request.max_new) for _ in range(request.expand)]
+            request.histories = [[] for _ in range(request.expand)]
+            request.live = list(range(request.expand))
+            if self.rows is not None:
+                for slot in request.rows:
+                    self.rows.join(slot, request.min_new, request.max_new, request.eos)
+        if gen.num_beams > 1:
+            self._form_groups(admitted)
+        self.order_dirty = True
+
+    def _encode_chunk(self, chunk: list[Request], pool: KVPool) -> None:
+        """Encoder over `chunk` (longest first), then each source's cross K/V into new blocks."""
+        model, runtime, device = self.gen.model, self.gen.runtime, self.gen.device
+        encoder = model.get_encoder()
+        lengths = np.array([len(r.ids) for r in chunk])
+        real = np.arange(lengths[0]) < lengths[:, None]  # [n, L] bool, the real tokens, row-major as packed
+        ids = np.full(real.shape, self.gen.pad_id, dtype=np.int64)
+        ids[real] = np.concatenate([r.ids for r in chunk])
+        ids = upload(torch.from_numpy(ids), device)
+        tables = runtime.bias_tables(encoder, causal=False)
+        # the mask stays on the host: the encoder then packs the tokens without reading anything back
+        # from the device, so the host queues the encoder behind the decode steps instead of waiting
+        # for them to finish
+        packed = encoder_forward(encoder, runtime.ops_for, tables, None, torch.from_numpy(real), input_ids=ids,
+                                 packed=True)  # [total_tokens, d_model]
+        slots = []
+        for request in chunk:
+            request.source, source_slots = self.cache.add_source(len(request.ids))
+            slots.append(source_slots)
+        slot_mapping = torch.cat(slots)  # [total_tokens] int64, source by source as packed
+        on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # one transfer per device
+        for i, block in enumerate(model.decoder.block):
+            layer_device = module_device(block)
+            if layer_device not in on_device:
+                on_device[layer_device] = (packed.to(layer_device), upload(slot_mapping, layer_device))
+            tokens, layer_slots = on_device[layer_device]
+            attn_ops.store_cross_kv(
+                runtime.ops_for(layer_device), block.layer[1].EncDecAttention, tokens,
+                pool.key_caches[i], pool.value_caches[i], layer_slots,
+            )
+
+    def _form_groups(self, admitted: list[Request]) -> None:
+        """Beam search: one `BeamGroup` per (max length, EOS ids) among requests admitted together."""
+        by_key: dict[tuple, list[Request]] = defaultdict(list)
+        for request in admitted:
+            by_key[(request.max_new, request.eos)].append(request)
+        gen = self.gen
+        for (max_new, eos), requests in by_key.items():
+            group = BeamGroup(gen.model, gen.config, [r.min_new for r in requests], 1 + max_new, eos, gen.start_id,
+                              gen.pad_id, gen.device)
+            self.groups.append(group)
+            self.group_of[id(group)] = requests
+
+    # ---- 3. one decode step ---------------------------------------------------------------------
+    def _rebuild_order(self) -> None:
+        if self.gen.num_beams > 1:
+            self.cache.set_order([slot for g in self.groups for r in self.group_of[id(g)] for slot in r.rows])
+        else:
+            refs = [(r, j) for r in self.running for j in r.live]
+            self.cache.set_order([r.rows[j] for r, j in refs])
+            self.rows.set_order(self.cache.order, refs)
+        self.order_dirty = False
+
+    def _decode_step(self) -> list[BatchResult]:
+        gen = self.gen
+        if self.order_dirty:
+            self._rebuild_order()
+        if gen.num_beams > 1:
+            ids = torch.cat([g.next_ids() for g in self.groups]).view(-1, 1)  # [rows, 1]
+        else:
+            ids = self.rows.next_input()  # [rows, 1], the last step's tokens, still on the device
+        fits = ids.shape[0] <= gen.runtime.config.max_graph_batch
+        if fits != self.graph_fits:  # the runner decides graph use once per plan, from the row count
+            gen.runtime.runner.forget(self.cache)
+            self.graph_fits = fits
+        self.cache.prepare_step()
+        logits = gen.runtime.runner.decode(gen.model, self.cache, ids)  # [rows, 1, vocab]
+        logits = logits[:, -1, :].to(copy=True, dtype=torch.float32, device=gen.device)  # as HF: a float32 copy
+        if gen.num_beams > 1:
+            return self._advance_beams(logits)
+        return self._advance_rows(logits)
+
+    # ---- 4. next tokens, retirement -------------------------------------------------------------
+    def _advance_rows(self, logits: torch.Tensor) -> list[BatchResult]:
+        """Greedy or sampling over rows at any lengths; logits [rows, vocab] float32. Retires the rows
+        that finished at the step before (this step is queued by now: reading that one back waits for
+        the device only until it has finished the step before)."""
+        self.rows.choose(logits)
+        finished = []
+        for (request, j), history in self.rows.collect():
+            request.histories[j] = history
+            self.cache.free_row(request.rows[j])
+            request.live.remove(j)
+            self.live_rows -= 1
+            self.order_dirty = True
+            if not request.live:
+                finished.append(self._retire(request, _pad_rows(request.histories, self.gen.pad_id), None))
+        return finished
+
+    def _advance_beams(self, logits: torch.Tensor) -> list[BatchResult]:
+        """One HF beam-search step per group; logits [rows, vocab] float32 in group order."""
+        gen, offset, steps = self.gen, 0, []
+        for group in self.groups:
+            n = group.batch * group.num_beams
+            steps.append(group.advance(logits[offset : offset + n], gen.rules))
+            offset += n
+        # One host sync for every group's reorder indices and unfinished flags: the next step cannot be
+        # queued before them, since they decide which blocks its rows read and write.
+        flat = torch.cat([torch.cat([b.long(), u.long()]) for b, u in steps]).tolist() if steps else []
+        finished, start = [], 0
+        for group in list(self.groups):  # the order of `steps`
+            requests, k = self.group_of[id(group)], group.num_beams
+            n = group.batch * k
+            sources, unfinished = flat[start : start + n], flat[start + n : start + n + group.batch]
+            start += n + group.batch
+            keep = []
+            for b, request in enumerate(requests):
+                if unfinished[b]:
+                    beams = [s - b * k for s in sources[b * k : (b + 1) * k]]
+                    if beams != list(range(k)):  # every beam continuing itself: nothing to move
+                        self.cache.reorder(request.rows, beams)
+                    keep.append(b)
+                else:
+                    sequences, scores = group.output(b)
+                    for slot in request.rows:
+                        self.cache.free_row(slot)
+                    self.live_rows -= k
+                    finished.append(self._retire(request, sequences, scores))
+            if len(keep) < len(requests):
+                self.order_dirty = True
+                if keep:
+                    group.keep(keep)
+                    self.group_of[id(group)] = [requests[b] for b in keep]
+                else:
+                    self.groups.remove(group)
+                    del self.group_of[id(group)]
+        return finished
+
+    def _retire(self, request: Request, sequences: list[list[int]], scores) -> BatchResult:
+        """The request's remaining blocks (its source) back to the pool; its result."""
+        self.cache.free_source(request.source)
+        self.running.remove(request)
+        self.promised_blocks -= request.blocks
+        self.promised_tokens -= request.tokens
+        return self.gen.result(request, sequences, scores)
+
+
+def _pool_allows(pool: KVPool, blocks: int) -> bool:
+    """Whether `pool.reserve(blocks)` would succeed by its config (free blocks, or growth within the cap)."""
+    if blocks <= pool.manager.num_free:
+        return True
+    cap = pool.config.max_num_blocks
+    return pool.config.grow and (cap is None or pool.manager.num_used + blocks <= cap)
+
+
+def _pad_rows(histories: list[list[int]], pad_id: int) -> list[list[int]]:
+    """Rows padded to one length with the pad token, as generate() pads finished rows."""
+    width = max(len(h) for h in histories)
+    return [h + [pad_id] * (width - len(h)) for h in histories]

@@ -1,0 +1,332 @@
+"""HF's beam-search bookkeeping as one CUDA graph per `generate()` call.
+
+`loop.beam_loop` calls HF's beam helpers every step: ~80 small kernels, each launched from
+Python, which costs more host time than a small model's whole decode step takes on the GPU.
+`BeamStep` runs the same arithmetic — `_get_top_k_continuations`, the stopping criteria,
+`_get_running_beams_for_next_iteration`, `_update_finished_beams`, `_check_early_stop_heuristic`
+and `_beam_search_has_unfinished_sequences`, in HF's order and with HF's operations — on static
+tensors, with every number that changes per step (the current length, the length penalty,
+whether min-length still applies, whether max length is reached) read from device tensors.
+One capture then replays it for every step.
+
+The one operation that cannot be copied literally is HF's division by a Python float (the
+length penalty): on a CUDA tensor PyTorch computes it as `x * (1 / float32(p))`, on a CPU
+tensor as `x / float32(p)`. `BeamStep` does the same from a device scalar, so it gives HF's
+values bit for bit on either device.
+
+Only what this covers takes the path (`supported`): beam search without sampling, logits
+processors none or min-length, stopping criteria max length and EOS. Anything else runs
+`loop.beam_loop` (HF's helpers, called directly).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+from .beam_start import BeamStart, fill_value
+from .late_flag import LateFlag
+from .loop import _MinLength, criteria_supported, eos_ids, lean_processors
+
+logger = logging.getLogger(__name__)
+
+
+def supported(generation_config, logits_processor, stopping_criteria) -> bool:
+    if generation_config.do_sample:
+        return False
+    if any(type(p) is not _MinLength for p in lean_processors(logits_processor)):
+        return False
+    return criteria_supported(stopping_criteria, generation_config)
+
+
+def _gather(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """HF's `_gather_beams`: beams `index` [batch, k] of `tensor` [batch, beams, ...]."""
+    while index.dim() < tensor.dim():
+        index = index.unsqueeze(-1)
+    return torch.take_along_dim(tensor, index, dim=1)
+
+
+class BeamStep:
+    """The state of one beam search and its per-step update (see the module docstring).
+
+    input_ids: [batch * num_beams, prompt_len] decoder prompt, on the model's device.
+    """
+
+    def __init__(self, input_ids, generation_config, logits_processor, stopping_criteria, vocab_size: int) -> None:
+        cfg = generation_config
+        device = input_ids.device
+        self.device, self.num_beams, self.vocab = device, cfg.num_beams, vocab_size
+        self.max_length, self.length_penalty, self.early_stopping = cfg.max_length, cfg.length_penalty, cfg.early_stopping
+        self.num_return_sequences = cfg.num_return_sequences
+        flat_rows, self.prompt_len = input_ids.shape
+        self.batch = batch = flat_rows // self.num_beams
+        beams = self.num_beams
+        eos = cfg._eos_token_tensor
+        pad = cfg._pad_token_tensor
+        self.eos = eos_ids(stopping_criteria, device)
+        minimum = [p for p in lean_processors(logits_processor) if isinstance(p, _MinLength)]
+        self.min_length = minimum  # applied in order, each with its own on/off flag
+        self.min_masks = [p.eos_mask(vocab_size, device) for p in minimum]
+        start = BeamStart.build(input_ids.reshape(batch, beams, -1), self.max_length, fill_value(pad, eos),
+                                eos.shape[0] if eos is not None else 0)
+        self.beams_to_keep, self.top_num_beam_mask = start.beams_to_keep, start.top_num_beam_mask
+        self.running_sequences, self.sequences = start.running_sequences, start.sequences
+        self.running_beam_scores, self.beam_scores = start.running_beam_scores, start.beam_scores
+        self.is_sent_finished, self.heuristic = start.is_sent_finished, start.is_early_stop_heuristic_unsatisfied
+        self.running_beam_indices, self.beam_indices = start.running_beam_indices, start.beam_indices
+        self.batch_offset = torch.arange(batch, device=device).view(-1, 1) * beams
+        # per-step inputs: [cur_len, cur_len - prompt_len, at max length, min-length flags...] and
+        # [length-penalty factor, heuristic factor] (see `_factor`)
+        self.ints = torch.zeros(3 + len(minimum), dtype=torch.int64, device=device)
+        self.floats = torch.zeros(2, dtype=torch.float32, device=device)
+        pin = device.type == "cuda"
+        self._ints_host = torch.zeros(self.ints.shape, dtype=torch.int64, pin_memory=pin)
+        self._floats_host = torch.zeros(self.floats.shape, dtype=torch.float32, pin_memory=pin)
+        self._copied = torch.cuda.Event() if pin else None
+        # outputs of `update`
+        self.logits = None  # [batch * beams, vocab] float32, set by `load_logits`
+        self.beam_idx = torch.zeros(batch * beams, dtype=torch.int64, device=device)
+        self.next_tokens = torch.zeros(batch * beams, 1, dtype=torch.int64, device=device)
+        self.unfinished = torch.ones((), dtype=torch.bool, device=device)
+        self._graph: Optional[torch.cuda.CUDAGraph] = None
+        self.logits_in: Optional[torch.Tensor] = None  # set by `make_resident`
+
+    # ---- per step -------------------------------------------------------------------------
+    def _factor(self, denominator: float) -> float:
+        """What `update` multiplies (CUDA) or divides (CPU) by for HF's `x / denominator`."""
+        if self.device.type == "cuda":
+            return float(np.float32(1.0) / np.float32(denominator))
+        return float(np.float32(denominator))
+
+    def _scale(self, x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+        return x * factor if self.device.type == "cuda" else x / factor
+
+    def _numbers(self, cur_len: int) -> tuple[list[int], list[float]]:
+        """This step's numbers (HF's Python values for `cur_len`): [cur_len, cur_len - prompt_len,
+        at max length, min-length flags...] and [length-penalty factor, heuristic factor]."""
+        ints = [cur_len, cur_len - self.prompt_len, int(cur_len + 1 >= self.max_length)]
+        ints += [int(cur_len - p.skip < p.minimum) for p in self.min_length]
+        if self.early_stopping == "never" and self.length_penalty > 0.0:
+            best = self.max_length - self.prompt_len
+        else:
+            best = cur_len + 1 - self.prompt_len  # cur_len after HF's increment
+        floats = [self._factor((cur_len + 1 - self.prompt_len) ** self.length_penalty),
+                  self._factor(best**self.length_penalty)]
+        return ints, floats
+
+    def set_step(self, cur_len: int) -> None:
+        """Write this step's numbers into the device inputs (not resident: see `make_resident`)."""
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's transfer out of the pinned buffers is done
+        ints, floats = self._numbers(cur_len)
+        self._ints_host.numpy()[:] = ints
+        self._floats_host.numpy()[:] = floats
+        self.ints.copy_(self._ints_host, non_blocking=True)
+        self.floats.copy_(self._floats_host, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+
+    def make_resident(self, static, owned: torch.Tensor, pool, block_size: int) -> None:
+        """Take every per-step input from the device from now on: the numbers of all steps as one
+        table indexed by a device step counter, the logits from the decode step's static output,
+        and write the decode step's inputs at the end of `update` — the cache reorder into its
+        self block table, the new tokens, their slots and the self lengths (`graphs._StaticStep`).
+        owned: [rows, max_self_blocks] int32, the blocks each row writes into."""
+        rows, width = owned.shape
+        steps = [self._numbers(c) for c in range(self.prompt_len, self.max_length)]
+        self.int_table = torch.tensor([i for i, _ in steps], dtype=torch.int64, device=self.device)
+        self.float_table = torch.tensor([f for _, f in steps], dtype=torch.float32, device=self.device)
+        self.step = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.logits_in = static.logits[:rows]
+        self.static, self.owned, self.pool, self.block_size = static, owned, pool, block_size
+        self.table = static.meta.self_block_table[:rows, :width]
+        self.columns = torch.arange(width, device=self.device)
+
+    def _reorder_and_feed(self, col: torch.Tensor, copy_blocks: bool) -> None:
+        """Row r continues from row beam_idx[r] (`PagedEncoderDecoderCache.reorder_cache` on the
+        static table: rows gathered, the block being filled copied into the row's own), then the
+        next decode step's inputs for position `col` (= the cache length)."""
+        rows, bs = self.owned.shape[0], self.block_size
+        current = torch.div(col, bs, rounding_mode="floor").clamp(max=self.owned.shape[1] - 1).expand(rows, 1)
+        table = self.table.index_select(0, self.beam_idx)
+        own = torch.gather(self.owned, 1, current)[:, 0]
+        if copy_blocks:  # also at a block boundary, where it copies a block nobody has written yet
+            self.pool.copy_blocks(torch.gather(table, 1, current)[:, 0], own)
+        self.table.copy_(torch.where(self.columns >= current, self.owned, table))
+        meta = self.static.meta
+        meta.slot_mapping[:rows].copy_(own * bs + col % bs)
+        meta.self_seq_lens[:rows].copy_(col + 1)
+        self.static.input_ids[:rows].copy_(self.next_tokens)
+        self.step += 1
+
+    def load_logits(self, logits: torch.Tensor) -> None:
+        """logits [batch * beams, 1, vocab] of the step; copied into the static float32 input."""
+        if self.logits is None:
+            self.logits = logits[:, -1, :].to(copy=True, dtype=torch.float32)
+        else:
+            self.logits.copy_(logits[:, -1, :])
+
+    def update(self, copy_blocks: bool = True) -> None:
+        """One step of HF's `_beam_search` after the forward, in place (capturable); resident
+        (`make_resident`), also the cache reorder and the next decode step's inputs."""
+        batch, beams, vocab, keep = self.batch, self.num_beams, self.vocab, self.beams_to_keep
+        if self.logits_in is None:
+            ints, floats, logits = self.ints, self.floats, self.logits
+        else:
+            index = self.step.clamp(max=self.int_table.shape[0] - 1).view(1)
+            ints, floats = self.int_table.index_select(0, index)[0], self.float_table.index_select(0, index)[0]
+            logits = self.logits_in[:, -1].to(torch.float32)  # HF: a float32 copy of the last logits
+        col, col_idx, at_max = ints[0], ints[1], ints[2].bool()
+        log_probs = nn.functional.log_softmax(logits, dim=-1)
+        for i, mask in enumerate(self.min_masks):
+            log_probs = torch.where(mask & ints[3 + i].bool(), -math.inf, log_probs)
+        log_probs = log_probs.reshape(batch, beams, vocab) + self.running_beam_scores[:, :, None]
+        log_probs = log_probs.reshape(batch, beams * vocab)
+        # _get_top_k_continuations
+        topk_log_probs, topk_indices = torch.topk(log_probs, k=keep)
+        topk_current_beam_indices = topk_indices // vocab
+        topk_running_beam_indices = _gather(self.running_beam_indices, topk_current_beam_indices)
+        topk_running_sequences = _gather(self.running_sequences, topk_current_beam_indices)
+        topk_ids = topk_indices % vocab
+        topk_running_sequences.scatter_(2, col.expand(batch, keep, 1), topk_ids[:, :, None])
+        batch_modified_indices = topk_current_beam_indices + self.batch_offset
+        topk_running_beam_indices.scatter_(
+            2, col_idx.expand(batch, keep, 1), batch_modified_indices[:, :, None].to(torch.int32)
+        )
+        # stopping criteria on the candidates: EOS as the last token, max length from the host
+        hits = at_max.expand(batch, keep)
+        if self.eos is not None:  # HF: isin(last token, eos)
+            hits = hits | (topk_ids[:, :, None] == self.eos).any(-1)
+        # _get_running_beams_for_next_iteration
+        topk_running_log_probs = topk_log_probs + hits.to(torch.float32) * -1.0e9
+        next_topk_indices = torch.topk(topk_running_log_probs, k=beams)[1]
+        self.running_sequences.copy_(_gather(topk_running_sequences, next_topk_indices))
+        self.running_beam_scores.copy_(_gather(topk_running_log_probs, next_topk_indices))
+        self.running_beam_indices.copy_(_gather(topk_running_beam_indices, next_topk_indices))
+        # _update_finished_beams
+        did_top_num_beams_just_finished = hits & self.top_num_beam_mask[None, :]
+        topk_log_probs = self._scale(topk_log_probs, floats[0])
+        beams_in_batch_are_full = torch.all(self.is_sent_finished, dim=-1, keepdim=True) & (self.early_stopping is True)
+        topk_log_probs += beams_in_batch_are_full.to(torch.float32) * -1.0e9
+        topk_log_probs += (~self.heuristic).to(torch.float32) * -1.0e9
+        topk_log_probs += (~did_top_num_beams_just_finished) * -1.0e9
+        merged_sequences = torch.cat((self.sequences, topk_running_sequences), dim=1)
+        merged_scores = torch.cat((self.beam_scores, topk_log_probs), dim=1)
+        merged_beam_indices = torch.cat((self.beam_indices, topk_running_beam_indices), dim=1)
+        merged_is_sent_finished = torch.cat((self.is_sent_finished, did_top_num_beams_just_finished), dim=1)
+        topk_merged_indices = torch.topk(merged_scores, k=beams)[1]
+        self.sequences.copy_(_gather(merged_sequences, topk_merged_indices))
+        self.beam_scores.copy_(_gather(merged_scores, topk_merged_indices))
+        self.beam_indices.copy_(_gather(merged_beam_indices, topk_merged_indices))
+        self.is_sent_finished.copy_(_gather(merged_is_sent_finished, topk_merged_indices))
+        # the cache reorder and the next input tokens
+        picked = torch.gather(self.running_beam_indices, 2, col_idx.expand(batch, beams, 1))
+        self.beam_idx.copy_(picked.reshape(-1))
+        self.next_tokens.copy_(torch.gather(self.running_sequences, 2, col.expand(batch, beams, 1)).reshape(-1, 1))
+        # _check_early_stop_heuristic (after HF's cur_len += 1)
+        best_possible_running_score = self._scale(self.running_beam_scores[:, :1], floats[1])
+        worst_finished_score = torch.where(
+            self.is_sent_finished, torch.min(self.beam_scores, dim=1, keepdim=True)[0], -1.0e9
+        )
+        self.heuristic.copy_(self.heuristic & torch.any(best_possible_running_score > worst_finished_score, dim=-1,
+                                                        keepdim=True))
+        # _beam_search_has_unfinished_sequences
+        improvement_possible = torch.any(self.heuristic)
+        exists_open_beam = ~(torch.all(self.is_sent_finished) & (self.early_stopping is True))
+        valid_continuations = ~torch.all(hits)
+        self.unfinished.copy_(improvement_possible & exists_open_beam & valid_continuations)
+        if self.logits_in is not None:
+            self._reorder_and_feed(col, copy_blocks)
+
+    def capture(self, side: torch.cuda.Stream) -> None:
+        """Record `update` as a CUDA graph on `side` (see `graphs.capture_update`)."""
+        from .graphs import capture_update
+
+        # the warm-up run must leave the pool alone (its block copies cannot be undone cheaply)
+        self._graph = capture_update(self.update, self._state(), side,
+                                     warmup=lambda: self.update(copy_blocks=False))
+
+    def _state(self) -> list[torch.Tensor]:
+        state = [self.running_sequences, self.sequences, self.running_beam_scores, self.beam_scores,
+                 self.is_sent_finished, self.heuristic, self.running_beam_indices, self.beam_indices]
+        if self.logits_in is not None:
+            meta = self.static.meta
+            state += [self.step, self.table, meta.slot_mapping, meta.self_seq_lens, self.static.input_ids]
+        return state
+
+    def run(self) -> None:
+        if self._graph is not None:
+            self._graph.replay()
+        else:
+            self.update()
+
+    def result(self) -> torch.Tensor:
+        """The sequences HF's `_beam_search` returns without `return_dict_in_generate`."""
+        nrs = self.num_return_sequences
+        sequences = self.sequences[:, :nrs].reshape(self.batch * nrs, -1)
+        beam_indices = self.beam_indices[:, :nrs].reshape(self.batch * nrs, -1)
+        max_generated_length = ((beam_indices + 1).bool()).sum(dim=1).max()
+        return sequences[:, : self.prompt_len + max_generated_length]
+
+
+def graph_beam_loop(step, prefill, reorder, input_ids, logits_processor, stopping_criteria, generation_config,
+                    capture: bool = True, streams=None):
+    """Beam search with `BeamStep` (captured as a graph on CUDA when `capture`, i.e. unless the
+    patch's config turns CUDA graphs off, on `streams.update`: `graphs.Streams`); same contract
+    as `loop.beam_loop`."""
+    logits = prefill(input_ids)
+    state = BeamStep(input_ids, generation_config, logits_processor, stopping_criteria, logits.shape[-1])
+    cuda = state.device.type == "cuda"
+    late = LateFlag(state.device)
+    cur_len = state.prompt_len
+    state.load_logits(logits)
+    state.set_step(cur_len)
+    if cuda and capture:
+        try:
+            state.capture(streams.update(state.device))
+        except RuntimeError as exc:  # the same update then runs eagerly: slower, same values
+            logger.warning("hf_paged_t5: beam-search bookkeeping could not be captured as a CUDA graph (%s); "
+                           "running it eagerly", exc)
+            torch.cuda.synchronize(state.device)
+    while True:
+        state.run()
+        reorder(state.beam_idx)
+        cur_len += 1
+        if cur_len >= state.max_length:
+            break  # every candidate hit max length: HF stops here too, known on the host
+        def queue():
+            state.load_logits(step(state.next_tokens))
+            state.set_step(cur_len)
+
+        stop, _ = late.queue_unless(state.unfinished, False, queue)
+        if stop:
+            break
+    return state.result()
+
+
+def resident_beam_loop(graphs, step_fn, cache, prefill, input_ids, logits_processor, stopping_criteria,
+                       generation_config, capture: bool = True):
+    """`graph_beam_loop` with every per-step input on the device (`BeamStep.make_resident`): per step
+    the host replays the decode step and the bookkeeping (captured on CUDA when `capture`, eager on
+    the same static buffers otherwise) and reads the "go on" flag one step late. The whole model
+    on one device (the decode step's one static table)."""
+    from .graphs import ResidentLoop
+
+    loop = ResidentLoop(graphs, step_fn, cache, prefill, input_ids, capture)
+    state = BeamStep(input_ids, generation_config, logits_processor, stopping_criteria, loop.logits.shape[-1])
+    state.make_resident(loop.static, cache.owned_table(loop.device), cache.pool, cache.block_size)
+    loop.capture_update(state, "beam-search bookkeeping")
+    cur_len = state.prompt_len
+    while True:
+        state.run()  # the step's beams, the cache reorder, the next step's inputs
+        cur_len += 1
+        if cur_len >= state.max_length:
+            break  # every candidate hit max length: HF stops here too, known on the host
+        if loop.next_step(state.unfinished, stop_on=False):
+            break  # the step just queued is dropped
+    return state.result()

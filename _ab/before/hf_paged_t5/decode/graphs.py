@@ -1,0 +1,359 @@
+"""Decode-step CUDA graphs: embedding -> every decoder layer -> final norm -> lm_head, replayed.
+
+One graph per (batch bucket, self-table width bucket, cross-table width bucket), captured
+lazily and reused across `generate()` calls. Rows past the real batch are padding: their
+tables point at the pool's scratch block, so they never touch a live sequence. Inputs are
+copied into static buffers before each replay; nothing in the replayed step syncs with the host.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from .late_flag import LateFlag
+from ..kv.pool import KVPool, StepMetadata
+
+logger = logging.getLogger(__name__)
+
+
+def bucket(n: int, minimum: int = 1) -> int:
+    """Smallest power of two >= max(n, minimum)."""
+    n = max(n, minimum)
+    return 1 << (n - 1).bit_length()
+
+
+def graph_key(cache, rows: int, tables, capture: bool = True) -> tuple[int, int, int]:
+    """(rows served, self-table width, cross-table width) of the static step for `rows` rows of
+    `cache` with its `host_tables()`: a graph serves a power-of-two bucket of batch sizes, at
+    least the cache's `min_graph_rows`; eager buffers need no padded rows."""
+    rows_key = bucket(rows, cache.min_graph_rows) if capture else rows
+    return rows_key, bucket(tables[0].shape[1], 4), bucket(tables[2].shape[1], 4)
+
+
+@dataclasses.dataclass
+class _StaticStep:
+    """Static buffers of one captured graph.
+
+    input_ids: [batch, 1] int64 on the device
+    packed: [4 * batch + batch * (self_width + cross_width)] int32 on the device; `meta`'s
+        tensors are views of it: slot_mapping [batch], self_seq_lens [batch],
+        cross_seq_lens [batch], self_block_table [batch, self_width],
+        cross_block_table [batch, cross_width] (one spare [batch] region keeps views aligned)
+    host: pinned CPU twin of `packed`, filled on the host and copied with one transfer
+    copied: event recorded after that transfer; the host waits on it before refilling (None on CPU)
+    graph: the captured step, or None for buffers that `DecodeGraphs.replay` runs eagerly
+    logits: [batch, 1, vocab]
+    """
+
+    input_ids: torch.Tensor
+    packed: torch.Tensor
+    host: torch.Tensor
+    copied: Optional[torch.cuda.Event]
+    meta: StepMetadata
+    graph: Optional[torch.cuda.CUDAGraph]
+    logits: Optional[torch.Tensor]
+
+
+def _views(packed: torch.Tensor, batch: int, self_width: int, cross_width: int) -> list[torch.Tensor]:
+    """slot_mapping, self_seq_lens, cross_seq_lens, self_block_table, cross_block_table of `packed`."""
+    slot, self_lens, cross_lens = packed[:batch], packed[batch : 2 * batch], packed[2 * batch : 3 * batch]
+    start = 4 * batch
+    self_table = packed[start : start + batch * self_width].view(batch, self_width)
+    start += batch * self_width
+    cross_table = packed[start : start + batch * cross_width].view(batch, cross_width)
+    return [slot, self_lens, cross_lens, self_table, cross_table]
+
+
+# Captured loop updates `DecodeGraphs.keep_update` holds at most (each keeps its graph's memory:
+# the float32 scores of its batch, 2 MiB at 16 rows of a 32K vocabulary).
+MAX_KEPT_UPDATES = 4
+
+
+class DecodeGraphs:
+    """Captured decode steps of one patched model."""
+
+    def __init__(self) -> None:
+        self._graphs: dict[tuple, _StaticStep] = {}
+        self._mempool = None
+        self._pool_generation: tuple = ()
+        # captured loop updates kept across calls (`keep_update`), most recently used last
+        self._updates: collections.OrderedDict = collections.OrderedDict()
+        self.captures = 0  # graphs captured into this object's keeping, ever (decode steps, kept updates)
+        self.streams = Streams()
+
+    @property
+    def num_steps(self) -> int:
+        """Decode steps captured and kept now (one per graph key)."""
+        return len(self._graphs)
+
+    def clear(self) -> None:
+        """Drop every captured step, and with them their memory pool: a pool handle whose graphs
+        are all gone is released by PyTorch's allocator and must not be captured into again."""
+        self._graphs.clear()
+        self._updates.clear()
+        self._mempool = None
+
+    def cached_update(self, static: _StaticStep, key: Optional[tuple]):
+        """The loop update kept for `static` under `key` (`keep_update`), or None."""
+        if key is None:
+            return None
+        entry = self._updates.get((id(static), key))
+        if entry is None or entry[0] is not static:
+            return None
+        self._updates.move_to_end((id(static), key))
+        return entry[1]
+
+    def keep_update(self, static: _StaticStep, key: tuple, state) -> None:
+        """Keep a captured loop update (its graph reads `static`'s buffers and the state's own
+        tensors, which a later call refills) for later calls; at most `MAX_KEPT_UPDATES`, least
+        recently used dropped first. They go with the decode graphs (`clear`)."""
+        self._updates[(id(static), key)] = (static, state)
+        self.captures += 1
+        while len(self._updates) > MAX_KEPT_UPDATES:
+            self._updates.popitem(last=False)
+
+    def run(
+        self,
+        step_fn: Callable[[torch.Tensor, Callable[[torch.device], StepMetadata]], torch.Tensor],
+        cache,
+        input_ids: torch.Tensor,
+        device: torch.device,
+    ) -> torch.Tensor:
+        """One decode step for `input_ids` [rows, 1] through a graph; returns logits [rows, 1, vocab].
+
+        step_fn(input_ids, meta_for) -> logits runs the whole step on given metadata.
+        """
+        rows = input_ids.shape[0]
+        slots = cache.begin_step(1)  # may grow the pool (a cache that allocates per step)
+        static = self.prepare(step_fn, cache, rows, device, slots)
+        static.input_ids[:rows].copy_(input_ids)
+        static.graph.replay()
+        return static.logits[:rows].clone()
+
+    def prepare(self, step_fn, cache, rows: int, device: torch.device, slots,
+                capture: bool = True, logits_like=None) -> _StaticStep:
+        """The static step serving `rows` rows of `cache`, its buffers filled from the cache's tables.
+
+        slots: [rows] the step's slot mapping (host), or None where the caller writes it on the
+        device (`greedy_graph`); then the self lengths are left for the caller too.
+        capture: a CUDA graph (captured once per bucket); else buffers of the same layout that
+        `replay` runs `step_fn` on eagerly (logits [bucket, 1, vocab] shaped like `logits_like`).
+        """
+        pool = cache.pool
+        if (id(pool), pool.generation) != self._pool_generation:
+            self.clear()  # a new or re-allocated pool: captured addresses are stale
+            self._pool_generation = (id(pool), pool.generation)
+        tables = cache.host_tables()
+        key = graph_key(cache, rows, tables, capture)
+        if capture:
+            static = self._graphs.get(key)
+            if static is None:
+                static = self._capture(step_fn, pool, key, device)
+                self._graphs[key] = static
+                self.captures += 1
+        else:
+            static = self._buffers(pool, key, device)
+            static.logits = logits_like.new_empty((key[0], 1, logits_like.shape[-1]))
+        if slots is None:
+            slots = torch.full((rows,), pool.scratch_block * pool.block_size, dtype=torch.int32)
+        self._fill(static, pool, key, rows, slots, tables)
+        device_table = cache.device_self_table()
+        if device_table is not None:  # beams reordered on the device: the host table is stale
+            static.meta.self_block_table[:rows, : device_table.shape[1]].copy_(device_table)
+        return static
+
+    @staticmethod
+    def replay(static: _StaticStep, step_fn) -> None:
+        """Run the step on the static buffers: the graph, or `step_fn` eagerly (see `prepare`)."""
+        if static.graph is not None:
+            static.graph.replay()
+        else:
+            static.logits.copy_(step_fn(static.input_ids, lambda _device: static.meta))
+
+    @staticmethod
+    def _fill(static: _StaticStep, pool: KVPool, key: tuple, rows: int, slots, tables) -> None:
+        if static.copied is not None:
+            static.copied.synchronize()  # the previous transfer out of `host` has finished
+        self_table, self_lens, cross_table, cross_lens = (t.numpy() for t in tables)
+        # numpy views of the pinned buffer: a few microseconds for what torch ops take ~50 for
+        slot, s_lens, c_lens, s_table, c_table = (v.numpy() for v in _views(static.host, *key))
+        # Padded rows (a bucket larger than the batch) write and read only the scratch block.
+        slot[rows:] = pool.scratch_block * pool.block_size
+        s_lens[rows:] = c_lens[rows:] = 1
+        s_table[rows:] = c_table[rows:] = pool.scratch_block
+        slot[:rows] = slots.numpy()
+        s_lens[:rows] = self_lens
+        c_lens[:rows] = cross_lens
+        s_table[:rows, : self_table.shape[1]] = self_table
+        c_table[:rows, : cross_table.shape[1]] = cross_table
+        static.packed.copy_(static.host, non_blocking=True)
+        if static.copied is not None:
+            static.copied.record()
+
+    @staticmethod
+    def _buffers(pool: KVPool, key: tuple, device) -> _StaticStep:
+        """A step's static buffers (no graph, no logits yet), every row on the scratch block."""
+        batch, self_width, cross_width = key
+        size = 4 * batch + batch * (self_width + cross_width)
+        pin = torch.device(device).type == "cuda"
+        host = torch.zeros(size, dtype=torch.int32, pin_memory=pin)
+        slot, s_lens, c_lens, s_table, c_table = _views(host, *key)
+        slot.fill_(pool.scratch_block * pool.block_size)
+        s_lens.fill_(1)
+        c_lens.fill_(1)
+        s_table.fill_(pool.scratch_block)
+        c_table.fill_(pool.scratch_block)
+        packed = host.to(device, copy=True)
+        slot, s_lens, c_lens, s_table, c_table = _views(packed, *key)
+        meta = StepMetadata(
+            num_new=1, slot_mapping=slot, self_block_table=s_table, self_seq_lens=s_lens,
+            cross_block_table=c_table, cross_seq_lens=c_lens,
+        )
+        static_ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        copied = torch.cuda.Event() if pin else None
+        if copied is not None:
+            copied.record()
+        return _StaticStep(static_ids, packed, host, copied, meta, None, None)
+
+    def _capture(self, step_fn, pool: KVPool, key: tuple, device) -> _StaticStep:
+        logger.info("capturing a decode CUDA graph: batch %d, self width %d, cross width %d", *key)
+        static = self._buffers(pool, key, device)
+        static_ids, meta = static.input_ids, static.meta
+        meta_for = lambda _device: meta  # noqa: E731  (one device: checked by the caller)
+        side = self.streams.generation(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm up: Triton compiles, cuBLAS picks algorithms, outside the capture
+                step_fn(static_ids, meta_for)
+        torch.cuda.current_stream(device).wait_stream(side)
+        if self._mempool is None:
+            self._mempool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        # captured on the generation stream, not torch.cuda.graph's own: each stream cuBLAS runs on
+        # keeps a workspace of its own (32 MiB on an H200)
+        with torch.cuda.graph(graph, pool=self._mempool, stream=side):
+            logits = step_fn(static_ids, meta_for)
+        static.graph, static.logits = graph, logits
+        return static
+
+
+def capture_update(update: Callable[[], None], state: list[torch.Tensor], side: torch.cuda.Stream,
+                   warmup: Optional[Callable[[], None]] = None) -> torch.cuda.CUDAGraph:
+    """Record `update` (in-place work on static tensors, no host sync) as a CUDA graph, after one
+    warm-up run (`warmup`, default `update`) on the side stream whose effect on `state` (every
+    tensor it changes) is undone; the capture itself runs nothing. side: the update stream
+    (`Streams.update`) of the tensors' device.
+
+    capture_begin/end rather than `torch.cuda.graph`, whose entry runs gc.collect() and
+    empty_cache(): these captures happen once per generate() call.
+    """
+    saved = [t.clone() for t in state]
+    device = side.device
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        (warmup or update)()
+    torch.cuda.current_stream(device).wait_stream(side)
+    for t, s in zip(state, saved):
+        t.copy_(s)
+    graph = torch.cuda.CUDAGraph()
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        graph.capture_begin()
+        try:
+            update()
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream(device).wait_stream(side)
+    return graph
+
+
+class ResidentLoop:
+    """What the device-resident decode loops (`greedy_graph`, `beam_graph.resident_beam_loop`)
+    share: the prefill, the decode step's static buffers for this call, the capture of the loop's
+    update, and queuing a step while reading a device flag one step late.
+
+    logits: the prefill's [rows, prompt_len, vocab]; static: the decode step's buffers
+    (`DecodeGraphs.prepare`), its logits buffer holding the prefill's last logits.
+    """
+
+    def __init__(self, graphs: DecodeGraphs, step_fn, cache, prefill, input_ids,
+                 capture: bool) -> None:
+        self.logits = prefill(input_ids)
+        rows, self.device = input_ids.shape[0], input_ids.device
+        self.cuda = self.device.type == "cuda"
+        self.capture = capture and self.cuda
+        self.graphs, self.step_fn, self.cache = graphs, step_fn, cache
+        self.static = graphs.prepare(step_fn, cache, rows, self.device, slots=None, capture=self.capture,
+                                     logits_like=self.logits)
+        self.static.logits[:rows].copy_(self.logits[:, -1:])
+        self._late = LateFlag(self.device)
+
+    def capture_update(self, state, what: str) -> None:
+        """`state.capture()` when capturing; a failed capture leaves the update eager (slower, same values)."""
+        if not self.capture:
+            return
+        try:
+            state.capture(self.graphs.streams.update(self.device))
+        except RuntimeError as exc:
+            logger.warning("hf_paged_t5: %s could not be captured as a CUDA graph (%s); running it eagerly",
+                           what, exc)
+            torch.cuda.synchronize(self.device)
+
+    def next_step(self, flag: torch.Tensor, stop_on: bool, then: Optional[Callable[[], None]] = None) -> bool:
+        """Queue the next decode step (and `then`, the update that reads its logits) and return
+        whether the loop stops: the device bool `flag` held `stop_on` before them. On CUDA it is
+        read after they are queued, so the GPU never waits for the host; a step queued after the
+        last one is dropped by the caller (its K/V lands in the call's own blocks, freed by
+        `release`). On the CPU nothing is queued once the loop stops (`late_flag.LateFlag`)."""
+
+        def queue():
+            self.cache.advance(1)
+            self.graphs.replay(self.static, self.step_fn)
+            if then is not None:
+                then()
+
+        return self._late.queue_unless(flag, stop_on, queue)[0]
+
+
+class Streams:
+    """The CUDA streams of one patched model's paged calls, one of each kind per device.
+
+    - generation(device): the stream a patched generate() runs on and decode graphs are warmed
+      up and captured on: cuBLAS keeps a workspace (32 MiB on an H200) for every stream it has run
+      on, so running the eager parts (encoder, prefill) on another stream than the graphs' would
+      hold two.
+    - update(device): the stream `capture_update` records on, not the decode graphs': these graphs
+      die with their generate() call (or, kept by `DecodeGraphs.keep_update`, before the decode
+      graphs they read), and PyTorch may drop the cuBLAS workspace of a graph's capture stream
+      when the graph is destroyed (pytorch/pytorch#193402) while the decode graphs captured on
+      that stream still use it. The updates run no cuBLAS, so this stream has none.
+    """
+
+    def __init__(self) -> None:
+        self._generation: dict[torch.device, torch.cuda.Stream] = {}
+        self._update: dict[torch.device, torch.cuda.Stream] = {}
+
+    def generation(self, device: torch.device) -> torch.cuda.Stream:
+        return self._get(self._generation, device)
+
+    def update(self, device: torch.device) -> torch.cuda.Stream:
+        return self._get(self._update, device)
+
+    @staticmethod
+    def _get(streams: dict, device) -> torch.cuda.Stream:
+        device = torch.device(device)
+        if device not in streams:
+            streams[device] = torch.cuda.Stream(device)
+        return streams[device]
+
+
+def graphable(decoder: nn.Module) -> bool:
+    """The decode step can be captured: every decoder weight on one CUDA device."""
+    devices = {p.device for p in decoder.parameters()}
+    return len(devices) == 1 and next(iter(devices)).type == "cuda"

@@ -1,0 +1,110 @@
+"""The patched forwards: the encoder stack's (paged for plain inference calls) and the model's,
+which serves HF's own decoding loop over a `PagedEncoderDecoderCache` (`return_dict_in_generate`,
+`low_memory`) and a caller's manual steps. Wrapped signatures are the originals' (`like`).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+from torch import nn
+from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions, Seq2SeqLMOutput
+
+from ..model.stacks import encoder_forward, mask_rows, store_cross
+from .cache import PagedEncoderDecoderCache
+from .runtime import PagedRuntime
+
+
+def like(original, fn):
+    """`fn` (an unbound `(self, ...)` function standing in for the bound method `original`) with
+    `original`'s name, docs and signature: HF (`_validate_model_kwargs`, the Trainer's column
+    filter, `generate()`'s attention-mask check) reads `inspect.signature(model.forward)`."""
+    functools.update_wrapper(fn, original)
+    sig = inspect.signature(original)
+    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    fn.__signature__ = sig.replace(parameters=[self_param, *sig.parameters.values()])
+    return fn
+
+
+def _output_flags(module: nn.Module, kwargs: dict) -> tuple[bool, bool]:
+    """(output_attentions, output_hidden_states) as HF's stacks read them: the call's value, else
+    the module's config (`capture_outputs`: `kwargs.get(name, config.name)`)."""
+    return tuple(bool(kwargs.get(name, getattr(module.config, name, False)))
+                 for name in ("output_attentions", "output_hidden_states"))
+
+
+def _paged_allowed(runtime: PagedRuntime, module: nn.Module, kwargs: dict) -> bool:
+    if module.training or any(_output_flags(module, kwargs)):
+        return False
+    if runtime.runner.owned_here() and not torch.is_grad_enabled():
+        return True  # inside this thread's paged generate(), which checked the weights' devices
+    if torch.is_grad_enabled() and any(p.requires_grad for p in module.parameters()):
+        return False  # the kernels have no backward: keep autograd on stock HF
+    return all(p.device.type != "meta" for p in module.parameters())
+
+
+def make_encoder_forward(runtime: PagedRuntime, original):
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, return_dict=None, **kwargs):
+        unknown = set(kwargs) - {"output_attentions", "output_hidden_states", "use_cache"}
+        stock = unknown or not _paged_allowed(runtime, self, kwargs)
+        if not stock and attention_mask is not None:
+            reason = mask_rows(attention_mask)[1]
+            if reason is not None:
+                runtime.warn_once(reason, "the encoder")
+                stock = True
+        if stock:
+            return original(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+                            return_dict=return_dict, **kwargs)
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        source = input_ids if inputs_embeds is None else inputs_embeds
+        if source.shape[0] == 0 or source.shape[1] == 0:
+            raise ValueError(f"empty input: the encoder got inputs of shape {tuple(source.shape[:2])}")
+        if not runtime.runner.owned_here():  # a call of its own, not one inside generate()
+            runtime.check_weights()
+        tables = runtime.bias_tables(self, causal=False)
+        # given input_ids, only the real tokens are embedded (inside encoder_forward)
+        hidden = encoder_forward(self, runtime.ops_for, tables, inputs_embeds, attention_mask, input_ids=input_ids)
+        # the class T5's stacks return (a caller that compiles generate() sees one type either way)
+        out = BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=hidden)
+        if return_dict is None:
+            return_dict = getattr(self.config, "return_dict", True)
+        return out if return_dict is not False else (hidden,)
+
+    return like(original, forward)
+
+
+def make_forward(runtime: PagedRuntime, original):
+    key = runtime.cache_kwarg
+
+    def forward(self, *args, **kwargs):
+        cache = kwargs.get(key)
+        if args or not isinstance(cache, PagedEncoderDecoderCache):
+            return original(*args, **kwargs)
+        extra = {k for k, v in kwargs.items() if v is not None} - {
+            "input_ids", "attention_mask", "decoder_input_ids", "decoder_attention_mask", "encoder_outputs",
+            key, "use_cache", "return_dict", "inputs_embeds", "cache_position", "output_attentions",
+            "output_hidden_states",
+        }
+        if extra or kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
+            raise RuntimeError(f"the paged forward does not serve {sorted(extra)}; unpatch_model() to use them")
+        encoder_outputs = kwargs.get("encoder_outputs")
+        if encoder_outputs is None:
+            encoder_outputs = self.encoder(
+                input_ids=kwargs.get("input_ids"), attention_mask=kwargs.get("attention_mask"),
+                inputs_embeds=kwargs.get("inputs_embeds"), return_dict=True,
+            )
+        enc_hidden = encoder_outputs[0]
+        ids = kwargs["decoder_input_ids"]
+        past = cache.get_seq_length()
+        if past and ids.shape[1] > 1:
+            ids = ids[:, past:]  # a caller that passes the whole history: keep the new tokens
+        with torch.no_grad():
+            if not cache.cross_blocks:
+                store_cross(self.decoder, runtime.ops_for, cache, enc_hidden, kwargs.get("attention_mask"))
+            logits = runtime.runner.decode(self, cache, ids)
+        return Seq2SeqLMOutput(logits=logits, **{key: cache})
+
+    return like(original, forward)

@@ -1,0 +1,275 @@
+"""The patched `generate()`: the serve / fall back decision, the pool reservation and the cache
+of one call, and the choice of decoding loop HF runs through `custom_generate`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from transformers.generation import GenerationMode
+from transformers.generation.stopping_criteria import MaxLengthCriteria, StopStringCriteria, StoppingCriteriaList
+
+from ..decode import beam_graph, greedy_graph
+from ..decode.loop import beam_loop, sample_loop
+from ..model.stacks import EMPTY_ROW, mask_rows
+from . import cache_export
+from .cache import PagedEncoderDecoderCache
+from .forward import like
+from .policy import fallback_reason
+from .runtime import PagedRuntime
+
+logger = logging.getLogger(__name__)
+
+
+def make_generate(runtime: PagedRuntime, original):
+    def generate(self, inputs=None, generation_config=None, **kwargs):
+        # HF's own merge: the user's config (or the model's), unset fields from model.generation_config,
+        # then the keyword arguments; what HF then runs is what the pool and the loop are sized for
+        gen_config, model_kwargs = self._prepare_generation_config(generation_config, **kwargs)
+        if inputs is not None:
+            model_kwargs["input_ids"] = inputs
+        reason = fallback_reason(gen_config, model_kwargs, self.training)
+        devices = frozenset(p.device for p in self.parameters())
+        if reason is None and any(d.type == "meta" for d in devices):
+            reason = "weights offloaded by accelerate (meta device) are served by stock HF"
+        if reason is None and runtime.runner.owned_here():
+            reason = "a generate() nested in a running generate() of the same model is served by stock HF"
+        if reason is None:
+            source, source_lens, reason = _encoder_inputs(self, gen_config, model_kwargs)
+        if reason is not None:
+            runtime.warn_once(reason)
+            return original(inputs, generation_config, **kwargs)
+        return _paged_generate(runtime, self, original, inputs, generation_config, gen_config, model_kwargs, kwargs,
+                               devices, source, source_lens)
+
+    return like(original, generate)
+
+
+def _encoder_inputs(model: nn.Module, gen_config, model_kwargs: dict):
+    """(the encoder's input tensor, real tokens per row, None) of a generate() call, or
+    (None, None, reason) where the paged path cannot serve its attention mask. Bad input raises.
+
+    With neither input_ids nor inputs_embeds, HF starts the encoder from one BOS token per row
+    (`_prepare_model_inputs`, which raises HF's own error when the model has no bos_token_id).
+    """
+    source = model_kwargs.get("input_ids")
+    if source is None:
+        source = model_kwargs.get("inputs_embeds")
+    if source is None:
+        source = model._prepare_model_inputs(None, gen_config.bos_token_id, dict(model_kwargs))[0]
+    if source.shape[0] == 0:
+        raise ValueError("generate() got an empty batch (batch size 0); pass at least one input")
+    if source.shape[1] == 0:
+        raise ValueError("generate() got zero-length inputs; each input needs at least one token")
+    mask = model_kwargs.get("attention_mask")
+    _check_devices(model, source, mask)
+    if mask is None:
+        return source, [source.shape[1]] * source.shape[0], None
+    lens, reason = mask_rows(mask)
+    if reason == EMPTY_ROW:  # HF's decoder attends over every encoder position of such a row
+        return None, None, reason
+    return source, lens, None  # (a hole: the encoder forward runs HF's, the decoder stays paged)
+
+
+def _paged_generate(runtime, model, original, inputs, generation_config, gen_config, model_kwargs, kwargs, devices,
+                    source, source_lens):
+    expand = max(gen_config.num_beams or 1, gen_config.num_return_sequences or 1)
+    dec_ids = model_kwargs.get("decoder_input_ids")
+    start_len = (dec_ids.shape[1] + 1) if dec_ids is not None else 1
+    new = gen_config.max_new_tokens if gen_config.max_new_tokens is not None else gen_config.max_length
+    if new is None:  # neither set: HF generates its default max_length (20) new tokens
+        new = _default_max_length()
+    # the last new token is returned, never fed back: the cache holds start_len + new - 1 tokens
+    max_self_tokens = start_len + new - 1
+    # a user's MaxLengthCriteria replaces HF's default one, and may allow more (total decoder length)
+    for c in kwargs.get("stopping_criteria") or ():
+        if isinstance(c, MaxLengthCriteria):
+            max_self_tokens = max(max_self_tokens, c.max_length - 1)
+    if model_kwargs.get("decoder_attention_mask") is not None:
+        kwargs = {k: v for k, v in kwargs.items() if k != "decoder_attention_mask"}  # all ones: same as none
+    with runtime.runner.owning(devices), _generation_stream(runtime, devices) as hand_over:
+        cache = None
+        try:
+            runtime.check_weights()
+            pool = runtime.get_pool(model.decoder)
+            needed = PagedEncoderDecoderCache.blocks_needed(source_lens, expand, max_self_tokens, pool.block_size)
+            pool.reserve(needed)
+            cache = PagedEncoderDecoderCache(pool, len(source_lens), expand, max_self_tokens)
+            loop = _lean_loop(runtime, cache, gen_config, kwargs.get("streamer"))
+            if loop is not None:
+                kwargs = {**_stop_strings_as_criteria(kwargs, gen_config), "custom_generate": loop}
+            with _encoder_outputs_per_source(model, expand):
+                result = original(inputs, generation_config, **kwargs, **{runtime.cache_kwarg: cache})
+            # an output that holds the cache gets HF's own, filled from the blocks released below
+            result = cache_export.replace_paged_cache(result, cache, model_kwargs.get("attention_mask"), source.shape[1])
+            return hand_over(result)
+        finally:
+            if cache is not None:
+                cache.release()
+
+
+def _stop_strings_as_criteria(kwargs: dict, gen_config) -> dict:
+    """generate()'s kwargs with `stop_strings` turned into HF's own `StopStringCriteria`, given
+    with the other stopping criteria. HF drops the tokenizer when `custom_generate` is a callable
+    (it pops `tokenizer` before picking the callable's extra arguments), so it would not find one
+    for the stop strings. Without a tokenizer, HF's own error is left to say so."""
+    if not gen_config.stop_strings or kwargs.get("tokenizer") is None:
+        return kwargs
+    criteria = StoppingCriteriaList(kwargs.get("stopping_criteria") or [])
+    criteria.append(StopStringCriteria(stop_strings=gen_config.stop_strings, tokenizer=kwargs["tokenizer"]))
+    return {**kwargs, "stopping_criteria": criteria, "stop_strings": None}
+
+
+@contextlib.contextmanager
+def _generation_stream(runtime: PagedRuntime, devices: frozenset):
+    """Run a paged generate() on the runner's generation stream (`graphs.Streams`), the stream its decode graphs are
+    captured on, when those graphs can run (CUDA graphs on, the model on one CUDA device): cuBLAS
+    keeps a workspace per stream (32 MiB on an H200), so an encoder and prefill on the caller's
+    stream would hold a second one. Ordered after the caller's pending work at entry; at exit the
+    caller's stream waits for the generation, and the returned tensors are marked used on the
+    caller's stream (`hand_over`) so the allocator cannot reuse them while it still reads them.
+    Yields `hand_over(result) -> result`. devices: those of the model's weights."""
+    if not (runtime.config.cuda_graphs and _one_cuda_device(devices)):
+        yield lambda result: result
+        return
+    device = next(iter(devices))
+    caller, side = torch.cuda.current_stream(device), runtime.runner.graphs.streams.generation(device)
+    if caller == side:
+        yield lambda result: result
+        return
+
+    def hand_over(result):
+        _record_stream(result, caller)
+        return result
+
+    side.wait_stream(caller)
+    try:
+        with torch.cuda.stream(side):
+            yield hand_over
+    finally:
+        caller.wait_stream(side)
+
+
+def _record_stream(value: Any, stream: torch.cuda.Stream) -> None:
+    """`Tensor.record_stream(stream)` on every CUDA tensor in `value` (generate()'s output: a tensor
+    or a ModelOutput of tuples of tensors)."""
+    if isinstance(value, torch.Tensor):
+        if value.is_cuda:
+            value.record_stream(stream)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _record_stream(item, stream)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _record_stream(item, stream)
+
+
+@contextlib.contextmanager
+def _encoder_outputs_per_source(model: nn.Module, expand: int):
+    """HF copies the encoder's output `expand` times (beams, num_return_sequences) before decoding;
+    the paged forward reads it once per source (`stacks.store_cross`), so this call's expansion
+    leaves `encoder_outputs` alone (t5-small, 8 sources x 4 beams x 512 tokens: 16 MiB not
+    allocated). One-shot: a later call of the method in the same generate() is HF's own."""
+    if expand == 1 or "_expand_inputs_for_generation" in model.__dict__:
+        yield
+        return
+    original = model._expand_inputs_for_generation
+    used = []
+
+    def expand_inputs(*args, **kwargs):
+        if not used and kwargs.get("is_encoder_decoder") and not args:
+            used.append(True)
+            kwargs["is_encoder_decoder"] = False  # HF then expands every tensor but encoder_outputs
+        return original(*args, **kwargs)
+
+    model._expand_inputs_for_generation = expand_inputs
+    try:
+        yield
+    finally:
+        del model.__dict__["_expand_inputs_for_generation"]
+
+
+def _default_max_length() -> int:
+    """HF's default `max_length` when neither it nor `max_new_tokens` is set (20)."""
+    from transformers import GenerationConfig
+
+    defaults = getattr(GenerationConfig, "_get_default_generation_params", None)
+    return defaults()["max_length"] if defaults is not None else 20
+
+
+def _lean_loop(runtime: PagedRuntime, cache: PagedEncoderDecoderCache, gen_config, streamer):
+    """A `custom_generate` callable (HF's `_sample` signature) running `loop.sample_loop` or
+    `loop.beam_loop` on `cache`, or None where HF's own loop runs over the paged forward
+    (`return_dict_in_generate`, `low_memory`).
+
+    HF hands a custom callable only the keyword arguments `_sample` lacks, so the streamer
+    comes through this closure. (synced_gpus never gets here: `policy` sends it to stock HF.)
+    """
+    mode = gen_config.get_generation_mode()
+    if gen_config.return_dict_in_generate or gen_config.low_memory:
+        return None
+    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.BEAM_SEARCH,
+                    GenerationMode.BEAM_SAMPLE):
+        return None
+    beams = mode in (GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE)
+
+    def paged_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
+        def prefill(ids):
+            return model(
+                decoder_input_ids=ids, encoder_outputs=model_kwargs["encoder_outputs"],
+                attention_mask=model_kwargs.get("attention_mask"), use_cache=True, return_dict=True,
+                **{runtime.cache_kwarg: cache},
+            ).logits
+
+        def step(ids):
+            with torch.no_grad():
+                return runtime.runner.decode(model, cache, ids)
+
+        # the device-resident loops: every per-step number on the device (the model on one device)
+        resident = None
+        if _on_one_device(runtime.runner.call_devices):
+            if beams and beam_graph.supported(generation_config, logits_processor, stopping_criteria):
+                resident = beam_graph.resident_beam_loop
+            elif (not beams and streamer is None
+                  and greedy_graph.supported(generation_config, logits_processor, stopping_criteria)):
+                resident = greedy_graph.graph_greedy_loop
+        if resident is not None:
+            plan = runtime.runner.plan(model, cache, input_ids.device, input_ids.shape[0])
+            with torch.no_grad():
+                return resident(runtime.runner.graphs, plan.step, cache, prefill, input_ids, logits_processor,
+                                stopping_criteria, generation_config, capture=plan.use_graph)
+        if beams and beam_graph.supported(generation_config, logits_processor, stopping_criteria):
+            return beam_graph.graph_beam_loop(step, prefill, cache.reorder_cache, input_ids, logits_processor,
+                                              stopping_criteria, generation_config, runtime.config.cuda_graphs,
+                                              runtime.runner.graphs.streams)
+        if beams:
+            return beam_loop(model, step, prefill, cache.reorder_cache, input_ids, logits_processor,
+                             stopping_criteria, generation_config)
+        return sample_loop(step, prefill, input_ids, logits_processor, stopping_criteria, generation_config, streamer)
+
+    return paged_loop
+
+
+def _on_one_device(devices: frozenset) -> bool:
+    return len(devices) == 1
+
+
+def _one_cuda_device(devices: frozenset) -> bool:
+    return len(devices) == 1 and next(iter(devices)).type == "cuda"
+
+
+def _check_devices(model: nn.Module, source: torch.Tensor, mask: Optional[torch.Tensor]) -> None:
+    embed_device = model.get_input_embeddings().weight.device
+    if source.dtype in (torch.long, torch.int) and source.device != embed_device:
+        raise ValueError(
+            f"input_ids are on {source.device} but the model's embeddings are on {embed_device}; "
+            f"move the inputs with .to({str(embed_device)!r})"
+        )
+    if mask is not None and mask.device != source.device:
+        raise ValueError(
+            f"attention_mask is on {mask.device} but the inputs are on {source.device}; put both on one device"
+        )

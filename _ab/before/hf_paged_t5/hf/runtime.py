@@ -1,0 +1,101 @@
+"""`PagedRuntime`: everything `patch_model` attaches to one model (as `model._hf_paged_t5`).
+
+Its config, the KV pool, the bias tables, the decode runner (graphs, streams, the lock and owner
+of paged calls), the kernel namespace per device and the originals `unpatch_model` restores.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from ..config import PagedCacheConfig
+from ..decode.runner import DecodeRunner
+from ..kv.pool import KVPool, LayerSpec
+from ..model import bias as bias_mod
+from ..model.attention import OnDevice, backend_ops
+from ..model.probe import output_scale
+
+logger = logging.getLogger("hf_paged_t5.hf.patch")
+
+
+class PagedRuntime:
+    """Everything `patch_model` attaches to one model: config, pool, bias tables, originals."""
+
+    def __init__(self, model: nn.Module, config: PagedCacheConfig) -> None:
+        self.config = config
+        self.is_seq2seq = hasattr(model, "decoder")
+        self.originals: dict[tuple[int, str], tuple[nn.Module, Any, bool]] = {}
+        self.pool: Optional[KVPool] = None
+        self.warned: set[str] = set()
+        self._device_ops: dict[tuple[str, torch.device], OnDevice] = {}
+        sig = inspect.signature(type(model).forward).parameters if self.is_seq2seq else {}
+        self.cache_kwarg = "cache" if "cache" in sig else "past_key_values"
+        # what the class's forward multiplies the decoder output by before lm_head (probe.py)
+        self.output_scale = output_scale(model) if self.is_seq2seq else None
+        # decode graphs, streams, the lock and owner of paged calls (a generate() nested in one,
+        # from a streamer or logits processor, must not wait on the lock nor take its blocks)
+        self.runner = DecodeRunner(config, self.ops_for, self.bias_tables, self.output_scale)
+        self.tables = bias_mod.BiasTableCache(on_rebuild=self.runner.graphs.clear)  # captured steps read them
+
+    # ---- per-layer resources ------------------------------------------------------------
+    def ops_for(self, device: torch.device):
+        """The kernel namespace for a layer on `device`; with several GPUs, one that makes `device`
+        current around each call (see `attention.OnDevice`)."""
+        ops = backend_ops(self.config.resolve_backend(device))
+        if device.type == "cuda" and torch.cuda.device_count() > 1:
+            key = (ops.__name__, device)
+            if key not in self._device_ops:
+                self._device_ops[key] = OnDevice(ops, device)
+            return self._device_ops[key]
+        return ops
+
+    def bias_tables(self, stack: nn.Module, causal: bool) -> list[torch.Tensor]:
+        """Each layer's bias table of `stack` (`bias.BiasTableCache`; no host sync)."""
+        return self.tables.get(stack, causal)
+
+    def check_weights(self) -> None:
+        """Once per generate() call and batch job: drop bias tables whose weights were written in
+        place (one host sync); never per decode step."""
+        self.tables.check()
+
+    def layer_specs(self, decoder: nn.Module) -> list[LayerSpec]:
+        """One pool spec per decoder layer: its device, the model's dtype, its head shape."""
+        specs = []
+        for i, block in enumerate(decoder.block):
+            attn = block.layer[0].SelfAttention
+            weight = attn.k.weight
+            if self.config.dtype is not None and self.config.dtype != weight.dtype:
+                raise ValueError(
+                    f"PagedCacheConfig(dtype={self.config.dtype}) does not match decoder layer {i}'s weights "
+                    f"({weight.dtype}); the kernels need K/V in the model's dtype. Use dtype=None, or "
+                    f"convert the model with model.to({self.config.dtype})"
+                )
+            specs.append(LayerSpec(weight.device, weight.dtype, attn.n_heads, attn.key_value_proj_dim))
+        return specs
+
+    def get_pool(self, decoder: nn.Module) -> KVPool:
+        specs = self.layer_specs(decoder)
+        if self.pool is None or self.pool.specs != specs:
+            if self.pool is not None:
+                logger.info("re-creating the KV pool: the decoder's devices or dtypes changed")
+            self.pool = KVPool(self.config, specs)
+        return self.pool
+
+    def warn_once(self, reason: str, what: str = "this generate()") -> None:
+        """Log once per model and reason that `what` runs on stock HF, and why (a generate() that
+        falls back for a reason its encoder shares logs it once)."""
+        if reason not in self.warned:
+            self.warned.add(reason)
+            logger.warning("hf_paged_t5: running %s on stock HF: %s", what, reason)
+
+
+def set_attr(runtime: PagedRuntime, module: nn.Module, name: str, value: Any) -> None:
+    """Set an instance attribute, remembering what it replaced."""
+    had = name in module.__dict__
+    runtime.originals[(id(module), name)] = (module, module.__dict__.get(name), had)
+    setattr(module, name, value)

@@ -1,0 +1,23 @@
+"""Triton kernels of the paged T5 backend; each has a plain-PyTorch twin in `reference.py`.
+
+- `store_kv`: write K/V of new tokens into pool slots.
+- `paged_decode`: one query token per row over paged keys, with the causal T5 bias table,
+  a dense bias or none; splits long key ranges across programs (flash-decoding).
+- `rms_norm`: T5's layer norm, optionally fused with the residual add.
+- `gemv`: x @ weight.T for at most a few rows (batch-1 decode projections).
+- `prefill`: varlen flash-attention over packed sequences, bidirectional or causal.
+
+Integer arguments that follow the workload (sequence lengths, key counts, splits, rows, table
+widths) are excluded from Triton's specialization (`do_not_specialize`): Triton otherwise compiles
+a kernel again for each new combination of "equals 1" / "divisible by 16" among them, and each
+compile stalls the caller for 0.4-1 s (H200): a batch job whose row counts and lengths keep
+moving would keep compiling. These arguments are loop bounds and masks, where the hint buys nothing.
+"""
+
+from .decode import paged_decode
+from .gemv import gemv, gemv_supports
+from .prefill import prefill
+from .rmsnorm import rms_norm
+from .store_kv import store_kv
+
+__all__ = ["gemv", "gemv_supports", "paged_decode", "prefill", "rms_norm", "store_kv"]

@@ -1,0 +1,370 @@
+"""Paged decode attention, one query token per row (Triton twin of `reference.paged_decode`).
+
+One program handles one (head, row, key split) and streams that split's keys in tiles of
+BLOCK_N keys (several blocks, or part of one): per key it gathers the block id from the row's
+table and loads the K / V rows as one [BLOCK_N, head_dim] pointer tile with 16-byte loads,
+requesting the next tile before it uses the current one (`DecodeConfig.prefetch` picks how).
+With one split it writes the output; with several (flash-decoding, for few rows over long
+keys) each writes an unnormalised partial (running max, running sum, weighted V sum) and
+`_combine_splits_kernel` merges them with a log-sum-exp rescale; or (`fused_combine`) the last
+program of a (row, head) to finish, counted by an atomic ticket, merges them itself, sparing
+the second launch. The grid depends on tensor shapes and the host bound `max_seq_len` only:
+no host-device sync, so the wrapper can be captured in a CUDA graph; programs past a row's
+`seq_len` contribute nothing. Launch knobs are a `DecodeConfig`, picked by `decode_config`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import block_d, broadcast_strides, check_decode_args, interpreting
+from .launch import _PREFETCH, DecodeConfig, _num_sms, decode_config
+
+# BIAS_MODE values.
+_NO_BIAS, _TABLE_BIAS, _DENSE_BIAS = 0, 1, 2
+
+
+@triton.jit
+def _tile_slots(
+    tile_start,
+    table_row_ptr,
+    max_keys,
+    head,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """[BLOCK_N] int64 element offsets of keys [tile_start, tile_start + BLOCK_N) of one head.
+
+    The tile spans BLOCK_N // BLOCK_SIZE blocks (or part of one): each key gathers its block id
+    from the row's table (repeated ids hit one cache line).
+    """
+    keys = tile_start + tl.arange(0, BLOCK_N)
+    # Masked by the table's width, not by `end`: every entry of the row is a valid block id,
+    # and the table load then need not wait for seq_len (one round trip less per call).
+    block_id = tl.load(table_row_ptr + keys // BLOCK_SIZE, mask=keys < max_keys, other=0).to(tl.int64)
+    # int64: block_id * stride_cache_block passes 2^31 in pools of a few GB.
+    return block_id * stride_cache_block + (keys % BLOCK_SIZE) * stride_cache_slot + head * stride_cache_head
+
+
+@triton.jit
+def _load_kv(slot_off, tile_start, key_cache_ptr, value_cache_ptr, end, dims, dim_mask, BLOCK_N: tl.constexpr):
+    """K and V rows [BLOCK_N, BLOCK_D] at `slot_off` (from `_tile_slots` of the same tile_start).
+
+    K/V of keys at or past `end` are masked, so a tile past the end costs no K/V traffic.
+    """
+    key_mask = (tile_start + tl.arange(0, BLOCK_N)) < end
+    kv_off = slot_off[:, None] + dims[None, :]
+    kv_mask = key_mask[:, None] & dim_mask[None, :]
+    k = tl.load(key_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+    v = tl.load(value_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _merge_splits(
+    part_ptr,
+    out_ptr,
+    row,
+    head,
+    num_heads,
+    num_splits,
+    head_dim,
+    stride_out_batch,
+    stride_out_head,
+    SPLITS_P2: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Merge the partials of one (row, head) (layout: `_combine_splits_kernel`) into the output."""
+    splits = tl.arange(0, SPLITS_P2)
+    split_mask = splits < num_splits
+    dims = tl.arange(0, BLOCK_D)
+    part_off = ((row * num_heads + head) * num_splits + splits) * (BLOCK_D + 2)  # [SPLITS_P2]
+    # .cg: read from L2, where other SMs' partials are (this SM's L1 may not have seen them).
+    m = tl.load(part_ptr + part_off + BLOCK_D, mask=split_mask, other=float("-inf"), cache_modifier=".cg")
+    l = tl.load(part_ptr + part_off + BLOCK_D + 1, mask=split_mask, other=0.0, cache_modifier=".cg")
+    acc_ptrs = part_ptr + part_off[:, None] + dims[None, :]  # [SPLITS_P2, BLOCK_D]
+    acc = tl.load(acc_ptrs, mask=split_mask[:, None], other=0.0, cache_modifier=".cg")
+    # Split 0 always holds key 0 (seq_len >= 1), so m_max is finite; empty splits get weight 0.
+    m_max = tl.max(m, axis=0)
+    weight = tl.exp2(m - m_max)  # [SPLITS_P2]
+    out = tl.sum(weight[:, None] * acc, axis=0) / tl.sum(weight * l, axis=0)
+    tl.store(
+        out_ptr + row * stride_out_batch + head * stride_out_head + dims,
+        out.to(out_ptr.dtype.element_ty),
+        mask=dims < head_dim,
+    )
+
+
+@triton.jit
+def _attend_keys(
+    acc,
+    l_i,
+    m_i,
+    q,
+    k,
+    v,
+    tile_start,
+    end,
+    q_pos,
+    row,
+    head,
+    max_distance,
+    dense_len,
+    bias_ptr,
+    stride_bias_batch,
+    stride_bias_head,
+    stride_bias_key,
+    BIAS_MODE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """One online-softmax step of the query q [BLOCK_D] (log2 units) over one K/V tile."""
+    keys = tile_start + tl.arange(0, BLOCK_N)
+    key_mask = keys < end
+    s = tl.sum(q[None, :] * k.to(tl.float32), axis=1)  # [BLOCK_N]
+    if BIAS_MODE == 1:
+        index = tl.minimum(q_pos - keys, max_distance)
+        bias = tl.load(bias_ptr + head * stride_bias_head + index * stride_bias_key, mask=key_mask, other=0.0)
+        s += bias.to(tl.float32) * 1.4426950408889634
+    if BIAS_MODE == 2:
+        bias_off = row * stride_bias_batch + head * stride_bias_head + keys.to(tl.int64) * stride_bias_key
+        bias = tl.load(bias_ptr + bias_off, mask=key_mask & (keys < dense_len), other=0.0)
+        s += bias.to(tl.float32) * 1.4426950408889634
+    s = tl.where(key_mask, s, float("-inf"))
+    # Every tile holds at least one live key, so m_new is finite and no NaN appears.
+    m_new = tl.maximum(m_i, tl.max(s, axis=0))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=0)
+    acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
+    return acc, l_i, m_new
+
+
+@triton.jit(do_not_specialize=["max_keys", "keys_per_split", "dense_len", "stride_table_batch"])  # workload sizes: see kernels/__init__.py
+def _paged_decode_kernel(
+    query_ptr,  # [batch, num_heads, head_dim]
+    key_cache_ptr,  # [num_blocks, block_size, num_heads, head_dim]
+    value_cache_ptr,  # [num_blocks, block_size, num_heads, head_dim]
+    block_table_ptr,  # [batch, max_blocks] int32
+    seq_lens_ptr,  # [batch] int32
+    bias_ptr,  # table [num_heads, max_distance + 1] | dense [batch|1, num_heads|1, dense_len] | unused
+    out_ptr,  # [batch, num_heads, head_dim], written without SPLIT (with FUSED_COMBINE, by the last split)
+    part_ptr,  # [batch, num_heads, num_splits, BLOCK_D + 2] fp32, written with SPLIT (layout: _combine_splits_kernel)
+    ticket_ptr,  # [batch, num_heads] int32 zeros, with FUSED_COMBINE: splits of (row, head) done so far
+    scale,
+    head_dim,
+    max_keys,
+    keys_per_split,
+    max_distance,
+    dense_len,
+    stride_query_batch,
+    stride_query_head,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_table_batch,
+    stride_bias_batch,
+    stride_bias_head,
+    stride_bias_key,
+    stride_out_batch,
+    stride_out_head,
+    BIAS_MODE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SPLIT: tl.constexpr,
+    SPLITS_P2: tl.constexpr,
+    FUSED_COMBINE: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    # Heads vary fastest over the grid: programs running side by side read neighbouring
+    # head slices of the same slots, so together they stream whole blocks.
+    head = tl.program_id(0).to(tl.int64)
+    row = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    num_heads = tl.num_programs(0)
+    num_splits = tl.num_programs(2)
+
+    # Clamping to the table's capacity keeps a bad seq_len from reading past the row.
+    seq_len = tl.minimum(tl.load(seq_lens_ptr + row), max_keys)
+    q_pos = seq_len - 1
+    start = split * keys_per_split
+    end = tl.minimum(seq_len, start + keys_per_split)
+
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < head_dim
+    table_row_ptr = block_table_ptr + row * stride_table_batch
+    slot_args = (table_row_ptr, max_keys, head, stride_cache_block, stride_cache_slot, stride_cache_head)
+    kv_args = (key_cache_ptr, value_cache_ptr, end, dims, dim_mask)
+    bias_args = (
+        q_pos, row, head, max_distance, dense_len, bias_ptr, stride_bias_batch, stride_bias_head, stride_bias_key,
+    )  # fmt: skip
+    q = tl.load(query_ptr + row * stride_query_batch + head * stride_query_head + dims, mask=dim_mask, other=0.0)
+    # Work in log2 units (exp2 is the native instruction); fp32 so fp16 scores never overflow.
+    q = q.to(tl.float32) * (scale * 1.4426950408889634)
+    m_i = tl.full([], float("-inf"), tl.float32)
+    l_i = tl.full([], 0.0, tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    if PREFETCH == 2:
+        # Plain loop: Triton's pipeliner copies the K/V of the next NUM_STAGES - 1 tiles into
+        # shared memory asynchronously (the block ids a stage earlier still).
+        for tile_start in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
+            slots = _tile_slots(tile_start, *slot_args, BLOCK_SIZE, BLOCK_N)
+            k, v = _load_kv(slots, tile_start, *kv_args, BLOCK_N)
+            acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, k, v, tile_start, end, *bias_args, BIAS_MODE, BLOCK_N)
+    else:
+        # The first tile is in flight while the state is set up; inside the loop the next tile
+        # is requested before the current one is used, so each program keeps one tile of K and
+        # V in flight while it computes (latency hiding that does not rely on occupancy).
+        slots = _tile_slots(start, *slot_args, BLOCK_SIZE, BLOCK_N)
+        k, v = _load_kv(slots, start, *kv_args, BLOCK_N)
+        if PREFETCH == 1:
+            slots = _tile_slots(start + BLOCK_N, *slot_args, BLOCK_SIZE, BLOCK_N)
+        for tile_start in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
+            if PREFETCH == 1:
+                # The next tile's block ids came one tile ago, so its K/V loads need not wait
+                # for a table round trip; the ids of the tile after it are requested now.
+                k_next, v_next = _load_kv(slots, tile_start + BLOCK_N, *kv_args, BLOCK_N)
+                slots = _tile_slots(tile_start + 2 * BLOCK_N, *slot_args, BLOCK_SIZE, BLOCK_N)
+            else:
+                slots = _tile_slots(tile_start + BLOCK_N, *slot_args, BLOCK_SIZE, BLOCK_N)
+                k_next, v_next = _load_kv(slots, tile_start + BLOCK_N, *kv_args, BLOCK_N)
+            acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, k, v, tile_start, end, *bias_args, BIAS_MODE, BLOCK_N)
+            k, v = k_next, v_next
+
+    if not SPLIT:
+        out = acc / l_i
+        out_off = row * stride_out_batch + head * stride_out_head + dims
+        tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=dim_mask)
+    else:
+        # A split past seq_len stores max -inf and sum 0: the merge gives it weight 0.
+        part_row_ptr = part_ptr + ((row * num_heads + head) * num_splits + split) * (BLOCK_D + 2)
+        tl.store(part_row_ptr + dims, acc)
+        tl.store(part_row_ptr + BLOCK_D, m_i)
+        tl.store(part_row_ptr + BLOCK_D + 1, l_i)
+        if FUSED_COMBINE:
+            # Every thread's partial stores precede the ticket (one thread takes it, release),
+            # and the last split's loads follow it (acquire): that split sees all partials.
+            tl.debug_barrier()
+            ticket = tl.atomic_add(ticket_ptr + row * num_heads + head, 1, sem="acq_rel")
+            if ticket == num_splits - 1:
+                _merge_splits(
+                    part_ptr, out_ptr, row, head, num_heads, num_splits, head_dim,
+                    stride_out_batch, stride_out_head, SPLITS_P2, BLOCK_D,
+                )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["num_splits"])  # workload sizes: see kernels/__init__.py
+def _combine_splits_kernel(
+    part_ptr,  # [batch, num_heads, num_splits, BLOCK_D + 2] fp32: weighted V sum, running max (log2), sum
+    out_ptr,  # [batch, num_heads, head_dim]
+    head_dim,
+    num_splits,
+    stride_out_batch,
+    stride_out_head,
+    SPLITS_P2: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    _merge_splits(
+        part_ptr, out_ptr, row, head, tl.num_programs(1), num_splits, head_dim,
+        stride_out_batch, stride_out_head, SPLITS_P2, BLOCK_D,
+    )  # fmt: skip
+
+
+def paged_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float = 1.0,
+    bias_table: Optional[torch.Tensor] = None,
+    dense_bias: Optional[torch.Tensor] = None,
+    max_seq_len: Optional[int] = None,
+    num_splits: Optional[int] = None,
+    config: Optional[DecodeConfig] = None,
+) -> torch.Tensor:
+    """Attention of one query token per row over that row's paged keys.
+
+    query: [batch, num_heads, head_dim]
+    key_cache, value_cache: [num_blocks, block_size, num_heads, head_dim], query's dtype
+    block_table: [batch, max_blocks] int32
+    seq_lens: [batch] int32, keys of each row (1 <= seq_len <= max_blocks * block_size);
+        the query sits at position seq_len - 1
+    bias_table: causal distance table [num_heads, max_distance + 1], or None
+    dense_bias: [batch | 1, num_heads | 1, max_keys] additive bias (max_keys >= max(seq_lens);
+        keys past its end get no bias), or None. At most one of bias_table / dense_bias.
+    max_seq_len: optional host-side upper bound on seq_lens (a promise: longer rows are cut);
+        only sizes the key splits. Without it the bound is max_blocks * block_size.
+    num_splits: optional override of the number of key splits (testing, tuning).
+    config: optional override of every launch knob (tuning); `num_splits` still wins if given.
+    returns: [batch, num_heads, head_dim], query's dtype
+    """
+    max_distance = check_decode_args(query, key_cache, value_cache, block_table, seq_lens, bias_table, dense_bias)
+    batch, num_heads, head_dim = query.shape
+    block_size = key_cache.shape[1]
+    max_keys = block_table.shape[1] * block_size
+    out = torch.empty((batch, num_heads, head_dim), dtype=query.dtype, device=query.device)
+    if batch == 0 or num_heads == 0 or max_keys == 0:
+        return out
+
+    padded_d = block_d(head_dim)
+    covered = max_keys if max_seq_len is None else max(1, min(max_keys, int(max_seq_len)))
+    if config is None and interpreting():
+        # Small tiles: cheap in the interpreter and they exercise tile edges on tiny shapes.
+        config = DecodeConfig(block_n=16, num_warps=4)
+    if config is None:
+        config = decode_config(batch, num_heads, head_dim, covered, _num_sms(query.device))
+    splits = config.num_splits if num_splits is None else num_splits
+    if splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {splits}")
+    keys_per_split = max_keys
+    if splits > 1:
+        keys_per_split = triton.cdiv(triton.cdiv(covered, splits), config.block_n) * config.block_n
+        splits = triton.cdiv(covered, keys_per_split)
+
+    if bias_table is not None:
+        bias_mode, bias, bias_strides, dense_len = _TABLE_BIAS, bias_table, [0, *bias_table.stride()], 0
+    elif dense_bias is not None:
+        bias_mode, bias, bias_strides, dense_len = _DENSE_BIAS, dense_bias, broadcast_strides(dense_bias), dense_bias.shape[2]
+    else:
+        bias_mode, bias, bias_strides, dense_len = _NO_BIAS, query, [0, 0, 0], 0
+
+    part = ticket = out  # unused placeholders when there is one split
+    fused = splits > 1 and config.fused_combine
+    if splits > 1:
+        # One buffer for the three partials: one allocation, one pointer argument.
+        part = torch.empty((batch, num_heads, splits, padded_d + 2), dtype=torch.float32, device=query.device)
+    if fused:
+        ticket = torch.zeros((batch, num_heads), dtype=torch.int32, device=query.device)
+
+    _paged_decode_kernel[(num_heads, batch, splits)](
+        query, key_cache, value_cache, block_table, seq_lens, bias, out, part, ticket,
+        float(scale), head_dim, max_keys, keys_per_split, max_distance, dense_len,
+        query.stride(0), query.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        block_table.stride(0),
+        *bias_strides,
+        out.stride(0), out.stride(1),
+        BIAS_MODE=bias_mode, BLOCK_SIZE=block_size, BLOCK_N=config.block_n, BLOCK_D=padded_d, SPLIT=splits > 1,
+        SPLITS_P2=triton.next_power_of_2(splits) if fused else 1, FUSED_COMBINE=fused,
+        PREFETCH=_PREFETCH[config.prefetch],
+        NUM_STAGES=config.num_stages, num_warps=config.num_warps,
+    )  # fmt: skip
+    if splits > 1 and not fused:
+        _combine_splits_kernel[(batch, num_heads)](
+            part, out,
+            head_dim, splits, out.stride(0), out.stride(1),
+            SPLITS_P2=triton.next_power_of_2(splits), BLOCK_D=padded_d,
+            num_warps=4,
+        )  # fmt: skip
+    return out

@@ -1,0 +1,172 @@
+"""Launch knobs of the attention kernels and how their defaults are picked on a GPU.
+
+`DecodeConfig` / `decode_config` for `decode.paged_decode`, `PrefillConfig` / `prefill_config`
+for `prefill.prefill`. The defaults come from H200 sweeps (`benchmarks/tune_kernels.py`); a
+caller may pass any config, and every config computes the same attention.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+import dataclasses
+
+import torch
+import triton
+
+from ._checks import block_d
+
+# A split shorter than this costs more (partials, the combine launch) than it wins in parallelism.
+_MIN_KEYS_PER_SPLIT = 512
+_MAX_SPLITS = 128
+# Enough resident programs per SM to hide memory latency on a bandwidth-bound kernel.
+_PROGRAMS_PER_SM = 4
+# DecodeConfig.prefetch -> the kernel's PREFETCH.
+_PREFETCH = MappingProxyType({"tile": 0, "table": 1, "async": 2})
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Launch knobs of `paged_decode` (see `decode_config` for how defaults are picked).
+
+    block_n: keys per tile, a power of two >= 16 (any multiple or fraction of block_size)
+    num_warps: warps per program
+    num_stages: software-pipelining depth of the key loop (1 = only the kernel's own one-tile prefetch)
+    num_splits: key splits per (row, head); > 1 adds the combine kernel (or the fused merge)
+    fused_combine: with splits, the last split of each (row, head) to finish (an atomic ticket)
+        merges the partials instead of a second kernel; costs a [batch, num_heads] int32 memset
+    prefetch: how K/V of the coming tiles are requested while one is used: "tile" (the next
+        tile into registers, its block ids read just before), "table" (likewise, with the block
+        ids one tile further ahead, so no K/V load waits on a table round trip) or "async" (a
+        plain loop that Triton's pipeliner turns into async copies of the next num_stages - 1
+        tiles into shared memory)
+    """
+
+    block_n: int
+    num_warps: int
+    num_stages: int = 1
+    num_splits: int = 1
+    fused_combine: bool = False
+    prefetch: str = "tile"
+
+    def __post_init__(self) -> None:
+        if self.block_n < 16 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"block_n must be a power of two >= 16, got {self.block_n}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+        if self.num_stages < 1 or self.num_splits < 1:
+            raise ValueError(f"num_stages and num_splits must be >= 1, got {self.num_stages}, {self.num_splits}")
+        if self.prefetch not in _PREFETCH:
+            raise ValueError(f"prefetch must be one of {', '.join(_PREFETCH)}, got {self.prefetch!r}")
+
+
+def decode_config(batch: int, num_heads: int, head_dim: int, max_keys: int, num_sms: int) -> DecodeConfig:
+    """Default knobs for one launch shape on a GPU of `num_sms` SMs; `max_keys` bounds seq_lens.
+
+    From the H200 sweep (`benchmarks/tune_kernels.py`, bf16, 16 heads, block_size 16):
+    - Few (row, head) pairs over short keys (graph-replayed decode at small batch): latency
+      of a few dependent memory round trips. 128-key tiles, and up to 4 splits of ~128 keys
+      while they add programs (1 x 512 cross: 6.9 µs with 4 splits vs 7.7 with one, the
+      combine launch included); 4 warps at head_dim 64 with one split, else 8.
+    - Many pairs (64 x 2048): bandwidth; 8K-element tiles (128 keys at d64, 64 at d128) on
+      4 warps: 82% of copy bandwidth at d64; d128 gains from 2 splits of 1024 keys (65% vs 62%),
+      so a split holds at most 128K K elements.
+    - Few rows over long keys (1 x 16384): splits up to _PROGRAMS_PER_SM programs per SM,
+      never below _MIN_KEYS_PER_SPLIT keys, with 4K-element tiles (d128 best: 32 keys, 4 warps,
+      32 splits); at d64 twice those splits on one-warp 32-key tiles, pipelined ("async").
+    """
+    padded_d = block_d(head_dim)
+    programs = batch * num_heads
+    if programs < num_sms and max_keys <= 1024:
+        splits = max(1, min(4, triton.cdiv(max_keys, 128), num_sms // programs))
+        warps = 4 if padded_d <= 64 and splits == 1 else 8
+        return DecodeConfig(block_n=max(16, min(128, 16384 // padded_d)), num_warps=warps, num_splits=splits)
+    splits = max(1, triton.cdiv(max_keys * padded_d, 2**17))
+    if programs < _PROGRAMS_PER_SM * num_sms:
+        splits = max(splits, triton.cdiv(_PROGRAMS_PER_SM * num_sms, programs))
+    splits = max(1, min(splits, max_keys // _MIN_KEYS_PER_SPLIT, _MAX_SPLITS))
+    if splits > 1 and programs * splits < _PROGRAMS_PER_SM * num_sms:
+        if padded_d <= 64:
+            # H200 (benchmarks/tune_kernels.py, 2026-11-29), 1 x 16384 at d64: twice the splits (256 keys each), 32-key
+            # tiles on one warp, loads pipelined 3 deep: 24.0 us per call in a graph, 63% of copy
+            # bandwidth (32 splits of 64-key tiles on 4 warps: 29.7 us, 52%).
+            splits = max(1, min(2 * splits, max_keys // 256, _MAX_SPLITS))
+            return DecodeConfig(block_n=32, num_warps=1, num_stages=3, num_splits=splits, prefetch="async")
+        return DecodeConfig(block_n=max(16, min(128, 4096 // padded_d)), num_warps=4, num_splits=splits)
+    return DecodeConfig(block_n=max(16, min(128, 8192 // padded_d)), num_warps=4, num_splits=splits)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillConfig:
+    """Launch knobs of `prefill` (see `prefill_config` for the defaults).
+
+    block_m: queries per program, block_n: keys per tile (powers of two >= 16)
+    num_warps: warps per program; num_stages: software-pipelining depth of the key loop
+    tile_ranges: split the key loop into unmasked / constant-bias / gathered / masked ranges
+        (off: one masked loop with the general bias; for fp32, whose FMA dots would spill
+        registers across several loops)
+    band_split: with tile_ranges and the bidirectional table, key tiles wholly outside the
+        T5 distance band add one constant (three loops, for long sequences); off: every whole
+        tile gathers in one loop (short sequences, where the band covers most keys and each
+        extra loop adds a pipeline prologue and drain)
+    toeplitz: with a bias table, widen it first (one small launch; [num_heads, 2 * (max_seqlen
+        + max(block_m, block_n)) + 1, 4] fp32, O(L) memory) so gathering tiles load their bias
+        at k - q in 16-byte vectors, with no per-element clamp or log2(e) scaling; off: gather
+        one element at a time from T5's table
+    band_tiles: with band_split and the bidirectional table (block_m a multiple of block_n),
+        build every bias tile the band can hold first (one small launch; a tile's bias depends
+        only on k_start - q_start: [num_heads, tiles, block_m, block_n] in the table's dtype,
+        ~(2 * max_distance / block_n + 2) tiles, no O(L) term) so a band tile loads its bias
+        like a dense tile, coalesced, instead of gathering per element; wins over `toeplitz`
+        where it applies
+    """
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int = 2
+    tile_ranges: bool = True
+    band_split: bool = True
+    toeplitz: bool = False
+    band_tiles: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+
+
+def prefill_config(head_dim: int, dtype: torch.dtype, max_seqlen: int) -> PrefillConfig:
+    """Default knobs on a GPU, from the H200 sweep (bf16, 16 heads x 64, bidirectional table).
+
+    head_dim <= 64, constant-bias ranges outside the distance band and prebuilt band tiles
+    inside it: 64 x 32 tiles on 4 warps, 3 stages, up to 1024 tokens; 128 x 32 on 8 warps to
+    4096; past that 64 x 64 tiles with the widened table (`toeplitz`), where the band is a
+    sliver. H200, 2026-11-29 (`benchmarks/tune_kernels.py`, results/2026-11-29-h200/tune-prefill.log),
+    16 heads, table to max_distance 128: 16 x 512 0.082 ms, 32 x 512 0.151, 4 x 2048 0.248,
+    1 x 8192 0.802 (SDPA with the materialized bias: 0.090, 0.168, 0.284, 1.12; plain 64 x 64
+    tiles with the gathered bias: 0.200, 0.388, 0.303, 0.802). Larger heads:
+    128 x 32 tiles on 8 warps, 3 stages.
+    """
+    if dtype == torch.float32:
+        # IEEE fp32 dots run on FMA units with operands in registers: smaller tiles, one loop.
+        return PrefillConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, tile_ranges=False)
+    if head_dim <= 64:
+        if max_seqlen <= 1024:
+            return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=3, band_tiles=True)
+        if max_seqlen <= 4096:
+            return PrefillConfig(block_m=128, block_n=32, num_warps=8, num_stages=3, band_tiles=True)
+        return PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=2, toeplitz=True)
+    if head_dim <= 128:
+        return PrefillConfig(block_m=128, block_n=32, num_warps=8, num_stages=3)
+    return PrefillConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)

@@ -1,0 +1,249 @@
+"""T5 attention over the paged cache: encoder (varlen, bias table), decoder self, cross.
+
+Each function takes one of HF's attention modules (`T5Attention` / `UMT5Attention`) and uses
+its own `q`/`k`/`v`/`o` Linear layers; only the attention core runs on our kernels. `ops` is a
+backend namespace (`hf_paged_t5.reference` or `hf_paged_t5.kernels`) with `store_kv`,
+`paged_decode` and `prefill`.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..kv.pool import StepMetadata
+
+
+def backend_ops(name: str) -> ModuleType:
+    """The kernel namespace for a resolved backend name ("triton", "cpu" or "torch")."""
+    if name == "torch":
+        from .. import reference
+
+        return reference
+    if name == "cpu":
+        from .. import cpu_ops
+
+        return cpu_ops
+    from .. import kernels
+
+    return kernels
+
+
+class OnDevice:
+    """A kernel namespace whose calls run with `device` as the current CUDA device.
+
+    Triton launches on the *current* device's current stream, not on the device of the tensors
+    it is given. With a model split across GPUs (accelerate's device_map), a layer on cuda:1
+    called while cuda:0 is current would run on cuda:0, reading cuda:1's memory over the link
+    and unordered with cuda:1's stream: wrong answers, not an error. Every kernel call of such a
+    layer goes through this wrapper.
+    """
+
+    def __init__(self, ops: ModuleType, device: torch.device) -> None:
+        self._ops, self._device = ops, device
+        self._wrapped: dict[str, object] = {}
+
+    def __getattr__(self, name: str):
+        fn = self._wrapped.get(name)
+        if fn is None:
+            inner, device = getattr(self._ops, name), self._device
+            if not callable(inner):
+                return inner
+
+            def fn(*args, **kwargs):
+                with torch.cuda.device(device):
+                    return inner(*args, **kwargs)
+
+            self._wrapped[name] = fn
+        return fn
+
+
+def _unhooked(module: nn.Module) -> bool:
+    """Whether calling `module` runs its class's forward and nothing else: no accelerate hook, no
+    forward hook or pre-hook of its own or global (a user's, a quantizer's), no replaced forward."""
+    return (
+        not hasattr(module, "_hf_hook") and "forward" not in module.__dict__
+        and not module._forward_hooks and not module._forward_pre_hooks
+        and not nn.modules.module._global_forward_hooks and not nn.modules.module._global_forward_pre_hooks
+    )
+
+
+def _plain_linear(layer: nn.Module) -> bool:
+    """A bias-free `nn.Linear` whose call is exactly `x @ weight.T`."""
+    return type(layer) is nn.Linear and layer.bias is None and _unhooked(layer)
+
+
+# HF's T5-family RMSNorm classes: `weight * x / sqrt(mean(x^2) + variance_epsilon)`, in HF's dtype order
+_RMS_NORMS = frozenset({"T5LayerNorm", "MT5LayerNorm", "UMT5LayerNorm"})
+
+
+def project(ops: ModuleType, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`layer(x)`, on the backend's few-row GEMV kernel when it serves this product.
+
+    Only a plain linear layer qualifies (`_plain_linear`): a LoRA, quantized or hooked layer runs
+    its own forward, so its adapter, dequantization or hook applies as in stock HF.
+    """
+    if _plain_linear(layer) and ops.gemv_supports(x, layer.weight):
+        return ops.gemv(x, layer.weight)
+    return layer(x)
+
+
+def feed_forward(ops: ModuleType, dense: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """HF's T5DenseActDense / T5DenseGatedActDense forward, op for op, with `project` for the Linears.
+
+    x: [..., d_model] (normed); returns [..., d_model]. Any other module runs its own forward.
+    """
+    names = {cls.__name__ for cls in type(dense).__mro__}
+    if hasattr(dense, "_hf_hook") or not names & {"T5DenseActDense", "T5DenseGatedActDense"}:
+        return dense(x)
+    if hasattr(dense, "wi_0"):
+        h = dense.act(project(ops, dense.wi_0, x)) * project(ops, dense.wi_1, x)
+    else:
+        h = dense.act(project(ops, dense.wi, x))
+    h = dense.dropout(h)
+    wo = dense.wo.weight
+    if isinstance(wo, torch.Tensor) and h.dtype != wo.dtype and wo.dtype != torch.int8:
+        h = h.to(wo.dtype)  # HF keeps `wo` in fp32 for some half-precision checkpoints
+    return project(ops, dense.wo, h)
+
+
+def _heads(x: torch.Tensor, attn: nn.Module) -> torch.Tensor:
+    """[..., num_heads * head_dim] -> [prod(...), num_heads, head_dim]"""
+    return x.reshape(-1, attn.n_heads, attn.key_value_proj_dim)
+
+
+def encoder_self_attention(
+    ops: ModuleType,
+    attn: nn.Module,
+    hidden: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    bias_table: torch.Tensor,
+) -> torch.Tensor:
+    """Bidirectional attention within each packed sequence.
+
+    hidden: [total_tokens, d_model] (already layer-normed); returns [total_tokens, d_model]
+    bias_table: [num_heads, 2 * D + 1] float32 (see bias.py)
+    """
+    q, k, v = _heads(attn.q(hidden), attn), _heads(attn.k(hidden), attn), _heads(attn.v(hidden), attn)
+    out = ops.prefill(
+        query=q, key=k, value=v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+        scale=1.0, causal=False, bias_table=bias_table,
+    )  # [total_tokens, num_heads, head_dim]
+    del q, k, v  # three [total_tokens, inner_dim] tensors: not held through the output projection
+    return attn.o(out.reshape(hidden.shape[0], -1))
+
+
+def _per_token_rows(meta_table: torch.Tensor, seq_lens: torch.Tensor, num_new: int, causal: bool):
+    """Block tables and key counts for `num_new` queries per row, flattened row-major.
+
+    A row's j-th new token sees `seq_len - num_new + 1 + j` keys when causal, all keys otherwise.
+    """
+    if num_new == 1:
+        return meta_table, seq_lens
+    table = meta_table.repeat_interleave(num_new, dim=0)
+    if not causal:
+        return table, seq_lens.repeat_interleave(num_new)
+    offsets = torch.arange(num_new, device=seq_lens.device, dtype=seq_lens.dtype) - (num_new - 1)
+    return table, (seq_lens[:, None] + offsets[None, :]).reshape(-1)
+
+
+def decoder_self_attention(
+    ops: ModuleType,
+    attn: nn.Module,
+    hidden: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: StepMetadata,
+    bias_table: torch.Tensor,
+    state=None,
+) -> torch.Tensor:
+    """Causal self-attention of the new decoder tokens over each row's paged history.
+
+    hidden: [rows, num_new, d_model] (normed); returns [rows, num_new, d_model]
+    bias_table: [num_heads, D + 1] float32
+    state: the call's `cpu_ops.DecodeState` (CPU backend: one gather plan per step), or None
+    """
+    rows, num_new = hidden.shape[:2]
+    q, k, v = (_heads(project(ops, lin, hidden), attn) for lin in (attn.q, attn.k, attn.v))
+    ops.store_kv(key=k, value=v, key_cache=key_cache, value_cache=value_cache, slot_mapping=meta.slot_mapping)
+    table, lens = _per_token_rows(meta.self_block_table, meta.self_seq_lens, num_new, causal=True)
+    kwargs = dict(query=q, key_cache=key_cache, value_cache=value_cache, block_table=table, seq_lens=lens,
+                  bias_table=bias_table, scale=1.0)
+    out = ops.paged_decode(**kwargs) if state is None else state.self_decode(**kwargs)
+    # out: [rows * num_new, num_heads, head_dim]
+    return project(ops, attn.o, out.reshape(rows, num_new, -1))
+
+
+def cross_attention(
+    ops: ModuleType,
+    attn: nn.Module,
+    hidden: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: StepMetadata,
+    state=None,
+    layer: int = 0,
+) -> torch.Tensor:
+    """Attention of the new decoder tokens over their source's encoder K/V (no bias).
+
+    hidden: [rows, num_new, d_model] (normed); returns [rows, num_new, d_model]
+    state: the call's `cpu_ops.DecodeState` (CPU backend: K/V gathered once per call), or None
+    """
+    rows, num_new = hidden.shape[:2]
+    q = _heads(project(ops, attn.q, hidden), attn)
+    table, lens = _per_token_rows(meta.cross_block_table, meta.cross_seq_lens, num_new, causal=False)
+    kwargs = dict(query=q, key_cache=key_cache, value_cache=value_cache, block_table=table, seq_lens=lens, scale=1.0)
+    out = ops.paged_decode(**kwargs) if state is None else state.cross_decode(layer, **kwargs)
+    return project(ops, attn.o, out.reshape(rows, num_new, -1))
+
+
+def store_cross_kv(
+    ops: ModuleType,
+    attn: nn.Module,
+    encoder_tokens: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Project the packed real encoder tokens [total_tokens, d_model] to K/V once and store them."""
+    k = _heads(attn.k(encoder_tokens), attn)
+    v = _heads(attn.v(encoder_tokens), attn)
+    ops.store_kv(key=k, value=v, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping)
+
+
+def clamp_fp16(hidden: torch.Tensor) -> torch.Tensor:
+    """HF T5's fp16 guard after each sub-layer, reproduced exactly (no host sync)."""
+    if hidden.dtype != torch.float16:
+        return hidden
+    max_value = torch.finfo(hidden.dtype).max
+    clamp_value = torch.where(torch.isinf(hidden).any(), max_value - 1000, max_value)
+    return torch.clamp(hidden, min=-clamp_value, max=clamp_value)
+
+
+def add_norm(
+    ops: ModuleType, layer_norm: nn.Module, hidden: torch.Tensor, out: Optional[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(layer_norm(hidden + out), hidden + out) with HF's fp16 clamp in between; `out` may be None.
+
+    One fused kernel where HF's order allows it (no fp16 clamp, one device, one dtype). A norm
+    that is not HF's own T5 RMSNorm as it is (apex's fused norm, a hooked one) runs its own forward.
+    """
+    if type(layer_norm).__name__ not in _RMS_NORMS or not _unhooked(layer_norm):
+        total = hidden if out is None else clamp_fp16(hidden + out)
+        total = total.to(layer_norm.weight.device)
+        return layer_norm(total), total
+    device = layer_norm.weight.device
+    eps = layer_norm.variance_epsilon
+    fusable = (
+        out is not None and hidden.dtype != torch.float16 and out.dtype == hidden.dtype
+        and hidden.device == out.device == device
+    )
+    if fusable:
+        return ops.rms_norm(hidden=hidden, weight=layer_norm.weight, eps=eps, residual=out)
+    total = hidden if out is None else clamp_fp16(hidden + out)
+    total = total.to(device)
+    return ops.rms_norm(hidden=total, weight=layer_norm.weight, eps=eps)[0], total

@@ -1,0 +1,250 @@
+"""The paged forward of T5's encoder stack and of one decoder step, built from HF's own modules.
+
+Every weight is the model's own (`T5LayerNorm`, the q/k/v/o Linears, `T5LayerFF`); only the
+attention core and the KV bookkeeping are ours. The order of operations is HF's, including
+the fp16 clamps, so results match stock HF.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from . import attention as attn_ops
+from ..kv.pool import KVPool, StepMetadata
+
+# The encoder runs its feed-forward over the packed tokens in row chunks so that each
+# [chunk_tokens, d_ff] intermediate stays under this many bytes; otherwise the FF's two or three
+# full-size intermediates (t5-small at 8 x 512 tokens: 2 x 16 MiB) set the encoder's peak memory.
+FF_CHUNK_BYTES = 4 * 2**20
+# Fewer rows than this would leave the FF's GEMMs too small to run efficiently.
+FF_MIN_CHUNK_TOKENS = 128
+# At most this many chunks per layer: each costs a few launches from the host (measured on an H200:
+# 4 MiB chunks made t5-large at batch 64 x 512 tokens 18% slower per generated token, 64 chunks in
+# each of 24 layers), and a large batch's other activations dwarf the FF's anyway.
+FF_MAX_CHUNKS = 4
+
+
+def module_device(module: nn.Module) -> torch.device:
+    return next(module.parameters()).device
+
+
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`host` (a CPU tensor) on `device` without waiting for the device: a plain `.to(cuda)` from
+    pageable memory synchronizes the stream, i.e. waits for every queued step. The pinned copy is
+    held by PyTorch's host allocator until the transfer has read it."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def pack_tokens(mask: torch.Tensor, device: Optional[torch.device] = None) -> tuple[torch.Tensor, list[int], torch.Tensor, int]:
+    """Where the real tokens of a padded batch are.
+
+    mask: [batch, seq_len], nonzero = real token (padding may be left or right). A mask on the
+        device is read back (one sync); a CPU mask is not: the results are uploaded without
+        waiting for the device (what `BatchGenerator` gives, whose steps must not wait).
+    device: where `index` and `cu_seqlens` go (default: the mask's device)
+    returns: flat index [total_tokens] into batch*seq_len, per-row lengths (host ints),
+        cu_seqlens [batch + 1] int32, max length
+    """
+    device = mask.device if device is None else torch.device(device)
+    real = mask.bool()
+    lens = real.sum(dim=1).tolist()
+    if any(n == 0 for n in lens):
+        rows = [i for i, n in enumerate(lens) if n == 0]
+        raise ValueError(
+            f"rows {rows} of the batch are all padding (attention_mask is 0 everywhere); "
+            "remove them or give each row at least one real token"
+        )
+    index = real.reshape(-1).nonzero().squeeze(1)
+    cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lens), 0)
+    index = upload(index, device) if index.device.type == "cpu" else index.to(device)
+    return index, lens, upload(cu, device), max(lens)
+
+
+EMPTY_ROW = "a row of attention_mask has no real token (all zeros)"
+HOLE = "attention_mask has zeros between a row's real tokens (a hole)"
+
+
+def mask_rows(mask: torch.Tensor) -> tuple[list[int], Optional[str]]:
+    """(real tokens per row, why `pack_tokens` cannot serve `mask` exactly or None). Not served:
+    a row with no real token (HF's encoder then attends over every position of that row), and
+    zeros between a row's ones (HF keeps the tokens after such a hole at their original
+    distances; packing would close it up). One host read of [batch + 2] numbers.
+
+    mask: [batch, seq_len], nonzero = real token; the reason is EMPTY_ROW, HOLE or None
+    """
+    if mask.numel() == 0:
+        return [0] * mask.shape[0], None  # an empty batch or empty rows: the callers' own checks say so
+    real = mask.bool()
+    lens = real.sum(dim=1)
+    positions = torch.arange(real.shape[1], device=real.device)
+    first = torch.where(real, positions, real.shape[1]).amin(dim=1)
+    last = torch.where(real, positions, -1).amax(dim=1)
+    flags = torch.stack([(lens == 0).any(), ((last - first + 1 != lens) & (lens > 0)).any()])
+    *row_lens, empty, holes = torch.cat([lens, flags.to(lens.dtype)]).tolist()
+    return row_lens, (EMPTY_ROW if empty else HOLE if holes else None)
+
+
+def ff_chunk_tokens(d_ff: int, element_size: int, tokens: int) -> int:
+    """Rows per encoder feed-forward chunk over `tokens` rows: [rows, d_ff] elements of
+    `element_size` bytes fit in FF_CHUNK_BYTES, but at least FF_MIN_CHUNK_TOKENS rows and at most
+    FF_MAX_CHUNKS chunks."""
+    return max(FF_MIN_CHUNK_TOKENS, FF_CHUNK_BYTES // (d_ff * element_size), -(-tokens // FF_MAX_CHUNKS))
+
+
+def _ff_element_size(dense: nn.Module, hidden: torch.Tensor) -> int:
+    """Bytes per element of the FF's widest intermediate: the activations' dtype, or fp32 where
+    HF keeps `wo` in fp32 and casts the intermediate up to it (int8/4-bit weights don't count)."""
+    sizes = [p.element_size() for p in dense.parameters() if p.is_floating_point()]
+    return max([hidden.element_size(), *sizes])
+
+
+def _chunked_feed_forward(ff: nn.Module, normed: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+    """`ff.dropout(ff.DenseReluDense(normed))`, HF's own modules called on row chunks of `normed`.
+
+    Each row's result depends on that row only, so chunking changes which rows share a GEMM, not
+    the formula per row; the BLAS may still sum a row in another order for a GEMM of another
+    size (last-bit differences; MKL's fp32 GEMM on CPU does, see tests/test_encoder_memory.py).
+    Chunk outputs go into one tensor (no concatenation copy).
+    normed: [total_tokens, d_model]; returns [total_tokens, d_model] in the module's output dtype
+    """
+    total_tokens = normed.shape[0]
+    first = ff.dropout(ff.DenseReluDense(normed[:chunk_tokens]))
+    if total_tokens <= chunk_tokens:
+        return first
+    out = first.new_empty((total_tokens, *first.shape[1:]))
+    out[:chunk_tokens] = first
+    del first  # one chunk's output alive at a time
+    for start in range(chunk_tokens, total_tokens, chunk_tokens):
+        stop = start + chunk_tokens
+        out[start:stop] = ff.dropout(ff.DenseReluDense(normed[start:stop]))
+    return out
+
+
+def encoder_forward(
+    stack: nn.Module,
+    ops_for: Callable[[torch.device], ModuleType],
+    bias_tables: list[torch.Tensor],
+    inputs_embeds: Optional[torch.Tensor],
+    attention_mask: Optional[torch.Tensor],
+    input_ids: Optional[torch.Tensor] = None,
+    packed: bool = False,
+) -> torch.Tensor:
+    """T5 encoder over the real tokens only (varlen); padded positions of the output are 0.
+
+    inputs_embeds: [batch, seq_len, d_model], or None with input_ids [batch, seq_len]: then only
+    the real tokens are embedded (no [batch, seq_len, d_model] copy of the embeddings is made);
+    attention_mask: [batch, seq_len] or None; on the CPU, nothing here waits for the device
+    bias_tables[i]: layer i's bidirectional table (see bias.py)
+    packed: return the real tokens only, [total_tokens, d_model] row by row (no padded copy)
+    returns: last_hidden_state [batch, seq_len, d_model] (or packed, above)
+    """
+    source = inputs_embeds if inputs_embeds is not None else input_ids
+    batch, seq_len = source.shape[:2]
+    if attention_mask is None:
+        attention_mask = torch.ones(batch, seq_len, dtype=torch.long, device=source.device)
+    index, _, cu_seqlens, max_seqlen = pack_tokens(attention_mask, source.device)
+    if inputs_embeds is None:
+        hidden = stack.embed_tokens(input_ids.reshape(-1)[index])
+    else:
+        hidden = inputs_embeds.reshape(batch * seq_len, -1)[index]
+    d_model = hidden.shape[-1]
+    hidden = stack.dropout(hidden)
+    # The residual stream `hidden` and the pending sub-layer output `out` are added inside
+    # the next layer norm (attn_ops.add_norm), as HF adds them just before it. `out` is
+    # dropped once added, so it is not held through the next sub-layer's temporaries.
+    out = None
+    for i, block in enumerate(stack.block):
+        device = module_device(block)
+        ops = ops_for(device)
+        sa, ff = block.layer[0], block.layer[-1]
+        normed, hidden = attn_ops.add_norm(ops, sa.layer_norm, hidden, out)
+        del out
+        out = sa.dropout(attn_ops.encoder_self_attention(
+            ops, sa.SelfAttention, normed, cu_seqlens.to(device), max_seqlen, bias_tables[i].to(device),
+        ))
+        normed, hidden = attn_ops.add_norm(ops, ff.layer_norm, hidden, out)
+        del out
+        chunk_tokens = ff_chunk_tokens(stack.config.d_ff, _ff_element_size(ff.DenseReluDense, normed),
+                                       normed.shape[0])
+        out = _chunked_feed_forward(ff, normed, chunk_tokens)
+    ops = ops_for(module_device(stack.final_layer_norm))
+    hidden, _ = attn_ops.add_norm(ops, stack.final_layer_norm, hidden, out)
+    del out
+    hidden = stack.dropout(hidden)
+    if packed or hidden.shape[0] == batch * seq_len:
+        return hidden if packed else hidden.reshape(batch, seq_len, d_model)  # no padding: every position in order
+    padded = hidden.new_zeros(batch * seq_len, d_model)
+    padded[index.to(padded.device)] = hidden
+    return padded.reshape(batch, seq_len, d_model)
+
+
+def store_cross(
+    decoder: nn.Module,
+    ops_for: Callable[[torch.device], ModuleType],
+    cache,
+    encoder_hidden: torch.Tensor,
+    encoder_mask: Optional[torch.Tensor],
+) -> None:
+    """Project each source's real encoder tokens to K/V once per layer and store them.
+
+    encoder_hidden: [rows, src_len, d_model], rows = num_sources * expand (HF's expanded batch,
+    of which every `expand`-th row is read) or num_sources.
+    """
+    # one row per source already where generate() did not expand it (hf.generate._encoder_outputs_per_source)
+    per_source = encoder_hidden.shape[0] == cache.num_sources
+    sources = encoder_hidden if per_source else encoder_hidden[:: cache.expand]
+    if encoder_mask is None:
+        encoder_mask = torch.ones(sources.shape[:2], dtype=torch.long, device=sources.device)
+    elif encoder_mask.shape[0] != sources.shape[0]:
+        encoder_mask = encoder_mask[:: cache.expand]
+    index, lens, _, _ = pack_tokens(encoder_mask)
+    packed = sources.reshape(-1, sources.shape[-1])[index.to(sources.device)]  # [total_tokens, d_model]
+    slots = cache.store_cross_plan(lens)
+    for i, block in enumerate(decoder.block):
+        device = module_device(block)
+        attn_ops.store_cross_kv(
+            ops_for(device), block.layer[1].EncDecAttention, packed.to(device),
+            cache.pool.key_caches[i], cache.pool.value_caches[i], slots.to(device),
+        )
+
+
+def decoder_layers(
+    decoder: nn.Module,
+    ops_for: Callable[[torch.device], ModuleType],
+    bias_tables: list[torch.Tensor],
+    pool: KVPool,
+    meta_for: Callable[[torch.device], StepMetadata],
+    input_ids: torch.Tensor,
+    state=None,
+) -> torch.Tensor:
+    """The decoder stack over prepared step metadata; no host sync (CUDA-graph capturable).
+
+    input_ids: [rows, num_new]; returns [rows, num_new, d_model]
+    state: the call's `cpu_ops.DecodeState` when every decoder layer runs the CPU backend, else None
+    """
+    hidden = decoder.dropout(decoder.embed_tokens(input_ids))
+    out = None  # pending sub-layer output, added inside the next layer norm (see encoder_forward)
+    for i, block in enumerate(decoder.block):
+        device = module_device(block)
+        meta, ops = meta_for(device), ops_for(device)
+        kc, vc = pool.key_caches[i], pool.value_caches[i]
+        sa, ca, ff = block.layer[0], block.layer[1], block.layer[-1]
+        normed, hidden = attn_ops.add_norm(ops, sa.layer_norm, hidden, out)
+        out = sa.dropout(attn_ops.decoder_self_attention(
+            ops, sa.SelfAttention, normed, kc, vc, meta, bias_tables[i].to(device), state
+        ))
+        normed, hidden = attn_ops.add_norm(ops, ca.layer_norm, hidden, out)
+        out = ca.dropout(attn_ops.cross_attention(ops, ca.EncDecAttention, normed, kc, vc, meta, state, i))
+        normed, hidden = attn_ops.add_norm(ops, ff.layer_norm, hidden, out)
+        out = ff.dropout(attn_ops.feed_forward(ops, ff.DenseReluDense, normed))
+    ops = ops_for(module_device(decoder.final_layer_norm))
+    hidden, _ = attn_ops.add_norm(ops, decoder.final_layer_norm, hidden, out)
+    return decoder.dropout(hidden)

@@ -1,0 +1,189 @@
+"""Plain-PyTorch versions of every kernel: the test oracle and the CPU backend.
+
+Written for reading, not speed. Every function here has a Triton twin in `kernels/`
+with the same name, the same keyword arguments in the same order, and the same result
+up to floating-point rounding.
+
+KV pool layout (one pair per decoder layer, made in `kv/pool.py`):
+    key_cache, value_cache: [num_blocks, block_size, num_heads, head_dim]
+A slot is `block_id * block_size + offset`; `block_table[row, i]` is the block holding
+tokens `[i * block_size, (i + 1) * block_size)` of that row.
+
+Bias tables (made in `model/bias.py`), float32 (float64 for a float64 model):
+    causal:        [num_heads, max_distance + 1], index `min(q_pos - k_pos, max_distance)`
+    bidirectional: [num_heads, 2 * max_distance + 1], index `clamp(k_pos - q_pos, ±max_distance) + max_distance`
+Attention scores are `scale * q·k + bias`; T5 uses scale 1.0. Softmax and accumulation are
+float32 (float64 for float64 inputs, so that a float64 model checks the algorithm against stock
+HF in float64 with no float32 rounding in between); outputs have the query's dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write tokens' K/V into pool slots, in place.
+
+    key, value: [num_tokens, num_heads, head_dim]
+    key_cache, value_cache: [num_blocks, block_size, num_heads, head_dim]
+    slot_mapping: [num_tokens] int, each in [0, num_blocks * block_size)
+    """
+    num_blocks, block_size = key_cache.shape[:2]
+    slots = slot_mapping.long()
+    key_cache.view(num_blocks * block_size, *key_cache.shape[2:])[slots] = key.to(key_cache.dtype)
+    value_cache.view(num_blocks * block_size, *value_cache.shape[2:])[slots] = value.to(value_cache.dtype)
+
+
+def gather_kv(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, block_ids: torch.Tensor, length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first `length` tokens of one row, contiguous: two [length, num_heads, head_dim]."""
+    block_size = key_cache.shape[1]
+    num = -(-length // block_size)
+    ids = block_ids[:num].long()
+    k = key_cache[ids].reshape(num * block_size, *key_cache.shape[2:])[:length]
+    v = value_cache[ids].reshape(num * block_size, *value_cache.shape[2:])[:length]
+    return k, v
+
+
+def _bias_rows(
+    bias_table: Optional[torch.Tensor],
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    causal: bool,
+) -> Optional[torch.Tensor]:
+    """[num_heads, len(q_pos), len(k_pos)] bias from a distance table, or None."""
+    if bias_table is None:
+        return None
+    rel = k_pos[None, :] - q_pos[:, None]  # [q, k]
+    if causal:
+        max_distance = bias_table.shape[1] - 1
+        index = (-rel).clamp(0, max_distance)
+    else:
+        max_distance = (bias_table.shape[1] - 1) // 2
+        index = rel.clamp(-max_distance, max_distance) + max_distance
+    return bias_table[:, index]
+
+
+def _attend(q, k, v, scale, bias, mask):
+    """q [Lq, H, D], k/v [Lk, H, D], bias [H|1, Lq, Lk] or None, mask [Lq, Lk] bool or None."""
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    scores = torch.einsum("qhd,khd->hqk", q.to(dtype), k.to(dtype)) * scale
+    if bias is not None:
+        scores = scores + bias.to(dtype)
+    if mask is not None:
+        scores = scores.masked_fill(~mask[None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v.to(dtype))
+
+
+def paged_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float = 1.0,
+    bias_table: Optional[torch.Tensor] = None,
+    dense_bias: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Attention of one query token per row over that row's paged keys.
+
+    query: [batch, num_heads, head_dim]
+    key_cache, value_cache: [num_blocks, block_size, num_heads, head_dim]
+    block_table: [batch, max_blocks] int32
+    seq_lens: [batch] int32, keys of each row (>= 1); the query sits at position seq_len - 1
+    bias_table: causal distance table [num_heads, max_distance + 1] (decoder self-attention),
+        or None (cross-attention)
+    dense_bias: generic additive bias [batch | 1, num_heads | 1, max_keys] with
+        max_keys >= max(seq_lens), or None. At most one of bias_table / dense_bias.
+    returns: [batch, num_heads, head_dim], query's dtype
+    """
+    out = torch.empty_like(query)
+    lens = seq_lens.tolist()
+    for row, length in enumerate(lens):
+        k, v = gather_kv(key_cache, value_cache, block_table[row], length)
+        k_pos = torch.arange(length, device=query.device)
+        q_pos = k_pos[-1:]
+        bias = _bias_rows(bias_table, q_pos, k_pos, causal=True)
+        if dense_bias is not None:
+            bias = dense_bias[min(row, dense_bias.shape[0] - 1), :, None, :length]
+        out[row] = _attend(query[row][None], k, v, scale, bias, None)[0].to(query.dtype)
+    return out
+
+
+def prefill(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    scale: float = 1.0,
+    causal: bool = False,
+    bias_table: Optional[torch.Tensor] = None,
+    dense_bias: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Attention within each packed sequence (varlen, no padding), O(L) memory in the kernel.
+
+    query, key, value: [total_tokens, num_heads, head_dim], sequences back to back
+    cu_seqlens: [batch + 1] int32, sequence b is tokens [cu_seqlens[b], cu_seqlens[b + 1])
+    max_seqlen: max length of any sequence (a host int, sizes the grid)
+    causal: decoder (query attends to keys at or before it) or encoder (all keys)
+    bias_table: causal table [num_heads, max_distance + 1] when causal, bidirectional
+        table [num_heads, 2 * max_distance + 1] otherwise; or None
+    dense_bias: [batch | 1, num_heads | 1, max_seqlen, max_seqlen] indexed by positions
+        within the sequence, or None. At most one of bias_table / dense_bias.
+    returns: [total_tokens, num_heads, head_dim], query's dtype
+    """
+    out = torch.empty_like(query)
+    bounds = cu_seqlens.tolist()
+    for b in range(len(bounds) - 1):
+        start, end = bounds[b], bounds[b + 1]
+        if end == start:
+            continue
+        pos = torch.arange(end - start, device=query.device)
+        bias = _bias_rows(bias_table, pos, pos, causal=causal)
+        if dense_bias is not None:
+            bias = dense_bias[min(b, dense_bias.shape[0] - 1), :, : end - start, : end - start]
+        mask = pos[None, :] <= pos[:, None] if causal else None
+        o = _attend(query[start:end], key[start:end], value[start:end], scale, bias, mask)
+        out[start:end] = o.to(query.dtype)
+    return out
+
+
+def rms_norm(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """T5 layer norm of `hidden (+ residual)`, step for step as HF's `T5LayerNorm`.
+
+    hidden: [..., d_model]; residual: same shape and dtype, or None; weight: [d_model]
+    returns: (normed [..., d_model], the sum hidden + residual (or hidden))
+    """
+    total = hidden if residual is None else hidden + residual
+    variance = total.to(torch.float32).pow(2).mean(-1, keepdim=True)
+    normed = total * torch.rsqrt(variance + eps)
+    if weight.dtype in (torch.float16, torch.bfloat16):
+        normed = normed.to(weight.dtype)
+    return weight * normed, total
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T (twin of `kernels.gemv`). x: [..., K]; weight: [N, K]; returns [..., N]."""
+    return x @ weight.T
+
+
+def gemv_supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The torch backend leaves every projection to the model's own Linear layers."""
+    return False
