@@ -28,16 +28,17 @@ def workload(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
     return [([rng.randrange(2, 32000) for _ in range(rng.randint(20, 600))], rng.randint(16, 96)) for _ in range(n)]
 
 
-def time_cases(label: str) -> dict:
+def time_cases(label: str, shapes=("t5-small", "t5-large"), beam_counts=(1, 4)) -> dict:
     import hf_paged_t5 as hp
     from hf_paged_t5 import tiny
 
     res = {}
     items = workload(600)
-    for shape in ("t5-small", "t5-large"):
+    for shape in shapes:
         model = tiny.build_model(shape=shape, dtype=torch.bfloat16, device="cuda")
         hp.patch_model(model)
-        for beams, subset in ((1, items), (4, items[:64])):
+        for beams in beam_counts:
+            subset = items if beams == 1 else items[:64]
             gen = hp.BatchGenerator(model, num_beams=beams) if beams > 1 else hp.BatchGenerator(model)
             requests = [hp.BatchRequest(ids, max_new_tokens=n, min_new_tokens=n) for ids, n in subset]
             tokens = sum(n for _, n in subset)
@@ -60,9 +61,11 @@ def time_cases(label: str) -> dict:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("label", help="this side's name in the output line (e.g. before, after)")
+    ap.add_argument("--shapes", default="t5-small,t5-large", help="model layouts (comma-separated)")
+    ap.add_argument("--beams", default="1,4", help="num_beams cases (comma-separated; 1: greedy)")
     args = ap.parse_args(argv)
     common.require_cuda("ab_batch.py")
-    time_cases(args.label)
+    time_cases(args.label, tuple(args.shapes.split(",")), tuple(int(b) for b in args.beams.split(",")))
 
 
 if __name__ == "__main__":
