@@ -197,20 +197,31 @@ def prefill(
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(device, torch.long)
     batch, length = lens.shape[0], max_seqlen
     pos = torch.arange(length, device=device)
-    real = pos[None, :] < lens[:, None]  # [batch, length]
-    # packed token of each padded slot (clamped into range where the slot is padding)
-    index = (starts[:, None] + pos[None, :]).clamp(max=max(total - 1, 0))
+    # every row as long as the longest (no padding): the packed tokens are the padded batch already,
+    # and no key needs masking; else each padded slot gathers its packed token (clamped where it is padding)
+    full = total == batch * length
+    if full:
+        def padded(x: torch.Tensor) -> torch.Tensor:  # [batch, heads, length, head_dim], a view
+            return x.to(dtype).view(batch, length, num_heads, head_dim).transpose(1, 2)
 
-    def padded(x: torch.Tensor) -> torch.Tensor:  # [batch, heads, length, head_dim]
-        return x.to(dtype)[index].transpose(1, 2)
+        key_mask = None
+    else:
+        real = pos[None, :] < lens[:, None]  # [batch, length]
+        index = (starts[:, None] + pos[None, :]).clamp(max=max(total - 1, 0))
+
+        def padded(x: torch.Tensor) -> torch.Tensor:  # [batch, heads, length, head_dim]
+            return x.to(dtype)[index].transpose(1, 2)
+
+        key_mask = torch.zeros(batch, 1, 1, length, dtype=dtype, device=device)
+        key_mask.masked_fill_(~real[:, None, None, :], float("-inf"))
 
     q, k, v = padded(query), padded(key), padded(value)
-    key_mask = torch.zeros(batch, 1, 1, length, dtype=dtype, device=device)
-    key_mask.masked_fill_(~real[:, None, None, :], float("-inf"))
     out = torch.empty(batch, num_heads, length, head_dim, dtype=dtype, device=device)
     for q0 in range(0, length, PREFILL_QUERY_CHUNK):
         q1 = min(q0 + PREFILL_QUERY_CHUNK, length)
-        mask = key_mask.expand(batch, 1, q1 - q0, length)
+        # the additive mask, broadcast over what it does not depend on: the bias is added once for
+        # all rows ([1, heads, chunk, length]), the key mask once for all heads and queries
+        mask = None if key_mask is None else key_mask
         rel = pos[None, :] - pos[q0:q1, None]  # [chunk, length]: key - query
         if bias_table is not None:
             if causal:
@@ -218,11 +229,19 @@ def prefill(
             else:
                 d = (bias_table.shape[1] - 1) // 2
                 idx = rel.clamp(-d, d) + d
-            mask = mask + bias_table.to(dtype)[:, idx][None]
+            bias = bias_table.to(dtype)[:, idx][None]
+            mask = bias if mask is None else mask + bias
         if dense_bias is not None:
-            mask = mask + dense_bias[:, :, q0:q1, :length].to(dtype)
+            dense = dense_bias[:, :, q0:q1, :length].to(dtype)
+            mask = dense if mask is None else mask + dense
         if causal:
-            mask = mask.masked_fill((rel > 0)[None, None], float("-inf"))
+            future = (rel > 0)[None, None]
+            mask = torch.zeros(future.shape, dtype=dtype, device=device) if mask is None else mask
+            mask = mask.masked_fill(future, float("-inf"))
+        if mask is not None and mask.shape[2] != q1 - q0:  # the key mask alone: one row of queries
+            mask = mask.expand(mask.shape[0], mask.shape[1], q1 - q0, length)
         out[:, :, q0:q1] = F.scaled_dot_product_attention(q[:, :, q0:q1], k, v, attn_mask=mask, scale=scale)
     # back to packed order: each real slot's row
+    if full:
+        return out.transpose(1, 2).reshape(total, num_heads, head_dim).to(query.dtype)
     return out.transpose(1, 2)[real].to(query.dtype)

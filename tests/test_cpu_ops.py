@@ -75,7 +75,7 @@ def test_paged_decode_matches_reference(dtype, block_size, bias, lens):
 @pytest.mark.parametrize("dtype", list(TOLERANCE))
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("bias", ["none", "table", "dense"])
-@pytest.mark.parametrize("lens", [[1], [7, 1, 12, 12], [3, 20]])
+@pytest.mark.parametrize("lens", [[1], [7, 1, 12, 12], [3, 20], [9, 9, 9]])  # [9, 9, 9]: no padding
 def test_prefill_matches_reference(dtype, causal, bias, lens, monkeypatch):
     monkeypatch.setattr(cpu_ops, "PREFILL_QUERY_CHUNK", 5)  # several query chunks, one partial
     heads, head_dim = 2, 8
