@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from ..model.stacks import upload
+from ..decode.greedy_state import pick_tokens
 from .decoding import LogitsRules, RowLimits
 
 
@@ -142,10 +143,7 @@ class DecodeRows:
                 logits[positions] = rules(history, logits[positions], limits.select(positions))
         else:
             logits = rules(None, logits, limits)
-        if self.do_sample:
-            tokens = torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1).squeeze(1)
-        else:
-            tokens = torch.argmax(logits, dim=-1)
+        tokens = pick_tokens(logits, self.do_sample)
         if rules.needs_history:
             self.device_history[self._order, limits.generated + 1] = tokens
         limits.generated.add_(1)

@@ -24,6 +24,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria
 
 from .graphs import DecodeGraphs, ResidentLoop, capture_update
 from .loop import criteria_supported, eos_ids, lean_processors
+from .greedy_state import GreedyState
 from .min_length import MinLength, forbid_eos
 
 # Largest batch whose captured update is kept across generate() calls (`DecodeGraphs.keep_update`).
@@ -42,34 +43,30 @@ def supported(generation_config, logits_processor, stopping_criteria) -> bool:
     return not has_eos or generation_config._pad_token_tensor is not None
 
 
-class GreedyStep:
-    """The sequences of one greedy search and the in-place update that extends them by a token.
+class GreedyStep(GreedyState):
+    """One greedy search's `GreedyState` and the in-place update that extends it by a token.
 
     input_ids: [rows, prompt_len] decoder prompt on the model's device.
     logits: [rows, 1, vocab] the buffer the decode step writes (the update reads it).
     step_ids: [rows, 1] int64 the decode step's input; slot_mapping, self_seq_lens: [rows] int32
         of its metadata; owned: [rows, max_self_blocks] int32 the blocks each row writes into.
+    The sequences are [rows, max_length]; the length counter `cur_len` lives on the device.
     """
 
     def __init__(self, input_ids, generation_config, logits_processor, stopping_criteria, logits, step_ids,
                  slot_mapping, self_seq_lens, owned, block_size: int) -> None:
-        rows, self.prompt_len = input_ids.shape
         device = input_ids.device
+        self.eos = eos_ids(stopping_criteria, device)
+        # HF pads finished rows only when an EOS criterion is there
+        super().__init__(input_ids, generation_config.max_length,
+                         generation_config._pad_token_tensor if self.eos is not None else None)
         self.device, self.max_length = device, generation_config.max_length
         self.logits, self.step_ids, self.slot_mapping, self.self_seq_lens = logits, step_ids, slot_mapping, self_seq_lens
         self.owned, self.block_size = owned, block_size
         vocab = logits.shape[-1]
         self.minimum = [p for p in lean_processors(logits_processor) if isinstance(p, MinLength)]
         self.min_masks = [p.eos_mask(vocab, device) for p in self.minimum]
-        self.eos = eos_ids(stopping_criteria, device)
-        self.pad = None
-        if self.eos is not None:  # HF pads finished rows only when an EOS criterion is there
-            self.pad = generation_config._pad_token_tensor.to(device)
-        # HF's input_ids, grown in place: [rows, max_length], the first cur_len columns valid
-        self.sequences = torch.zeros(rows, self.max_length, dtype=torch.int64, device=device)
-        self.sequences[:, : self.prompt_len] = input_ids
         self.cur_len = torch.full((), self.prompt_len, dtype=torch.int64, device=device)
-        self.unfinished = torch.ones(rows, dtype=torch.bool, device=device)
         self.all_done = torch.zeros((), dtype=torch.bool, device=device)
         self._graph = None
 
@@ -87,11 +84,8 @@ class GreedyStep:
     def reset(self, input_ids, generation_config, logits_processor, stopping_criteria, owned) -> None:
         """Refill every tensor the captured update reads with this call's values (device copies, no
         sync): the prompt, the counters, the rows' blocks, the EOS ids, pad id and min-length masks."""
-        self.prompt_len = input_ids.shape[1]
-        self.sequences.zero_()  # as a fresh state's (columns past the length are never returned)
-        self.sequences[:, : self.prompt_len].copy_(input_ids)
+        super().reset(input_ids)
         self.cur_len.fill_(self.prompt_len)
-        self.unfinished.fill_(True)
         self.all_done.fill_(False)
         self.owned.copy_(owned)
         minimum = [p for p in lean_processors(logits_processor) if isinstance(p, MinLength)]
@@ -108,11 +102,8 @@ class GreedyStep:
         scores = self.logits[:, -1].to(torch.float32)  # HF: next_token_logits, a float32 copy
         for p, mask in zip(self.minimum, self.min_masks):
             scores = forbid_eos(scores, mask, p.blocked(cur))
-        tokens = torch.argmax(scores, dim=-1)
-        if self.eos is not None:
-            tokens = torch.where(self.unfinished, tokens, self.pad)
+        tokens = self.choose(scores, cur)  # argmax, finished rows padded, written at column `cur`
         column = cur.expand(tokens.shape[0], 1)
-        self.sequences.scatter_(1, column, tokens[:, None])
         if self.eos is not None:
             self.unfinished &= ~(tokens[:, None] == self.eos).any(-1)
             self.all_done.copy_(~self.unfinished.any())

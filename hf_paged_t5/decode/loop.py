@@ -24,6 +24,7 @@ from transformers.generation.logits_process import (
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from .beam_state import BeamState, fill_value
+from .greedy_state import GreedyState
 from .late_flag import LateFlag
 from .min_length import MinLength
 
@@ -96,42 +97,34 @@ def sample_loop(
     prefill(input_ids [rows, L]) -> logits [rows, L, vocab]: the first decoder forward.
     step(tokens [rows, 1]) -> logits [rows, 1, vocab]: one cached decode step.
     """
-    pad_token_id = generation_config._pad_token_tensor
-    if pad_token_id is not None:
-        pad_token_id = pad_token_id.to(input_ids.device)
     has_eos_stopping_criteria = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
     max_length = stopping_criteria.max_length
-    unfinished = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    state = GreedyState(input_ids, max_length, generation_config._pad_token_tensor if has_eos_stopping_criteria
+                        else None)
     # a streamer needs every token now anyway: no late read with one
     late = LateFlag(input_ids.device, defer=streamer is None)
 
     processors, criteria = lean_processors(logits_processor), lean_criteria(stopping_criteria, input_ids.device)
     logits = prefill(input_ids)
     while True:
-        next_token_logits = logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)
-        scores = next_token_logits
+        scores = logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)
+        history = state.history()
         for processor in processors:
-            scores = processor(input_ids, scores)
-        if generation_config.do_sample:
-            next_tokens = torch.multinomial(nn.functional.softmax(scores, dim=-1), num_samples=1).squeeze(1)
-        else:
-            next_tokens = torch.argmax(scores, dim=-1)
-        if has_eos_stopping_criteria:
-            # HF's `tokens * unfinished + pad * (1 - unfinished)`, in one op
-            next_tokens = torch.where(unfinished, next_tokens, pad_token_id)
-        input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
+            scores = processor(history, scores)
+        next_tokens = state.choose(scores, state.length, generation_config.do_sample)
+        history = state.history()
         for done in criteria:
-            unfinished = unfinished & ~done(input_ids)
+            state.unfinished &= ~done(history)
         if streamer is not None:
             streamer.put(next_tokens.cpu())
-        if max_length is not None and input_ids.shape[1] >= max_length:
+        if max_length is not None and state.length >= max_length:
             break  # MaxLengthCriteria has just stopped every row: known on the host, no wait
-        stop, logits = late.queue_unless(unfinished.any(), False, lambda: step(next_tokens[:, None]))
+        stop, logits = late.queue_unless(state.unfinished.any(), False, lambda: step(next_tokens[:, None]))
         if stop:
             break
     if streamer is not None:
         streamer.end()
-    return input_ids
+    return state.history()
 
 
 def beam_loop(
