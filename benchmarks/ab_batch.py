@@ -13,8 +13,6 @@ as `ab_generate.py` says:
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import json
 import random
 import time
 
@@ -54,7 +52,7 @@ def time_cases(label: str, shapes=("t5-small", "t5-large"), beam_counts=(1, 4)) 
             res[f"{shape} beams{beams}"] = round(sorted(rates)[1], 1)
         del model
         torch.cuda.empty_cache()
-    print(label, importlib.util.find_spec("hf_paged_t5").origin, json.dumps(res), flush=True)
+    common.ab_side(label, res)
     return res
 
 

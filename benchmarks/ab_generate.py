@@ -13,8 +13,6 @@ in fresh processes alternating the checkouts, e.g. with the older one extracted 
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import json
 import time
 
 import torch
@@ -47,7 +45,7 @@ def time_cases(label: str) -> dict:
             res[f"{shape} b{b}x{beams}"] = round(sorted(times)[3] * 1e3, 2)
         del model
         torch.cuda.empty_cache()
-    print(label, importlib.util.find_spec("hf_paged_t5").origin, json.dumps(res), flush=True)
+    common.ab_side(label, res)
     return res
 
 

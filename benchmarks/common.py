@@ -150,6 +150,14 @@ def start_suite(out: str | os.PathLike | None, suite: str) -> pathlib.Path:
     return folder
 
 
+def ab_side(label: str, results: dict) -> None:
+    """One side's line of a two-checkout A/B (`ab_generate.py`, `ab_batch.py`): the label, the
+    package file this process imported (which checkout it ran) and the results as JSON."""
+    import importlib.util
+
+    print(label, importlib.util.find_spec("hf_paged_t5").origin, json.dumps(results), flush=True)
+
+
 def utc_now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
