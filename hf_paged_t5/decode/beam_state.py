@@ -21,7 +21,7 @@ Tensors, batch sources x num_beams beams, sequences of at most max_length tokens
 from __future__ import annotations
 
 import inspect
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -57,6 +57,7 @@ class BeamState:
         self.running_beam_indices = torch.full((batch, beams, max_length - prompt_len), fill_value=-1,
                                                dtype=torch.int32, device=device)
         self.beam_indices = self.running_beam_indices.clone()
+        self._top_k_takes_vocab: Optional[bool] = None
 
     @property
     def batch(self) -> int:
@@ -80,8 +81,9 @@ class BeamState:
         b, k, cur_len, prompt_len = self.batch, self.num_beams, self.cur_len, self.prompt_len
         vocab = log_probs.shape[-1]
         log_probs = (log_probs.reshape(b, k, vocab) + self.running_beam_scores[:, :, None]).reshape(b, k * vocab)
-        extra = {"vocab_size": vocab} if "vocab_size" in inspect.signature(model._get_top_k_continuations).parameters \
-            else {}
+        if self._top_k_takes_vocab is None:  # transformers versions differ; read once, not every step
+            self._top_k_takes_vocab = "vocab_size" in inspect.signature(model._get_top_k_continuations).parameters
+        extra = {"vocab_size": vocab} if self._top_k_takes_vocab else {}
         topk_log_probs, topk_sequences, topk_beam_indices = model._get_top_k_continuations(
             accumulated_log_probs=log_probs, running_sequences=self.running_sequences,
             running_beam_indices=self.running_beam_indices, cur_len=cur_len, decoder_prompt_len=prompt_len,

@@ -153,7 +153,7 @@ class BlockTables:
 
     def gather(self, slots: np.ndarray, width: Optional[int] = None) -> tuple[np.ndarray, np.ndarray]:
         """(table [len(slots), width] int32, lens [len(slots)] int32) of `slots`, copies."""
-        return self.table[slots, : width or self.width], self.lens[slots].copy()
+        return self.table[slots, : width or self.width], self.lens[slots]  # fancy indexing: copies
 
     # ---- beams ----------------------------------------------------------------------------------------
     def reorder(self, rows: Sequence[int], sources: Sequence[int]) -> None:
