@@ -126,6 +126,23 @@ def test_generate_fields_line_number_ids_and_summary_line(checkpoint, tmp_path, 
     summary = rf"3 documents, {tokens} new tokens in [0-9.]+ s \([0-9]+ tokens/s\); output: "
     summary += re.escape(str(output))
     assert [m for m in caplog.messages if re.fullmatch(summary, m)] == [caplog.messages[-1]], caplog.messages
+    # the dtype chosen, said before the weights load: the demo checkpoint names float32
+    assert "model on cpu in float32 (auto: the checkpoint's dtype)" in caplog.messages
+
+
+@pytest.mark.parametrize("choice, device, config, bf16, expected", [
+    ("float16", "cpu", {"dtype": "bfloat16"}, False, torch.float16),  # given: as given
+    ("auto", "cpu", {"dtype": "bfloat16"}, False, torch.bfloat16),  # the checkpoint's
+    ("auto", "cpu", {"torch_dtype": "float16"}, False, torch.float16),  # older transformers' key
+    ("auto", "cpu", {"dtype": "torch.float32"}, False, torch.float32),
+    ("auto", "cpu", {}, False, torch.float32),  # none named
+    ("auto", "cuda", {"dtype": "float32"}, True, torch.bfloat16),  # a GPU with bfloat16
+    ("auto", "cuda:0", {"dtype": "float16"}, False, torch.float16),  # a GPU without: the checkpoint's
+], ids=["given", "checkpoint", "torch_dtype", "prefixed", "unnamed", "gpu-bf16", "gpu-no-bf16"])
+def test_dtype_auto(monkeypatch, choice, device, config, bf16, expected):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16)
+    dtype, why = cli.resolve_dtype(choice, device, config)
+    assert dtype == expected and why
 
 
 def test_rerun_over_a_finished_output_says_so_in_one_line(files):

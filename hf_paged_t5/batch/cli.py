@@ -67,7 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-beams", type=int, default=None, help="beam search with K beams")
     parser.add_argument("--max-new-tokens", type=int, default=None)
     parser.add_argument("--min-new-tokens", type=int, default=None)
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
+                        help="weights' dtype (default auto: bfloat16 on a GPU that supports it, else the "
+                             "checkpoint's own dtype, float32 when it names none)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -100,6 +102,21 @@ def resolve_device(device: Optional[str]) -> str:
             raise CliError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s); "
                            f"use cuda:0 to cuda:{torch.cuda.device_count() - 1}")
     return device
+
+
+def resolve_dtype(choice: str, device: str, model_config: dict) -> tuple[torch.dtype, str]:
+    """(dtype to load the weights in, why): `--dtype` as given, or for "auto" bfloat16 on a CUDA
+    device that supports it (T5 was trained in bfloat16; float16 overflows its activations), else
+    the dtype the checkpoint's config.json names (`dtype`, or `torch_dtype` of older
+    transformers), else float32."""
+    if choice != "auto":
+        return DTYPES[choice], "--dtype"
+    if torch.device(device).type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16, "auto: a GPU with bfloat16"
+    named = model_config.get("dtype") or model_config.get("torch_dtype")
+    if isinstance(named, str) and named.replace("torch.", "") in DTYPES:
+        return DTYPES[named.replace("torch.", "")], "auto: the checkpoint's dtype"
+    return torch.float32, "auto: the checkpoint names no dtype"
 
 
 def read_model_config(path: str) -> dict:
@@ -299,7 +316,9 @@ def run_job(command: str, args: argparse.Namespace) -> int:
     records = read_inputs(args.input, args.text_field, args.id_field)
     check_output(args.output, args.input)
     done, complete_bytes = done_ids(args.output, args.id_field)
-    key, prefix, defaults = task_settings(read_model_config(args.model), command, args.task)
+    model_config = read_model_config(args.model)
+    key, prefix, defaults = task_settings(model_config, command, args.task)
+    dtype, why = resolve_dtype(args.dtype, device, model_config)
     kwargs = generation_kwargs(defaults, args)
     todo = [(record_id, text) for record_id, text in records if json.dumps(record_id) not in done]
     if not records:
@@ -312,7 +331,8 @@ def run_job(command: str, args: argparse.Namespace) -> int:
     log_task(key, prefix, defaults, args.task)
     warn_length_conflict(kwargs)
     logger.info("%d inputs, %d already done, %d to run", len(records), len(records) - len(todo), len(todo))
-    model, tokenizer, _ = load_model(args.model, device=device, dtype=DTYPES[args.dtype])
+    logger.info("model on %s in %s (%s)", device, str(dtype).replace("torch.", ""), why)
+    model, tokenizer, _ = load_model(args.model, device=device, dtype=dtype)
     if not is_patched(model):
         patch_model(model)
     generator = BatchGenerator(model, tokenizer, max_batch_tokens=args.batch_tokens,
