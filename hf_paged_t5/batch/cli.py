@@ -60,12 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "number, from 0")
     parser.add_argument("--task", default=None,
                         help="task_specific_params key, e.g. translation_en_to_de (default: from the command)")
-    parser.add_argument("--batch-tokens", type=int, default=None,
-                        help="KV tokens the running requests may hold together (default: what fits in "
-                             "--gpu-memory-utilization of the GPU's memory; 65536 on CPU)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                        help="fraction of the GPU's memory the job may fill, KV included, in (0, 1] "
-                             "(default 0.9; sizes the default --batch-tokens)")
+    parser.add_argument("--batch-tokens", type=int, default=65536,
+                        help="KV tokens the running requests may hold together (default: 65536)")
     parser.add_argument("--batch-rows", type=int, default=None,
                         help="decoder rows per step (default: the pool config's max_graph_batch, 512)")
     parser.add_argument("--num-beams", type=int, default=None, help="beam search with K beams")
@@ -85,9 +81,6 @@ def check_options(args: argparse.Namespace) -> None:
         value = getattr(args, option)
         if value is not None and value < lowest:
             raise CliError(f"--{option.replace('_', '-')} {value}: must be >= {lowest}; give a larger value")
-    if not 0 < args.gpu_memory_utilization <= 1:
-        raise CliError(f"--gpu-memory-utilization {args.gpu_memory_utilization}: must be in (0, 1], "
-                       "the fraction of the GPU's memory the job may fill; e.g. 0.9")
     if args.min_new_tokens is not None and args.max_new_tokens is not None \
             and args.min_new_tokens > args.max_new_tokens:
         raise CliError(f"--min-new-tokens {args.min_new_tokens} is larger than --max-new-tokens "
@@ -343,8 +336,7 @@ def run_job(command: str, args: argparse.Namespace) -> int:
     if not is_patched(model):
         patch_model(model)
     generator = BatchGenerator(model, tokenizer, max_batch_tokens=args.batch_tokens,
-                               max_batch_rows=args.batch_rows, gpu_memory_utilization=args.gpu_memory_utilization,
-                               **kwargs)
+                               max_batch_rows=args.batch_rows, **kwargs)
     drop_half_written_line(args.output, complete_bytes)
     start = time.perf_counter()
     new_tokens = write_results(generator, todo, prefix, args, len(records))

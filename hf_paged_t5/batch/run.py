@@ -150,7 +150,7 @@ class BatchRun:
 
     # ---- 2. encoder and cross K/V ---------------------------------------------------------------
     def _encode(self, admitted: list[Request], pool: KVPool) -> None:
-        budget = max(self.gen.encoder_chunk_tokens, len(max(admitted, key=lambda r: len(r.ids)).ids))
+        budget = max(self.gen.max_batch_tokens, len(max(admitted, key=lambda r: len(r.ids)).ids))
         chunk: list[Request] = []
         for request in sorted(admitted, key=lambda r: -len(r.ids)):
             if chunk and (len(chunk) + 1) * len(chunk[0].ids) > budget:  # padded size of the chunk
