@@ -335,8 +335,11 @@ def run_job(command: str, args: argparse.Namespace) -> int:
     model, tokenizer, _ = load_model(args.model, device=device, dtype=dtype)
     if not is_patched(model):
         patch_model(model)
-    generator = BatchGenerator(model, tokenizer, max_batch_tokens=args.batch_tokens,
-                               max_batch_rows=args.batch_rows, **kwargs)
+    try:
+        generator = BatchGenerator(model, tokenizer, max_batch_tokens=args.batch_tokens,
+                                   max_batch_rows=args.batch_rows, **kwargs)
+    except (TypeError, ValueError) as exc:  # a model or generation option the batch engine does not serve
+        raise CliError(str(exc)) from exc
     drop_half_written_line(args.output, complete_bytes)
     start = time.perf_counter()
     new_tokens = write_results(generator, todo, prefix, args, len(records))

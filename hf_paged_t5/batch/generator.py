@@ -26,6 +26,7 @@ from transformers import GenerationConfig
 from .decoding import LogitsRules
 from .requests import BatchRequest, BatchResult, Request
 from .run import BatchRun
+from ..hf.patch import STOCK_ENCODER, _paged_encoder
 from ..hf.policy import fallback_reason
 
 # What one input may be: a text (needs a tokenizer), token ids, or a request with its own limits.
@@ -63,6 +64,9 @@ class BatchGenerator:
             raise TypeError(
                 "BatchGenerator needs a seq2seq model patched by hf_paged_t5: call hf_paged_t5.patch_model(model) first"
             )
+        if not _paged_encoder(model.get_encoder()):
+            raise TypeError(f"BatchGenerator runs the paged encoder, and {STOCK_ENCODER.split(';')[0]} only: "
+                            "use model.generate() for this model")
         self.model, self.tokenizer, self.runtime = model, tokenizer, runtime
         self.device = model.get_input_embeddings().weight.device
         self.config, self.default_max_new, self.default_min_new = _resolve_config(

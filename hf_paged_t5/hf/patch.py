@@ -24,8 +24,11 @@ logger = logging.getLogger(__name__)
 _ATTR = "_hf_paged_t5"
 SUPPORTED_CLASSES = (
     "T5ForConditionalGeneration", "MT5ForConditionalGeneration", "UMT5ForConditionalGeneration",
-    "T5EncoderModel", "MT5EncoderModel", "UMT5EncoderModel",
+    "LongT5ForConditionalGeneration", "T5EncoderModel", "MT5EncoderModel", "UMT5EncoderModel",
 )
+# LongT5's encoder attends within local windows (and to transient global tokens), which the paged
+# encoder does not do: it stays stock HF, its decoder (T5's) runs on the paged path
+STOCK_ENCODER = "LongT5's encoder (local / transient-global attention) runs on stock HF; its decoder is paged"
 
 
 def _check_model(model: Any) -> None:
@@ -38,6 +41,11 @@ def _check_model(model: Any) -> None:
         )
     if getattr(model.config, "is_gated_act", None) is None and not hasattr(model.config, "feed_forward_proj"):
         raise TypeError(f"{type(model).__name__} has no T5 configuration")
+
+
+def _paged_encoder(encoder: nn.Module) -> bool:
+    """Whether the paged encoder serves `encoder`: T5's full self-attention in every layer."""
+    return all(hasattr(block.layer[0], "SelfAttention") for block in encoder.block)
 
 
 def patch_model(model: nn.Module, config: Optional[PagedCacheConfig] = None) -> nn.Module:
@@ -55,7 +63,10 @@ def patch_model(model: nn.Module, config: Optional[PagedCacheConfig] = None) -> 
         unpatch_model(model)
     runtime = PagedRuntime(model, config)
     encoder = model.encoder if hasattr(model, "encoder") else model.get_encoder()
-    set_attr(runtime, encoder, "forward", types.MethodType(make_encoder_forward(runtime, encoder.forward), encoder))
+    if _paged_encoder(encoder):
+        set_attr(runtime, encoder, "forward", types.MethodType(make_encoder_forward(runtime, encoder.forward), encoder))
+    else:
+        logger.info("hf_paged_t5: %s", STOCK_ENCODER)
     if runtime.is_seq2seq:
         set_attr(runtime, model, "forward", types.MethodType(make_forward(runtime, model.forward), model))
         set_attr(runtime, model, "generate", types.MethodType(make_generate(runtime, model.generate), model))
