@@ -172,8 +172,7 @@ class PagedEncoderDecoderCache(Cache):
                 f"this cache was sized for {capacity} decoder tokens per row (max_new_tokens / max_length of "
                 f"the call); a step to {end} tokens does not fit"
             )
-        self.length = end
-        self.rows.lens[:] = end
+        self.length = end  # every row's (the owned tables' `lens` are not kept: see kv/tables.py)
 
     def begin_step(self, num_new: int) -> torch.Tensor:
         """Slots for `num_new` more tokens in every row; returns slot_mapping [rows * num_new] int64 (CPU)."""

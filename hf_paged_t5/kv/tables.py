@@ -18,7 +18,8 @@ Two ways for a beam to continue from another row:
   of every row's every future token is known and a CUDA graph computes it on the device. A
   reorder points the row's table at the source's blocks and copies only the partial block the
   row will write next into the row's own block; a table's reads of another row's blocks take no
-  reference (every row's blocks live until the cache frees them all at once).
+  reference (every row's blocks live until the cache frees them all at once). All rows are at
+  one length, which the caller keeps and passes (`reorder_owned(..., length)`): `lens` stays 0.
   `PagedEncoderDecoderCache` works this way, also on the device (`reorder_owned_on_device`).
 """
 
