@@ -13,9 +13,9 @@
 Flat means: the pool is idle after every call, its size and free count do not change from the
 10th call on, and memory in use does not change from the 10th call on except when the call
 captured or kept a new graph (a new batch / table-width bucket; the captured graph keeps its
-static buffers). Call 0 is the largest request, so any pool growth happens first; on the GPU a
-warm-up pass captures every bucket the soak's sizes can reach first, so normally no capture
-happens during the soak at all.
+static buffers; kept loop updates, at most `graphs.MAX_KEPT_UPDATES`, replace one another
+throughout). Call 0 is the largest request, so any pool growth happens first; on the GPU a
+warm-up pass captures the decode-step buckets the soak's sizes can reach first.
 """
 
 from __future__ import annotations
@@ -134,7 +134,14 @@ def soak(model, stock_model, calls: list[tuple[int, dict]], checked, measure, lo
     through `compare_with_stock` against `stock_model` (an unpatched copy); with `loops` (the
     conftest spy), each call must run the resident loop `resident_loop` names, or none."""
     records = []
-    for i, (seed, kw) in enumerate(calls):
+    calls = iter(calls)
+    # no `enumerate`: its reused result tuple would keep the last call's inputs alive through the
+    # measurement, and memory would follow the size of each call's inputs
+    i = -1
+    while (call := next(calls, None)) is not None:
+        i += 1
+        seed, kw = call
+        del call
         if i in checked:
             before = len(loops) if loops is not None else 0
             expected = [name for name in [resident_loop(kw)] if name]
