@@ -85,7 +85,7 @@ class _RowMinNewTokens:
     """HF's MinLength / MinNewTokens processors with each row's own minimum: EOS is -inf until reached."""
 
     def apply(self, scores: torch.Tensor, limits: RowLimits) -> torch.Tensor:
-        return forbid_eos(scores, row_eos_mask(scores, limits.eos), (limits.generated < limits.min_new)[:, None])
+        return forbid_eos(scores, row_eos_mask(scores, limits.eos, (limits.generated < limits.min_new)[:, None]), True)
 
 
 class _RowForcedEos:

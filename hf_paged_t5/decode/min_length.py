@@ -27,9 +27,10 @@ def forbid_eos(scores: torch.Tensor, eos_mask: torch.Tensor, blocked: Union[bool
     return scores.masked_fill(eos_mask if blocked is True else eos_mask & blocked, -math.inf)
 
 
-def row_eos_mask(scores: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
-    """[rows, vocab] bool: each row's own EOS ids, eos [rows, num_eos] int64."""
-    return torch.zeros_like(scores, dtype=torch.bool).scatter_(1, eos, True)
+def row_eos_mask(scores: torch.Tensor, eos: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
+    """[rows, vocab] bool: each row's own EOS ids where the row is `blocked`; eos [rows, num_eos]
+    int64, blocked [rows, 1] bool. One scatter: a mask for `forbid_eos(scores, mask, True)`."""
+    return torch.zeros_like(scores, dtype=torch.bool).scatter_(1, eos, blocked.expand_as(eos))
 
 
 class MinLength:
