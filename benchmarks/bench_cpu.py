@@ -53,6 +53,7 @@ ROWS = (
     Row("tiny-b8", "tiny", 8, 1, True),
     Row("t5-small-b1", "t5-small", 1, 1, False),
     Row("t5-small-b8", "t5-small", 8, 1, False),
+    Row("t5-small-b8p", "t5-small", 8, 1, True),
     Row("t5-small-2x4", "t5-small", 2, 4, False),
     Row("flan-t5-base-b1", "flan-t5-base", 1, 1, False),
 )
@@ -124,8 +125,13 @@ def print_table(rows: list[dict], repeats: int, backend: str) -> None:
          for r in rows))
     print(f"(median of {repeats} interleaved calls each, {SRC_LEN}-token inputs, {NEW_TOKENS} new tokens forced, "
           f"{torch.get_num_threads()} threads; > 1 means patched is faster)")
-    print(f"every row >= 1.0x: {all(r['ratio'] >= 1.0 for r in rows)}; "
+    paged = [r for r in rows if not r["fallback_reasons"]]
+    stock = len(rows) - len(paged)
+    print(f"every paged row >= 1.0x: {all(r['ratio'] >= 1.0 for r in paged)} ({len(paged)} rows); "
           f"tokens identical in every row: {all(r['tokens_identical'] for r in rows)}")
+    if stock:
+        print(f"{stock} rows ran on stock HF by the CPU policy: their ratio is stock HF against itself, "
+              "the machine's run-to-run spread")
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -33,6 +33,7 @@ from . import tiny
 from .agreement import Agreement, Float64Check, float64_check, token_agreement
 from .config import PagedCacheConfig
 from .hf.patch import is_patched, patch_model, unpatch_model
+from .hf.policy import CPU_STOCK_FROM_D_MODEL
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +85,7 @@ class DemoResult:
     agreement: Agreement
     paged_ran: bool  # False when patched generate() fell back to stock HF (logged as a warning)
     float64: Optional[Float64Check] = None  # None when the float64 run was skipped
+    d_model: Optional[int] = None  # the model's width (the CPU policy's criterion)
 
     @property
     def speedup(self) -> float:
@@ -161,7 +163,9 @@ def run_demo(
     if is_patched(model):
         raise ValueError("pass an unpatched model: the demo runs stock HF first, then patches it")
     device = next(model.parameters()).device
-    config = config or PagedCacheConfig()
+    # on a CPU the default backend runs some calls of wide models on stock HF (the CPU policy,
+    # `hf.policy.cpu_stock_reason`); the demo asks for the paged CPU backend so that it shows it
+    config = config or PagedCacheConfig(backend="cpu" if device.type == "cpu" else "auto")
     batch = tokenizer(list(texts), return_tensors="pt", padding=True, truncation=True).to(device)
     batch = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask")}
     gen = dict(do_sample=False, num_beams=num_beams, max_new_tokens=max_new_tokens)
@@ -191,6 +195,7 @@ def run_demo(
         agreement=token_agreement(ref, out, gc.eos_token_id, pad),
         paged_ran=paged_ran,
         float64=float64_check(model, batch, gen, ref, out, gc.eos_token_id, pad) if check_float64 else None,
+        d_model=getattr(model.config, "d_model", None),
     )
 
 
@@ -232,6 +237,10 @@ def format_report(result: DemoResult) -> str:
         lines.append(f"note: the package's speedup comes from the GPU path (Triton kernels + CUDA graphs); on CPU "
                      f"the paged path runs the {result.backend} backend, and {result.speedup:.2f}x is its measured "
                      "ratio to stock HF on this machine")
+        if result.d_model is not None and result.d_model >= CPU_STOCK_FROM_D_MODEL:
+            lines.append(f"note: at d_model {result.d_model}, patch_model's default backend runs unpadded calls "
+                         "without beam search on stock HF on a CPU (the same matrix products, no speed to gain); "
+                         "the demo asked for backend='cpu' to show the paged path")
     return "\n".join(lines)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -186,3 +187,22 @@ def test_checkpoint_command_writes_a_loadable_checkpoint(tmp_path, caplog):
     model = AutoModelForSeq2SeqLM.from_pretrained(path)
     assert model.config.task_specific_params["summarization"]["prefix"] == "summarize: "
     assert len(tokenizer) <= model.config.vocab_size
+
+
+def test_report_on_cpu_says_what_the_default_backend_does_at_wide_models():
+    same = _agreement(8, 8)
+    narrow = dataclasses.replace(_result(same, same, same), d_model=64)
+    wide = dataclasses.replace(_result(same, same, same), d_model=512)
+    on_gpu = dataclasses.replace(_result(same, same, same, device="cuda:0"), d_model=512)
+    policy = "patch_model's default backend runs unpadded calls without beam search on stock HF on a CPU"
+    assert policy not in demo.format_report(narrow)
+    assert f"note: at d_model 512, {policy}" in demo.format_report(wide)
+    assert policy not in demo.format_report(on_gpu)
+
+
+def test_demo_runs_the_paged_cpu_backend_on_cpu():
+    """Even where the default backend would run the call on stock HF (one unpadded input, greedy, d_model 512)."""
+    model, tokenizer, _ = demo.load_model(shape="t5-small")
+    result = demo.run_demo(model, tokenizer, texts=["one input, so nothing is padded"], max_new_tokens=3, repeats=1,
+                           check_float64=False)
+    assert result.paged_ran and result.backend == "cpu" and result.d_model == model.config.d_model

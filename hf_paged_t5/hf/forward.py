@@ -14,6 +14,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttenti
 
 from ..model.stacks import encoder_forward, mask_rows, store_cross
 from .cache import PagedEncoderDecoderCache
+from .policy import cpu_stock_reason
 from .runtime import PagedRuntime
 
 
@@ -49,8 +50,16 @@ def make_encoder_forward(runtime: PagedRuntime, original):
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, return_dict=None, **kwargs):
         unknown = set(kwargs) - {"output_attentions", "output_hidden_states", "use_cache"}
         stock = unknown or not _paged_allowed(runtime, self, kwargs)
+        lens = None
         if not stock and attention_mask is not None:
-            reason = mask_rows(attention_mask)[1]
+            lens, reason = mask_rows(attention_mask)
+            if reason is not None:
+                runtime.warn_once(reason, "the encoder")
+                stock = True
+        if not stock and not runtime.runner.owned_here():  # (inside a paged generate(), that call decided)
+            padded = lens is not None and min(lens) < attention_mask.shape[1]
+            reason = cpu_stock_reason(runtime.config.backend, {p.device for p in self.parameters()}, runtime.d_model,
+                                      1, padded)
             if reason is not None:
                 runtime.warn_once(reason, "the encoder")
                 stock = True

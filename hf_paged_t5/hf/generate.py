@@ -19,7 +19,7 @@ from ..model.stacks import EMPTY_ROW, mask_rows
 from . import cache_export
 from .cache import PagedEncoderDecoderCache
 from .forward import like
-from .policy import fallback_reason
+from .policy import cpu_stock_reason, fallback_reason
 from .runtime import PagedRuntime
 
 logger = logging.getLogger(__name__)
@@ -40,6 +40,9 @@ def make_generate(runtime: PagedRuntime, original):
             reason = "a generate() nested in a running generate() of the same model is served by stock HF"
         if reason is None:
             source, source_lens, reason = _encoder_inputs(self, gen_config, model_kwargs)
+        if reason is None:
+            reason = cpu_stock_reason(runtime.config.backend, devices, runtime.d_model, gen_config.num_beams or 1,
+                                      min(source_lens) < source.shape[1])
         if reason is not None:
             runtime.warn_once(reason)
             return original(inputs, generation_config, **kwargs)

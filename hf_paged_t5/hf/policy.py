@@ -126,3 +126,26 @@ def fallback_reason(config: GenerationConfig, model_kwargs: dict[str, Any], trai
         if _differs(config, default, key, filled):
             return f"generation option {key!r}={getattr(config, key)!r} is not known to the paged path"
     return None
+
+
+# On a CPU, from this width on (every released T5 checkpoint: t5-small is 512), a call whose rows
+# are all full length and that does not search beams runs the same matrix products on both paths
+# (aten::mm is ~85% of either's time), and the two measured at parity; the paged path gains there
+# only by the encoder skipping padding and by beams sharing their source's cross-attention K/V.
+# With the default backend such calls run on stock HF: never slower, HF's exact result.
+CPU_STOCK_FROM_D_MODEL = 512
+
+
+def cpu_stock_reason(backend: str, devices, d_model: Optional[int], num_beams: int, padded: bool) -> Optional[str]:
+    """Why a call of a model whose weights are all on the CPU runs on stock HF, or None.
+
+    backend: `PagedCacheConfig.backend`; only "auto" leaves the choice to this rule.
+    devices: the devices of the model's weights; padded: whether any input row is shorter than the batch.
+    """
+    if backend != "auto" or not devices or any(d.type != "cpu" for d in devices):
+        return None
+    if d_model is None or d_model < CPU_STOCK_FROM_D_MODEL or num_beams > 1 or padded:
+        return None
+    return (f"on a CPU, at d_model {d_model} (>= {CPU_STOCK_FROM_D_MODEL}), an unpadded call without beam search "
+            "runs the same matrix products on both paths and is no faster paged, so stock HF runs it "
+            "(PagedCacheConfig(backend='cpu') runs the paged CPU backend anyway)")

@@ -29,6 +29,7 @@ class PagedRuntime:
     def __init__(self, model: nn.Module, config: PagedCacheConfig) -> None:
         self.config = config
         self.is_seq2seq = hasattr(model, "decoder")
+        self.d_model: Optional[int] = getattr(model.config, "d_model", None)
         self.originals: dict[tuple[int, str], tuple[nn.Module, Any, bool]] = {}
         self.pool: Optional[KVPool] = None
         self.warned: set[str] = set()
