@@ -8,7 +8,8 @@ Random weights (`hf_paged_t5.tiny.build_model`, built on the GPU) with the real 
 For each: bf16, 512-token inputs, `--new-tokens` forced, batch 1 and 16, greedy; stock HF (sdpa)
 first, then the same model patched; ms per decode step (median of `--repeats` calls after one
 warm-up call), peak memory, the bf16 tokens' agreement with stock. Then the fp32 parity pass: the
-same layout with 2 + 2 layers, fp32, a padded batch of 4, greedy tokens identical to stock's.
+same layout with 2 + 2 layers, a padded batch of 4, greedy: fp32 tokens against stock and a float64
+copy, each path's fp32 logit error against that copy along its own tokens, and bf16 tokens likewise.
 
     python benchmarks/bench_xxl.py [--layouts t5-11b,flan-t5-xxl,madlad400-10b] [--new-tokens 64]
         [--repeats 2] [--out DIR]
@@ -92,20 +93,48 @@ def bench_layout(name: str, new: int, repeats: int) -> list[dict]:
 
 
 def fp32_parity(name: str, batch: int = 4, src_len: int = 128, new: int = 32) -> dict:
-    """Greedy tokens, fp32, 2 + 2 layers of the layout, a padded batch: patched vs stock."""
+    """Greedy tokens, fp32, 2 + 2 layers of the layout, a padded batch: patched vs stock, and both
+    against a float64 copy. Random weights at these widths can be chaotic in fp32 (stock's own
+    rounding flips near-tied tokens), so each path's logits are also compared with the float64
+    model's along that path's own tokens (teacher forced): `paged_error` at most about
+    `stock_error` means a differing token is rounding, not a wrong path."""
+    import copy
+
     model = build(name, torch.float32, num_layers=2, num_decoder_layers=2)
+    model64 = copy.deepcopy(model).double()
     ids, mask = common.random_inputs(batch, src_len, vocab_size=min(32000, model.config.vocab_size))
     mask[1::2, src_len // 2:] = 0
-    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+              return_dict_in_generate=True, output_logits=True)
+
+    def error(out) -> float:
+        """max |logit - float64 logit| over the steps and rows, relative to the float64 logits' max."""
+        logits = torch.stack(out.logits, dim=1).double()
+        forced = model64(input_ids=ids, attention_mask=mask, decoder_input_ids=out.sequences[:, :-1]).logits
+        return float((logits - forced).abs().max() / forced.abs().max())
+
     with torch.inference_mode():
         ref = model.generate(**kw)
+        ref64 = model64.generate(**kw)
+        half = copy.deepcopy(model).to(torch.bfloat16)  # bf16: how far stock and paged each move
+        ref16 = half.generate(**kw).sequences
+        hp.patch_model(half)
+        out16 = half.generate(**kw).sequences
         hp.patch_model(model)
         out = model.generate(**kw)
         ran = common.kv_pool(model) is not None
-    result = dict(identical=bool(torch.equal(ref, out)), agreement=float((ref == out).float().mean()), paged_ran=ran,
-                  distinct_tokens=int(ref[:, 1:].unique().numel()))
+        result = dict(
+            identical=bool(torch.equal(ref.sequences, out.sequences)),
+            agreement=float((ref.sequences == out.sequences).float().mean()), paged_ran=ran,
+            stock_vs_float64=float((ref.sequences == ref64.sequences).float().mean()),
+            paged_vs_float64=float((out.sequences == ref64.sequences).float().mean()),
+            stock_error=error(ref), paged_error=error(out),
+            bf16_paged_vs_stock=float((ref16 == out16).float().mean()),
+            bf16_stock_vs_float64=float((ref16 == ref64.sequences).float().mean()),
+            bf16_paged_vs_float64=float((out16 == ref64.sequences).float().mean()),
+            distinct_tokens=int(ref.sequences[:, 1:].unique().numel()))
     print(f"fp32 parity {name} (2 + 2 layers): {result}", flush=True)
-    del model
+    model = model64 = half = None
     gc.collect()
     torch.cuda.empty_cache()
     return result
@@ -138,8 +167,14 @@ def main(argv=None) -> None:
           fmt(r["paged_peak_gib"], ".1f"), fmt(r["bf16_tokens_agree"], ".3f")] for r in rows),
         title=f"ms per decode step, {SRC_LEN}-token inputs, {args.new_tokens} new tokens, bf16, "
               f"median of {args.repeats} calls")
-    print("fp32 parity (2 + 2 layers, greedy, padded batch of 4): "
-          + ", ".join(f"{n}: {'identical' if p['identical'] else 'DIFFERS'}" for n, p in parity.items()))
+    common.print_table(
+        ["layout", "fp32 tokens = HF", "HF fp32 = fp64", "paged fp32 = fp64", "HF fp32 logit error",
+         "paged fp32 logit error", "bf16 paged = HF", "HF bf16 = fp64", "paged bf16 = fp64"],
+        ([n, fmt(p["agreement"], ".3f"), fmt(p["stock_vs_float64"], ".3f"), fmt(p["paged_vs_float64"], ".3f"),
+          fmt(p["stock_error"], ".1e"), fmt(p["paged_error"], ".1e"), fmt(p["bf16_paged_vs_stock"], ".3f"),
+          fmt(p["bf16_stock_vs_float64"], ".3f"), fmt(p["bf16_paged_vs_float64"], ".3f")] for n, p in parity.items()),
+        title="fp32 parity: 2 + 2 layers, greedy, a padded batch of 4, 32 new tokens; logit errors against a "
+              "float64 copy along each path's own tokens, relative to the largest logit")
 
 
 if __name__ == "__main__":
