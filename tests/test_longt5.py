@@ -63,3 +63,16 @@ def test_batch_generator_and_encoder_model_refused():
     encoder = LongT5EncoderModel(model.config)
     with pytest.raises(TypeError, match="hf_paged_t5 supports"):
         hp.patch_model(encoder)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("attention", ATTENTION)
+@pytest.mark.parametrize("opts", [dict(), dict(num_beams=4, num_return_sequences=2)], ids=["greedy", "beams"])
+def test_on_the_gpu(attention, opts):
+    """The decoder on the Triton kernels and CUDA graphs, fp32: stock HF's tokens and scores."""
+    model = hp.patch_model(longt5(attention).cuda())
+    ids, mask = batch()
+    _, out = compare_with_stock(model, seed=0, input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=12,
+                                **opts)
+    assert len(set(out[:, 1:].flatten().tolist())) > 3
