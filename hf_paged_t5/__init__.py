@@ -16,6 +16,7 @@ _EXPORTS = MappingProxyType({
     "BatchGenerator": "batch.generator",
     "BatchRequest": "batch.requests",
     "BatchResult": "batch.requests",
+    "OnlineEngine": "batch.online",
     "BlockManager": "kv.block_manager",
     "PoolExhaustedError": "kv.block_manager",
     "KVPool": "kv.pool",

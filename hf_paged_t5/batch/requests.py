@@ -70,3 +70,4 @@ class Request:
     rows: list[int] = dataclasses.field(default_factory=list)  # cache row slots, one per decoder row
     histories: list[list[int]] = dataclasses.field(default_factory=list)  # greedy/sampling: finished rows
     live: list[int] = dataclasses.field(default_factory=list)  # greedy/sampling: positions of unfinished rows
+    cancelled: bool = False  # stopped by `BatchRun.cancel`: its blocks go back, it gives no result

@@ -86,18 +86,39 @@ class BatchRun:
         if admitted:
             self._encode(admitted, pool)
         if not self.running:
-            return None
+            # nothing left: the job is done; nothing yet (a source that can run dry for now): idle
+            return None if self.exhausted else []
         return self._decode_step()
+
+    def cancel(self, request: Request) -> None:
+        """Stop `request` (between steps): its blocks go back to the pool within the next step and it
+        gives no result. A waiting request just leaves the queue."""
+        request.cancelled = True
+        if request in self.waiting:
+            self.waiting.remove(request)
+        elif request in self.running and self.rows is not None:
+            # greedy / sampling: the row finishes at its next read-back, by the usual retirement
+            for j in request.live:
+                self.rows.max_new[request.rows[j]] = 0
+        # beam search: `_advance_beams` drops it at the next step
+
+    def _next_item(self):
+        """The next (index, input) of the job, or None when there is none for now; StopIteration at
+        the end. A job's inputs never run dry for now; `batch.online` overrides this."""
+        return next(self.inputs)
 
     # ---- 1. admission ---------------------------------------------------------------------------
     def _peek(self) -> Optional[Request]:
         if not self.waiting and not self.exhausted:
             try:
-                index, item = next(self.inputs)
+                entry = self._next_item()
             except StopIteration:
                 self.exhausted = True
                 return None
-            request = self.gen.make_request(index, item)
+            if entry is None:
+                return None
+            index, item = entry
+            request = item if isinstance(item, Request) else self.gen.make_request(index, item)
             bs = self.cache.block_size
             # per row: the K/V of the start token and of max_new - 1 tokens, and one more position for
             # the step a greedy/sampling row runs before the host reads that it finished (DecodeRows);
@@ -248,7 +269,9 @@ class BatchRun:
             self.live_rows -= 1
             self.order_dirty = True
             if not request.live:
-                finished.append(self._retire(request, _pad_rows(request.histories, self.gen.pad_id), None))
+                result = self._retire(request, _pad_rows(request.histories, self.gen.pad_id), None)
+                if result is not None:
+                    finished.append(result)
         return finished
 
     def _advance_beams(self, logits: torch.Tensor) -> list[BatchResult]:
@@ -269,7 +292,12 @@ class BatchRun:
             start += n + group.batch
             keep = []
             for b, request in enumerate(requests):
-                if unfinished[b]:
+                if request.cancelled:
+                    for slot in request.rows:
+                        self.cache.free_row(slot)
+                    self.live_rows -= k
+                    self._drop(request)
+                elif unfinished[b]:
                     beams = [s - b * k for s in sources[b * k : (b + 1) * k]]
                     if beams != list(range(k)):  # every beam continuing itself: nothing to move
                         self.cache.reorder(request.rows, beams)
@@ -290,13 +318,17 @@ class BatchRun:
                     del self.group_of[id(group)]
         return finished
 
-    def _retire(self, request: Request, sequences: list[list[int]], scores) -> BatchResult:
-        """The request's remaining blocks (its source) back to the pool; its result."""
+    def _retire(self, request: Request, sequences: list[list[int]], scores) -> Optional[BatchResult]:
+        """The request's remaining blocks (its source) back to the pool; its result (None: cancelled)."""
+        self._drop(request)
+        return None if request.cancelled else self.gen.result(request, sequences, scores)
+
+    def _drop(self, request: Request) -> None:
+        """A request whose rows are freed leaves the job: its source's blocks and its promises go."""
         self.cache.free_source(request.source)
         self.running.remove(request)
         self.promised_blocks -= request.blocks
         self.promised_tokens -= request.tokens
-        return self.gen.result(request, sequences, scores)
 
 
 def _pad_rows(histories: list[list[int]], pad_id: int) -> list[list[int]]:

@@ -1,0 +1,202 @@
+"""`OnlineEngine`: the batch engine fed by requests that arrive at any time, from any thread.
+
+    engine = OnlineEngine(model, tokenizer, max_new_tokens=128)
+    future = engine.submit("summarize: ...")         # a concurrent.futures.Future
+    print(future.result().text)                      # asyncio: await asyncio.wrap_future(future)
+    future.cancel()                                  # also while it runs: its blocks go back
+    engine.close()
+
+One background thread runs one `BatchRun` for the engine's life: a submitted request joins the
+running decode loop at its next step (admitted as `BatchGenerator` admits: while rows, the KV
+token budget and the pool allow), and each result is what patched `generate()` returns for that
+input alone. The thread sleeps while nothing is queued or running. A request is checked in the
+caller's thread (`BatchGenerator.make_request`: clear errors before it is queued). A cancelled
+future's request leaves the queue, or, running, gives its blocks back within the next step.
+
+Options are the generator's (`BatchGenerator`'s arguments: one generation config for the engine);
+per request: `BatchRequest`'s max / min new tokens and EOS ids. Weights edited in place after the
+engine starts are not seen by its bias tables (they are checked once, at start).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import threading
+from typing import Any, Optional
+
+from ..kv.block_manager import PoolExhaustedError
+from .generator import BatchGenerator, InputItem
+from .requests import Request
+from .run import BatchRun
+
+logger = logging.getLogger(__name__)
+
+
+class _OnlineRun(BatchRun):
+    """A `BatchRun` whose inputs come from the engine's queue and may run dry for now."""
+
+    def __init__(self, generator: BatchGenerator, engine: "OnlineEngine") -> None:
+        super().__init__(generator, ())
+        self.engine = engine
+
+    def _next_item(self):
+        return self.engine._pop()
+
+
+class OnlineEngine:
+    """Continuous batching over requests submitted at any time. Arguments: as `BatchGenerator`'s."""
+
+    def __init__(self, model, tokenizer: Any = None, generation_config=None, max_batch_tokens: int = 65536,
+                 max_batch_rows: Optional[int] = None, **generate_kwargs: Any) -> None:
+        self.generator = BatchGenerator(model, tokenizer, generation_config, max_batch_tokens, max_batch_rows,
+                                        **generate_kwargs)
+        self._cond = threading.Condition()
+        self._queue: collections.deque[Request] = collections.deque()
+        self._futures: dict[int, concurrent.futures.Future] = {}
+        self._requests: dict[int, Request] = {}
+        self._cancelled: list[Request] = []
+        self._next_index = 0
+        self._closing = False
+        self._error: Optional[BaseException] = None
+        self._run = _OnlineRun(self.generator, self)
+        self._thread = threading.Thread(target=self._loop, name="hf_paged_t5-online", daemon=True)
+        self._thread.start()
+
+    # ---- the caller's side ----------------------------------------------------------------------
+    def submit(self, item: InputItem) -> concurrent.futures.Future:
+        """Queue one input (a text, token ids or a `BatchRequest`); a Future of its `BatchResult`.
+        Bad input raises here, in the caller's thread; nothing is queued then."""
+        with self._cond:
+            self._check_open()
+            index = self._next_index
+            self._next_index += 1
+        request = self.generator.make_request(index, item)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            self._check_open()
+            self._futures[index] = future
+            self._requests[index] = request
+            self._queue.append(request)
+            self._cond.notify()
+        future.add_done_callback(lambda f, request=request: f.cancelled() and self._on_cancel(request))
+        return future
+
+    def stats(self) -> dict[str, int]:
+        """queued: submitted, not yet admitted; running: admitted, not finished; rows: decoder rows now."""
+        with self._cond:
+            return dict(queued=len(self._queue), running=len(self._run.running), rows=self._run.live_rows)
+
+    def close(self, cancel: bool = False, timeout: Optional[float] = None) -> None:
+        """Stop taking requests; finish the queued and running ones (or, `cancel=True`, cancel them);
+        then stop the thread and return every block to the pool."""
+        with self._cond:
+            self._closing = True
+            pending = list(self._futures.values()) if cancel else []
+            self._cond.notify()
+        for future in pending:
+            future.cancel()
+        self._thread.join(timeout)
+
+    def __enter__(self) -> "OnlineEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close(cancel=exc[0] is not None)
+
+    def _check_open(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"the engine stopped after an error: {self._error!r}") from self._error
+        if self._closing:
+            raise RuntimeError("the engine is closed: make a new OnlineEngine to submit more")
+
+    def _on_cancel(self, request: Request) -> None:
+        with self._cond:
+            if request.index in self._futures:
+                self._cancelled.append(request)
+                self._cond.notify()
+
+    # ---- the engine's thread --------------------------------------------------------------------
+    def _pop(self):
+        """The next queued request as (index, request), None if none now, StopIteration once closed."""
+        with self._cond:
+            while self._queue:
+                request = self._queue.popleft()
+                if not request.cancelled and not self._futures[request.index].cancelled():
+                    return request.index, request
+                self._forget(request)
+            if self._closing:
+                raise StopIteration
+            return None
+
+    def _forget(self, request: Request) -> None:
+        self._futures.pop(request.index, None)
+        self._requests.pop(request.index, None)
+
+    def _loop(self) -> None:
+        run = self._run
+        dropping: list[Request] = []  # cancelled while running: retired within the next step
+        try:
+            with self.generator.runtime.runner.lock:
+                self.generator.runtime.check_weights()
+            while True:
+                with self._cond:
+                    while not (self._queue or run.running or self._cancelled or self._closing):
+                        self._cond.wait()
+                    cancelled, self._cancelled = self._cancelled, []
+                for request in cancelled:
+                    running = request in run.running
+                    run.cancel(request)
+                    if running:
+                        dropping.append(request)
+                    else:
+                        with self._cond:
+                            self._forget(request)
+                try:
+                    finished = run.step()
+                except PoolExhaustedError as exc:  # one input too large for the pool even alone: its error
+                    request = run.waiting.popleft()
+                    with self._cond:
+                        future = self._futures.get(request.index)
+                        self._forget(request)
+                    _settle(future, exc=exc)
+                    continue
+                if finished is None:
+                    break
+                for result in finished:
+                    with self._cond:
+                        future = self._futures.get(result.index)
+                        self._forget(self._requests[result.index])
+                    _settle(future, result=result)
+                if dropping:
+                    gone = [r for r in dropping if r not in run.running]
+                    dropping = [r for r in dropping if r in run.running]
+                    with self._cond:
+                        for request in gone:
+                            self._forget(request)
+        except BaseException as exc:  # every waiting caller gets the error; the engine stops
+            logger.error("hf_paged_t5: the online engine stopped: %r", exc)
+            with self._cond:
+                self._error = exc
+                futures = list(self._futures.values())
+                self._futures.clear()
+                self._requests.clear()
+                self._queue.clear()
+            for future in futures:
+                _settle(future, exc=exc)
+        finally:
+            run.close()
+
+
+def _settle(future: Optional[concurrent.futures.Future], result=None, exc: Optional[BaseException] = None) -> None:
+    """Give `future` its result or error, unless it is gone or was cancelled meanwhile."""
+    if future is None or future.done():
+        return
+    try:
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+    except concurrent.futures.InvalidStateError:  # cancelled between the check and the set
+        pass

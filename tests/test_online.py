@@ -1,0 +1,181 @@
+"""OnlineEngine: requests submitted at any time, from several threads, join the running decode loop;
+each result is patched generate()'s on that input alone; cancelled requests give their blocks back
+(CPU, fp32)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+
+import pytest
+import torch
+from conftest import make_model
+
+import hf_paged_t5 as hp
+from hf_paged_t5.batch.run import BatchRun
+
+LENGTHS = [5, 23, 3, 17, 9, 30, 2, 12]
+MAX_NEW = [7, 19, 3, 12, 25, 4, 16, 9]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def inputs(lengths=LENGTHS, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 384, (n,), generator=g).tolist() for n in lengths]
+
+
+def patched(seed=0, **config):
+    return hp.patch_model(make_model("t5", seed=seed), hp.PagedCacheConfig(**{"block_size": 4, **config}))
+
+
+def alone(model, ids, max_new, **kwargs):
+    out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=max_new, min_new_tokens=max_new, **kwargs)
+    return out.tolist()
+
+
+def wait_until(condition, timeout=60.0):
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.002)
+
+
+@pytest.fixture
+def steps(monkeypatch):
+    """Counts the engine's decode steps."""
+    state = {"steps": 0}
+    original = BatchRun._decode_step
+
+    def spy(self):
+        state["steps"] += 1
+        return original(self)
+
+    monkeypatch.setattr(BatchRun, "_decode_step", spy)
+    return state
+
+
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_requests_from_several_threads_give_generate_alone_results(num_beams):
+    model = patched()
+    items = inputs()
+    want = [alone(model, ids, m, num_beams=num_beams) for ids, m in zip(items, MAX_NEW)]
+    with hp.OnlineEngine(model, max_batch_rows=4 * num_beams, num_beams=num_beams) as engine:
+        futures = [None] * len(items)
+
+        def client(which):
+            for i in which:
+                futures[i] = engine.submit(hp.BatchRequest(items[i], max_new_tokens=MAX_NEW[i],
+                                                           min_new_tokens=MAX_NEW[i]))
+                time.sleep(0.003 * (i % 3))  # arrivals spread over the running steps
+
+        threads = [threading.Thread(target=client, args=(range(k, len(items), 3),)) for k in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        results = [f.result(timeout=120) for f in futures]
+    assert len({r.index for r in results}) == len(items)  # one index per submission
+    for result, expected, ids in zip(results, want, items):
+        assert result.sequences == expected and result.num_input_tokens == len(ids)
+    assert model._hf_paged_t5.pool.is_idle()
+
+
+def test_a_late_request_joins_the_running_loop(steps):
+    """B, submitted while A decodes 60 tokens, finishes long before A: it did not wait for A's batch."""
+    model = patched()
+    a_ids, b_ids = inputs([9, 6], seed=3)
+    with hp.OnlineEngine(model) as engine:
+        a = engine.submit(hp.BatchRequest(a_ids, max_new_tokens=60, min_new_tokens=60))
+        wait_until(lambda: steps["steps"] >= 5)
+        b = engine.submit(hp.BatchRequest(b_ids, max_new_tokens=4, min_new_tokens=4))
+        at_b = steps["steps"]
+        b_result = b.result(timeout=60)
+        b_done = steps["steps"]
+        assert not a.done(), "B waited for A"
+        assert b_done - at_b <= 4 + 3  # its 4 tokens, a step to join, one late read-back, slack of one
+        a_result = a.result(timeout=120)
+    assert b_result.sequences == alone(model, b_ids, 4)
+    assert a_result.sequences == alone(model, a_ids, 60)
+
+
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_cancel_while_running_and_while_queued(steps, num_beams):
+    model = patched()
+    a_ids, b_ids, c_ids = inputs([9, 6, 11], seed=4)
+    with hp.OnlineEngine(model, max_batch_rows=num_beams, num_beams=num_beams) as engine:  # one input at a time
+        a = engine.submit(hp.BatchRequest(a_ids, max_new_tokens=300, min_new_tokens=300))
+        b = engine.submit(hp.BatchRequest(b_ids, max_new_tokens=5, min_new_tokens=5))  # waits: no rows free
+        wait_until(lambda: steps["steps"] >= 2)
+        assert engine.stats()["running"] == 1
+        assert a.cancel() and b.cancel()  # a running, b queued behind it
+        with pytest.raises(concurrent.futures.CancelledError):
+            a.result(timeout=1)
+        wait_until(lambda: engine.stats() == dict(queued=0, running=0, rows=0))
+        assert model._hf_paged_t5.pool.is_idle(), "the cancelled request's blocks went back"
+        stopped_at = steps["steps"]
+        c = engine.submit(hp.BatchRequest(c_ids, max_new_tokens=6, min_new_tokens=6))
+        assert c.result(timeout=60).sequences == alone(model, c_ids, 6, num_beams=num_beams)
+    assert stopped_at < 300, "the cancelled request stopped early"
+
+
+def test_bad_input_is_refused_in_the_callers_thread_and_the_engine_goes_on():
+    model = patched()
+    with hp.OnlineEngine(model, max_new_tokens=3) as engine:
+        with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+            engine.submit(hp.BatchRequest([5, 6, 7], max_new_tokens=0))
+        with pytest.raises(ValueError, match="a text, but BatchGenerator was given no tokenizer"):
+            engine.submit("a text, but no tokenizer")
+        ids = inputs([7])[0]
+        assert engine.submit(ids).result(timeout=60).sequences == alone(model, ids, 3)
+
+
+def test_an_input_too_large_for_the_pool_fails_alone():
+    model = patched(num_blocks=6, grow=False)  # 24 tokens of K/V
+    with hp.OnlineEngine(model, max_new_tokens=3) as engine:
+        big = engine.submit(list(range(2, 60)))
+        small_ids = inputs([4])[0]
+        small = engine.submit(small_ids)
+        with pytest.raises(hp.PoolExhaustedError, match="needs .* KV blocks by itself"):
+            big.result(timeout=60)
+        assert small.result(timeout=60).sequences == alone(model, small_ids, 3)
+
+
+def test_close_drains_then_refuses():
+    model = patched()
+    engine = hp.OnlineEngine(model, max_new_tokens=8)
+    futures = [engine.submit(ids) for ids in inputs()[:3]]
+    engine.close()
+    assert all(f.done() and not f.cancelled() for f in futures)
+    with pytest.raises(RuntimeError, match="the engine is closed"):
+        engine.submit([5, 6])
+    assert model._hf_paged_t5.pool.is_idle()
+
+
+def test_close_with_cancel_and_an_error_reaches_every_caller(monkeypatch):
+    model = patched()
+    engine = hp.OnlineEngine(model, max_new_tokens=40)
+    futures = [engine.submit(ids) for ids in inputs()[:3]]
+    engine.close(cancel=True)
+    assert all(f.cancelled() or f.done() for f in futures)
+    assert model._hf_paged_t5.pool.is_idle()
+
+    def broken(self):
+        raise RuntimeError("a decode step failed")
+
+    monkeypatch.setattr(BatchRun, "_decode_step", broken)
+    engine = hp.OnlineEngine(model, max_new_tokens=4)
+    future = engine.submit([5, 6, 7])
+    with pytest.raises(RuntimeError, match="a decode step failed"):
+        future.result(timeout=60)
+    with pytest.raises(RuntimeError, match="the engine stopped after an error"):
+        engine.submit([5, 6])
+    engine.close()
+    assert model._hf_paged_t5.pool.is_idle()
