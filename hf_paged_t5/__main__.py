@@ -16,6 +16,7 @@ from typing import Optional
 
 from .batch import cli
 from . import demo
+from .serve import cli as serve_cli
 
 # name -> (help, add_arguments(parser), run(args) -> exit status)
 _COMMANDS = MappingProxyType({
@@ -43,6 +44,11 @@ _COMMANDS = MappingProxyType({
         "generate for a JSONL file with continuous batching (no task prefix); resumable output",
         cli.add_arguments,
         cli.command_runner("generate"),
+    ),
+    "serve": (
+        "an OpenAI-style HTTP server (POST /v1/completions) with continuous batching; needs the serve extra",
+        serve_cli.add_arguments,
+        serve_cli.run,
     ),
 })
 
@@ -74,7 +80,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     # The commands' own reports (what a job does, where its output is) show at the default level too.
-    for name in (cli.__name__, demo.__name__):
+    for name in (cli.__name__, demo.__name__, serve_cli.__name__):
         logging.getLogger(name).setLevel(logging.INFO)
     return args.run(args)
 

@@ -26,6 +26,7 @@ ALLOWED = {
     "decode": {"decode", "model", "kv", "cpu_ops", "config"},
     "hf": {"hf", "decode", "model", "kv", "config"},
     "batch": {"batch", "hf", "decode", "model", "kv", "config", "demo"},
+    "serve": {"serve", "batch", "hf"},
 }
 NO_TRANSFORMERS = {"kv", "kernels", "reference", "cpu_ops", "config"}
 

@@ -83,6 +83,11 @@ class OnlineEngine:
         future.add_done_callback(lambda f, request=request: f.cancelled() and self._on_cancel(request))
         return future
 
+    @property
+    def error(self) -> Optional[BaseException]:
+        """What stopped the engine's thread, or None while it runs (or after a clean close)."""
+        return self._error
+
     def stats(self) -> dict[str, int]:
         """queued: submitted, not yet admitted; running: admitted, not finished; rows: decoder rows now."""
         with self._cond:

@@ -1,0 +1,4 @@
+"""Online serving: an OpenAI-style HTTP API (`app`) over the online batch engine
+(`batch.online.OnlineEngine`), and its command line (`cli`: `python -m hf_paged_t5 serve`).
+Needs the `serve` extra (Starlette, uvicorn).
+"""

@@ -1,0 +1,292 @@
+"""The HTTP server: an OpenAI-style completions API over one `OnlineEngine` (Starlette).
+
+    POST /v1/completions   OpenAI's fields: model, prompt (a string, a list of strings, token ids
+                           or lists of them), max_tokens (16), stream (server-sent events), and
+                           temperature / top_p / n / stop / seed as far as the engine serves them
+    GET  /v1/models        the one model served
+    GET  /health           200 while the engine runs, 503 after it stopped on an error
+    GET  /metrics          Prometheus text: queue depth, running requests and rows, KV blocks used
+                           and free, generated tokens, requests by status, request latency
+
+For T5 the prompt is the encoder's input; the task prefix given at start (e.g. "summarize: ") is
+put before each prompt. Every prompt of a request is one engine request; a client that disconnects
+cancels them (their blocks go back to the pool at the next step). An option the engine does not
+serve gets a 400 that names it. With `stream`, each choice's text is sent as one event when it is
+finished, then `data: [DONE]`. Each choice also carries its generated `token_ids` (the only output
+of a server started without a tokenizer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+from types import MappingProxyType
+from typing import Any, Optional
+
+from starlette.applications import Starlette
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.routing import Route
+
+from ..batch.online import OnlineEngine
+from ..batch.requests import BatchRequest
+from ..hf.patch import runtime_stats
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# fields of OpenAI's completions request that are accepted only at the value that means "off"
+OFF_VALUES = MappingProxyType({
+    "logprobs": (None,), "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1),
+    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, MappingProxyType({})),
+})
+KNOWN_FIELDS = frozenset({"model", "prompt", "max_tokens", "temperature", "top_p", "n", "stop", "stream", "seed",
+                          "user", "stream_options", *OFF_VALUES})
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: Optional[str] = None, status: int = 400, code: Optional[str] = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.code = message, param, status, code
+
+    def response(self) -> JSONResponse:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return JSONResponse({"error": {"message": self.message, "type": kind, "param": self.param,
+                                       "code": self.code}}, status_code=self.status)
+
+
+class Metrics:
+    """The server's counters (thread-safe), written as Prometheus text."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.generated_tokens = 0
+        self.prompt_tokens = 0
+        self.requests: dict[int, int] = {}
+        self.latency_counts = [0] * (len(LATENCY_BUCKETS) + 1)
+        self.latency_sum = 0.0
+
+    def record(self, status: int, seconds: float, prompt_tokens: int = 0, generated: int = 0) -> None:
+        with self.lock:
+            self.requests[status] = self.requests.get(status, 0) + 1
+            self.prompt_tokens += prompt_tokens
+            self.generated_tokens += generated
+            bucket = next((i for i, edge in enumerate(LATENCY_BUCKETS) if seconds <= edge), len(LATENCY_BUCKETS))
+            self.latency_counts[bucket] += 1
+            self.latency_sum += seconds
+
+    def text(self, engine: OnlineEngine) -> str:
+        stats = engine.stats()
+        pool = runtime_stats(engine.generator.model)
+        total, free = pool["pool_blocks"], pool["pool_blocks_free"]
+        lines = [
+            "# HELP hf_paged_t5_queue_depth Requests submitted and not yet admitted.",
+            "# TYPE hf_paged_t5_queue_depth gauge", f"hf_paged_t5_queue_depth {stats['queued']}",
+            "# HELP hf_paged_t5_running_requests Requests admitted and not finished.",
+            "# TYPE hf_paged_t5_running_requests gauge", f"hf_paged_t5_running_requests {stats['running']}",
+            "# HELP hf_paged_t5_running_rows Decoder rows in the running decode loop.",
+            "# TYPE hf_paged_t5_running_rows gauge", f"hf_paged_t5_running_rows {stats['rows']}",
+            "# HELP hf_paged_t5_kv_blocks_used KV pool blocks in use.",
+            "# TYPE hf_paged_t5_kv_blocks_used gauge", f"hf_paged_t5_kv_blocks_used {total - free}",
+            "# HELP hf_paged_t5_kv_blocks_free KV pool blocks free.",
+            "# TYPE hf_paged_t5_kv_blocks_free gauge", f"hf_paged_t5_kv_blocks_free {free}",
+        ]
+        with self.lock:
+            lines += ["# HELP hf_paged_t5_generated_tokens_total Tokens generated for finished requests.",
+                      "# TYPE hf_paged_t5_generated_tokens_total counter",
+                      f"hf_paged_t5_generated_tokens_total {self.generated_tokens}",
+                      "# HELP hf_paged_t5_prompt_tokens_total Encoder tokens of finished requests.",
+                      "# TYPE hf_paged_t5_prompt_tokens_total counter",
+                      f"hf_paged_t5_prompt_tokens_total {self.prompt_tokens}",
+                      "# HELP hf_paged_t5_requests_total HTTP completion requests by status code.",
+                      "# TYPE hf_paged_t5_requests_total counter"]
+            lines += [f'hf_paged_t5_requests_total{{code="{code}"}} {n}' for code, n in sorted(self.requests.items())]
+            lines += ["# HELP hf_paged_t5_request_seconds Completion request latency.",
+                      "# TYPE hf_paged_t5_request_seconds histogram"]
+            cumulative = 0
+            for edge, n in zip((*LATENCY_BUCKETS, "+Inf"), self.latency_counts):
+                cumulative += n
+                lines.append(f'hf_paged_t5_request_seconds_bucket{{le="{edge}"}} {cumulative}')
+            lines += [f"hf_paged_t5_request_seconds_sum {self.latency_sum:.6f}",
+                      f"hf_paged_t5_request_seconds_count {cumulative}"]
+        return "\n".join(lines) + "\n"
+
+
+def parse_completion(body: Any, model_name: str, greedy: bool, tokenizer) -> tuple[list, int, bool]:
+    """(prompts: texts or token-id lists, max_tokens, stream) of a completions request; BadRequest otherwise."""
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    unknown = sorted(set(body) - KNOWN_FIELDS)
+    if unknown:
+        raise BadRequest(f"unrecognized request argument: {unknown[0]}", param=unknown[0])
+    if body.get("model") not in (None, model_name):
+        raise BadRequest(f"the model {body['model']!r} does not exist; this server serves {model_name!r}",
+                         param="model", status=404, code="model_not_found")
+    for name, off in OFF_VALUES.items():
+        if body.get(name) not in off:
+            raise BadRequest(f"{name}={body[name]!r} is not served by this server", param=name)
+    if body.get("n") not in (None, 1):
+        raise BadRequest("n: this server returns one completion per prompt (n=1)", param="n")
+    if body.get("stop") not in (None, [], ""):
+        raise BadRequest("stop sequences are not served by this server's batch engine", param="stop")
+    if greedy:
+        if body.get("temperature") not in (None, 0, 0.0):
+            raise BadRequest("temperature: this server decodes greedily (temperature 0); per-request sampling "
+                             "is not served by its batch engine", param="temperature")
+        if body.get("top_p") not in (None, 1, 1.0):
+            raise BadRequest("top_p: this server decodes greedily; per-request sampling is not served",
+                             param="top_p")
+    elif body.get("temperature") is not None or body.get("top_p") is not None or body.get("seed") is not None:
+        name = next(k for k in ("temperature", "top_p", "seed") if body.get(k) is not None)
+        raise BadRequest(f"{name}: the server's sampling options are fixed at its start", param=name)
+    max_tokens = body.get("max_tokens", 16)
+    if max_tokens is None:
+        max_tokens = 16
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise BadRequest(f"max_tokens must be an integer >= 1, got {max_tokens!r}", param="max_tokens")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest(f"stream must be true or false, got {stream!r}", param="stream")
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_token(t) for t in prompt)):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(
+            isinstance(p, str) or (isinstance(p, list) and p and all(_is_token(t) for t in p)) for p in prompt):
+        prompts = list(prompt)
+    else:
+        raise BadRequest("prompt must be a non-empty string, a list of strings, a list of token ids, or a list of "
+                         "lists of token ids", param="prompt")
+    if any(isinstance(p, str) for p in prompts) and tokenizer is None:
+        raise BadRequest("this server has no tokenizer: give prompts as token ids", param="prompt")
+    if any(isinstance(p, str) and not p for p in prompts):
+        raise BadRequest("a prompt is empty", param="prompt")
+    return prompts, max_tokens, stream
+
+
+def _is_token(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def create_app(engine: OnlineEngine, model_name: str, prefix: str = "", max_queue: Optional[int] = None) -> Starlette:
+    """The Starlette app serving `engine` as `model_name`; `prefix` goes before every text prompt;
+    with `max_queue`, a request that finds that many inputs queued gets a 503."""
+    metrics = Metrics()
+    generator = engine.generator
+    greedy = not generator.config.do_sample
+    created = int(time.time())
+    eos = set(generator.eos)
+
+    def finish_reason(result, max_tokens: int) -> str:
+        """"stop" at an EOS token, "length" at max_tokens (OpenAI's two reasons)."""
+        tokens = result.token_ids
+        if len(tokens) > 1 and tokens[-1] in eos:
+            return "stop"
+        return "length" if result.num_new_tokens >= max_tokens else "stop"
+
+    def choice(index: int, result, max_tokens: int) -> dict:
+        text = result.text if result.texts is not None else ""
+        return {"text": text, "index": index, "logprobs": None, "finish_reason": finish_reason(result, max_tokens),
+                "token_ids": result.token_ids[1:]}
+
+    async def completions(request: HttpRequest):
+        start = time.perf_counter()
+        try:
+            try:
+                body = await request.json()
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise BadRequest(f"the request body is not JSON: {exc}") from exc
+            prompts, max_tokens, stream = parse_completion(body, model_name, greedy, generator.tokenizer)
+            if max_queue is not None and engine.stats()["queued"] + len(prompts) > max_queue:
+                raise BadRequest(f"the server's queue is full ({max_queue} inputs); retry later", status=503,
+                                 code="queue_full")
+            futures = []
+            try:
+                for p in prompts:
+                    item = prefix + p if isinstance(p, str) else p
+                    futures.append(engine.submit(BatchRequest(item, max_new_tokens=max_tokens)))
+            except ValueError as exc:
+                for f in futures:
+                    f.cancel()
+                raise BadRequest(str(exc), param="prompt") from exc
+            except RuntimeError as exc:  # the engine is closed or stopped
+                for f in futures:
+                    f.cancel()
+                raise BadRequest(str(exc), status=503) from exc
+        except BadRequest as exc:
+            metrics.record(exc.status, time.perf_counter() - start)
+            return exc.response()
+        ident = f"cmpl-{uuid.uuid4().hex}"
+        head = {"id": ident, "object": "text_completion", "created": int(time.time()), "model": model_name}
+        if stream:
+            return StreamingResponse(_events(request, futures, head, max_tokens, start), media_type="text/event-stream")
+        waiting = [asyncio.wrap_future(f) for f in futures]
+        while not all(w.done() for w in waiting):
+            await asyncio.wait(waiting, timeout=0.05)
+            if not all(w.done() for w in waiting) and await request.is_disconnected():
+                for f in futures:
+                    f.cancel()
+                metrics.record(499, time.perf_counter() - start)
+                return PlainTextResponse("", status_code=499)
+        try:
+            results = [w.result() for w in waiting]
+        except Exception as exc:  # an input the pool cannot hold, or the engine stopped
+            metrics.record(500, time.perf_counter() - start)
+            return BadRequest(f"generation failed: {exc}", status=500).response()
+        usage = _usage(results)
+        metrics.record(200, time.perf_counter() - start, usage["prompt_tokens"], usage["completion_tokens"])
+        return JSONResponse({**head, "choices": [choice(i, r, max_tokens) for i, r in enumerate(results)],
+                             "usage": usage})
+
+    async def _events(request, futures, head, max_tokens, start):
+        waiting = {asyncio.wrap_future(f): i for i, f in enumerate(futures)}
+        results = []
+        try:
+            pending = set(waiting)
+            while pending:
+                done, pending = await asyncio.wait(pending, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
+                for w in done:
+                    result = w.result()
+                    results.append(result)
+                    yield f"data: {json.dumps({**head, 'choices': [choice(waiting[w], result, max_tokens)]})}\n\n"
+                if pending and await request.is_disconnected():
+                    raise asyncio.CancelledError
+            yield "data: [DONE]\n\n"
+            usage = _usage(results)
+            metrics.record(200, time.perf_counter() - start, usage["prompt_tokens"], usage["completion_tokens"])
+        except (asyncio.CancelledError, GeneratorExit):
+            for f in futures:
+                f.cancel()
+            metrics.record(499, time.perf_counter() - start)
+            raise
+        except Exception as exc:
+            for f in futures:
+                f.cancel()
+            metrics.record(500, time.perf_counter() - start)
+            yield f"data: {json.dumps({'error': {'message': f'generation failed: {exc}', 'type': 'server_error'}})}\n\n"
+
+    async def models(request: HttpRequest):
+        return JSONResponse({"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                                         "owned_by": "hf_paged_t5"}]})
+
+    async def health(request: HttpRequest):
+        error = engine.error
+        if error is not None:
+            return JSONResponse({"status": "error", "error": repr(error)}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def prometheus(request: HttpRequest):
+        return PlainTextResponse(metrics.text(engine), media_type="text/plain; version=0.0.4")
+
+    return Starlette(routes=[
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", prometheus, methods=["GET"]),
+    ])
+
+
+def _usage(results) -> dict:
+    prompt = sum(r.num_input_tokens for r in results)
+    completion = sum(r.num_new_tokens for r in results)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

@@ -1,0 +1,95 @@
+"""`python -m hf_paged_t5 serve --model PATH`: the OpenAI-style server (`serve.app`) on uvicorn.
+
+Everything that can be checked without the weights is checked first (the extra installed, the
+checkpoint's config, the task, the options), each problem in one line; then the model loads, is
+patched, and the server binds --host (127.0.0.1 unless told otherwise) and --port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+
+from ..batch import cli as batch_cli
+from ..batch.cli import CliError
+
+logger = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="local checkpoint directory (config.json, weights, tokenizer)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    parser.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    parser.add_argument("--dtype", choices=["auto", *sorted(batch_cli.DTYPES)], default="auto",
+                        help="weights' dtype (default auto: bfloat16 on a GPU that supports it, else the "
+                             "checkpoint's own dtype)")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    parser.add_argument("--task", default=None,
+                        help="task_specific_params key whose prefix and generation defaults apply to every prompt, "
+                             "e.g. summarization or translation_en_to_de (default: none)")
+    parser.add_argument("--max-queue", type=int, default=None, metavar="N",
+                        help="inputs waiting for admission beyond which a request gets a 503 (default: no limit)")
+    parser.add_argument("--batch-tokens", type=int, default=65536,
+                        help="KV tokens the running requests may hold together (default: 65536)")
+    parser.add_argument("--batch-rows", type=int, default=None,
+                        help="decoder rows per step (default: the pool config's max_graph_batch, 512)")
+    parser.add_argument("--model-name", default=None,
+                        help="the name clients give as `model` (default: the checkpoint directory's name)")
+
+
+def check_options(args: argparse.Namespace) -> None:
+    if importlib.util.find_spec("starlette") is None or importlib.util.find_spec("uvicorn") is None:
+        raise CliError("serve needs Starlette and uvicorn: pip install 'hf_paged_t5[serve]'")
+    if not 0 <= args.port <= 65535:
+        raise CliError(f"--port {args.port}: must be 0-65535")
+    for option in ("max_queue", "batch_tokens", "batch_rows"):
+        value = getattr(args, option)
+        if value is not None and value < 1:
+            raise CliError(f"--{option.replace('_', '-')} {value}: must be >= 1")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return _serve(args)
+    except (CliError, FileNotFoundError) as exc:
+        logger.error("%s", exc)
+        return 2
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import os
+
+    check_options(args)
+    device = batch_cli.resolve_device(args.device)
+    model_config = batch_cli.read_model_config(args.model)
+    key, prefix, defaults = batch_cli.task_settings(model_config, "generate", args.task)
+    dtype, why = batch_cli.resolve_dtype(args.dtype, device, model_config)
+    batch_cli.log_task(key, prefix, defaults, args.task)
+    name = args.model_name or os.path.basename(os.path.normpath(args.model))
+    logger.info("model on %s in %s (%s)", device, str(dtype).replace("torch.", ""), why)
+
+    import uvicorn
+
+    from ..batch.online import OnlineEngine
+    from ..hf.patch import is_patched, patch_model
+    from .app import create_app
+
+    model, tokenizer, _ = batch_cli.load_model(args.model, device=device, dtype=dtype)
+    if not is_patched(model):
+        patch_model(model)
+    # max_tokens comes with each request; the task's other defaults (beams, penalties) are the engine's
+    kwargs = {k: v for k, v in defaults.items() if k not in ("max_length", "max_new_tokens", "min_length")}
+    try:
+        engine = OnlineEngine(model, tokenizer, max_batch_tokens=args.batch_tokens, max_batch_rows=args.batch_rows,
+                              **kwargs)
+    except (TypeError, ValueError) as exc:
+        raise CliError(str(exc)) from exc
+    app = create_app(engine, name, prefix=prefix, max_queue=args.max_queue)
+    logger.info("serving %r on http://%s:%d (POST /v1/completions, GET /v1/models /health /metrics)",
+                name, args.host, args.port)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    finally:
+        engine.close(cancel=True)
+    return 0

@@ -1,0 +1,156 @@
+"""The OpenAI-style server (`hf_paged_t5.serve`) through Starlette's test client, on CPU: completions
+equal patched generate() on each prompt alone, streaming, the 400s that name an option, the model
+list, health, metrics, a full queue, and the `serve` command's checks before any model loads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+starlette = pytest.importorskip("starlette")
+pytest.importorskip("httpx")
+from starlette.testclient import TestClient  # noqa: E402
+
+import hf_paged_t5 as hp  # noqa: E402
+from hf_paged_t5 import tiny  # noqa: E402
+from hf_paged_t5.__main__ import main  # noqa: E402
+from hf_paged_t5.serve.app import create_app  # noqa: E402
+
+PREFIX = "summarize: "
+
+
+@pytest.fixture(scope="module")
+def served():
+    """(client, model, tokenizer) of a server over the embedded tiny model; closed after the module."""
+    tokenizer = tiny.build_tokenizer()
+    model = hp.patch_model(tiny.build_model("tiny", vocab_size=len(tokenizer)), hp.PagedCacheConfig(block_size=4))
+    engine = hp.OnlineEngine(model, tokenizer)
+    with TestClient(create_app(engine, "t5-test", prefix=PREFIX)) as client:
+        yield client, model, tokenizer
+    engine.close(cancel=True)
+
+
+def alone(model, tokenizer, text, max_new):
+    ids = tokenizer(PREFIX + text, return_tensors="pt").input_ids
+    out = model.generate(input_ids=ids, max_new_tokens=max_new)
+    return tokenizer.decode(out[0], skip_special_tokens=True), out[0, 1:].tolist()
+
+
+TEXTS = ["The morning train was late again.", "A small bakery sells bread and cakes on the corner of the street.",
+         "Rain tonight."]
+
+
+def test_completion_of_one_prompt_and_of_a_list(served):
+    client, model, tokenizer = served
+    r = client.post("/v1/completions", json={"model": "t5-test", "prompt": TEXTS[0], "max_tokens": 7})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    text, ids = alone(model, tokenizer, TEXTS[0], 7)
+    assert body["object"] == "text_completion" and body["model"] == "t5-test" and body["id"].startswith("cmpl-")
+    assert [c["text"] for c in body["choices"]] == [text] and body["choices"][0]["token_ids"] == ids
+    assert body["choices"][0]["finish_reason"] == ("stop" if ids[-1] == 1 else "length")
+    prompt_tokens = len(tokenizer(PREFIX + TEXTS[0]).input_ids)
+    assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": len(ids),
+                             "total_tokens": prompt_tokens + len(ids)}
+
+    r = client.post("/v1/completions", json={"prompt": TEXTS, "max_tokens": 9})
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    assert [c["text"] for c in choices] == [alone(model, tokenizer, t, 9)[0] for t in TEXTS]
+
+
+def test_token_id_prompts(served):
+    client, model, tokenizer = served
+    ids = tokenizer(PREFIX + TEXTS[1]).input_ids
+    r = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 5})
+    assert r.status_code == 200, r.text
+    want = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=5)[0, 1:].tolist()
+    assert r.json()["choices"][0]["token_ids"] == want
+
+
+def test_stream(served):
+    client, model, tokenizer = served
+    with client.stream("POST", "/v1/completions", json={"prompt": TEXTS[:2], "max_tokens": 6, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    by_index = {c["choices"][0]["index"]: c["choices"][0]["text"] for c in chunks}
+    assert by_index == {0: alone(model, tokenizer, TEXTS[0], 6)[0], 1: alone(model, tokenizer, TEXTS[1], 6)[0]}
+
+
+@pytest.mark.parametrize("field, value, status, needle", [
+    ("temperature", 0.7, 400, "temperature"),
+    ("top_p", 0.9, 400, "top_p"),
+    ("n", 2, 400, "n"),
+    ("stop", ["\n"], 400, "stop"),
+    ("logprobs", 3, 400, "logprobs"),
+    ("echo", True, 400, "echo"),
+    ("max_tokens", 0, 400, "max_tokens"),
+    ("stream", "yes", 400, "stream"),
+    ("prompt", [], 400, "prompt"),
+    ("prompt", [[]], 400, "prompt"),
+    ("model", "gpt-4", 404, "model"),
+    ("frobnicate", 1, 400, "frobnicate"),
+])
+def test_options_not_served_get_an_error_naming_them(served, field, value, status, needle):
+    client, _, _ = served
+    body = {"prompt": "x", "max_tokens": 3, field: value}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == needle and needle in error["message"]
+
+
+def test_greedy_defaults_are_accepted(served):
+    client, _, _ = served
+    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "temperature": 0, "top_p": 1, "n": 1,
+                                             "seed": 3, "stop": None, "user": "someone"})
+    assert r.status_code == 200, r.text
+
+
+def test_not_json(served):
+    client, _, _ = served
+    r = client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not JSON" in r.json()["error"]["message"]
+
+
+def test_models_health_metrics(served):
+    client, _, _ = served
+    assert client.get("/v1/models").json()["data"][0]["id"] == "t5-test"
+    assert client.get("/health").json() == {"status": "ok"}
+    client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 4})
+    text = client.get("/metrics").text
+    for name in ("hf_paged_t5_queue_depth 0", "hf_paged_t5_running_rows 0", "hf_paged_t5_kv_blocks_free",
+                 "hf_paged_t5_generated_tokens_total", 'hf_paged_t5_requests_total{code="200"}',
+                 'hf_paged_t5_request_seconds_bucket{le="+Inf"}', "hf_paged_t5_request_seconds_count"):
+        assert name in text, text
+    generated = int(next(line.split()[-1] for line in text.splitlines()
+                         if line.startswith("hf_paged_t5_generated_tokens_total")))
+    assert generated > 0
+
+
+def test_a_full_queue_gets_503():
+    tokenizer = tiny.build_tokenizer()
+    model = hp.patch_model(tiny.build_model("tiny", vocab_size=len(tokenizer)))
+    engine = hp.OnlineEngine(model, tokenizer)
+    with TestClient(create_app(engine, "m", max_queue=2)) as client:
+        r = client.post("/v1/completions", json={"prompt": ["a", "b", "c"], "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full"
+        assert client.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 2}).status_code == 200
+    engine.close()
+
+
+def test_serve_command_checks_before_loading(tmp_path, caplog):
+    assert main(["serve", "--model", str(tmp_path / "missing")]) == 2
+    assert "no such directory" in caplog.text
+    caplog.clear()
+    assert main(["serve", "--model", str(tmp_path), "--port", "70000"]) == 2
+    assert "--port 70000" in caplog.text
+    path = tiny.save_demo_checkpoint(tmp_path / "ckpt")
+    caplog.clear()
+    assert main(["serve", "--model", path, "--task", "no-such-task"]) == 2
+    assert "--task no-such-task" in caplog.text
