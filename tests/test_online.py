@@ -179,3 +179,22 @@ def test_close_with_cancel_and_an_error_reaches_every_caller(monkeypatch):
         engine.submit([5, 6])
     engine.close()
     assert model._hf_paged_t5.pool.is_idle()
+
+
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_on_tokens_streams_the_first_sequence(steps, num_beams):
+    """Greedy: the tokens arrive over many steps, before the result; beams: once, at the end. Either
+    way, concatenated, they are the result's first sequence after the start token."""
+    model = patched()
+    ids = inputs([10], seed=6)[0]
+    batches = []
+    with hp.OnlineEngine(model, num_beams=num_beams) as engine:
+        future = engine.submit(hp.BatchRequest(ids, max_new_tokens=20, min_new_tokens=20),
+                               on_tokens=lambda tokens: batches.append((steps["steps"], list(tokens))))
+        result = future.result(timeout=60)
+    streamed = [t for _, batch in batches for t in batch]
+    assert streamed == result.token_ids[1:] and len(streamed) == 20
+    if num_beams == 1:
+        assert len(batches) >= 10 and batches[0][0] < batches[-1][0], "tokens came step by step"
+    else:
+        assert len(batches) == 1

@@ -77,9 +77,15 @@ def test_stream(served):
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
-    chunks = [json.loads(e) for e in events[:-1]]
-    by_index = {c["choices"][0]["index"]: c["choices"][0]["text"] for c in chunks}
-    assert by_index == {0: alone(model, tokenizer, TEXTS[0], 6)[0], 1: alone(model, tokenizer, TEXTS[1], 6)[0]}
+    chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+    for i in (0, 1):
+        mine = [c for c in chunks if c["index"] == i]
+        text, ids = alone(model, tokenizer, TEXTS[i], 6)
+        assert "".join(c["text"] for c in mine) == text
+        assert [t for c in mine for t in c["token_ids"]] == ids
+        assert len(mine) >= 3, "the text came in pieces as it was generated"
+        assert [c["finish_reason"] for c in mine][-1] in ("stop", "length")
+        assert all(c["finish_reason"] is None for c in mine[:-1])
 
 
 @pytest.mark.parametrize("field, value, status, needle", [

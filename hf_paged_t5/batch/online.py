@@ -24,7 +24,7 @@ import collections
 import concurrent.futures
 import logging
 import threading
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ..kv.block_manager import PoolExhaustedError
 from .generator import BatchGenerator, InputItem
@@ -65,14 +65,21 @@ class OnlineEngine:
         self._thread.start()
 
     # ---- the caller's side ----------------------------------------------------------------------
-    def submit(self, item: InputItem) -> concurrent.futures.Future:
+    def submit(self, item: InputItem, on_tokens: Optional[Callable[[list[int]], None]] = None
+               ) -> concurrent.futures.Future:
         """Queue one input (a text, token ids or a `BatchRequest`); a Future of its `BatchResult`.
-        Bad input raises here, in the caller's thread; nothing is queued then."""
+        Bad input raises here, in the caller's thread; nothing is queued then.
+
+        on_tokens: called from the engine's thread with each batch of new token ids of the first
+        sequence, before the Future resolves: every step for greedy and sampling (read back one step
+        late), once at the end for beam search. It must be quick and must not raise.
+        """
         with self._cond:
             self._check_open()
             index = self._next_index
             self._next_index += 1
         request = self.generator.make_request(index, item)
+        request.on_tokens = on_tokens
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
             self._check_open()

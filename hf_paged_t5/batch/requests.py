@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -71,3 +71,7 @@ class Request:
     histories: list[list[int]] = dataclasses.field(default_factory=list)  # greedy/sampling: finished rows
     live: list[int] = dataclasses.field(default_factory=list)  # greedy/sampling: positions of unfinished rows
     cancelled: bool = False  # stopped by `BatchRun.cancel`: its blocks go back, it gives no result
+    # called with each batch of new token ids of the first sequence as they are read back (greedy and
+    # sampling: every step, one step late; beam search: once, at the end); `emitted` counts them
+    on_tokens: Optional[Callable[[list[int]], None]] = None
+    emitted: int = 0

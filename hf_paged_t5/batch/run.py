@@ -55,6 +55,7 @@ class BatchRun:
         self.promised_blocks = 0
         self.promised_tokens = 0
         self.rows: Optional[DecodeRows] = None  # greedy/sampling
+        self.streaming: list[Request] = []  # running greedy / sampling requests with `on_tokens`
         self.order_dirty = True
         self.graph_fits: Optional[bool] = None
 
@@ -149,6 +150,8 @@ class BatchRun:
                 self._refuse(request, pool)  # returns only if the pool found room after all
             self.waiting.popleft()
             self.running.append(request)
+            if request.on_tokens is not None and self.rows is not None:
+                self.streaming.append(request)
             self.live_rows += request.expand
             self.promised_blocks += request.blocks
             self.promised_tokens += request.tokens
@@ -272,7 +275,20 @@ class BatchRun:
                 result = self._retire(request, _pad_rows(request.histories, self.gen.pad_id), None)
                 if result is not None:
                     finished.append(result)
+        for request in self.streaming:  # the first row's tokens read back at this step
+            if request.live and request.live[0] == 0:
+                slot = request.rows[0]
+                self._emit(request, self.rows.history[slot, 1 + request.emitted : self.rows.length[slot]].tolist())
         return finished
+
+    def _emit(self, request: Request, tokens: list[int]) -> None:
+        if not tokens or request.cancelled:
+            return
+        request.emitted += len(tokens)
+        try:
+            request.on_tokens(tokens)
+        except Exception:  # a caller's callback must not stop the job
+            logger.exception("hf_paged_t5: the on_tokens callback of input %d raised", request.index)
 
     def _advance_beams(self, logits: torch.Tensor) -> list[BatchResult]:
         """One HF beam-search step per group; logits [rows, vocab] float32 in group order."""
@@ -321,14 +337,29 @@ class BatchRun:
     def _retire(self, request: Request, sequences: list[list[int]], scores) -> Optional[BatchResult]:
         """The request's remaining blocks (its source) back to the pool; its result (None: cancelled)."""
         self._drop(request)
-        return None if request.cancelled else self.gen.result(request, sequences, scores)
+        if request.cancelled:
+            return None
+        if request.on_tokens is not None:  # the first sequence's tokens not sent yet (beams: all of them)
+            first = request.histories[0] if self.rows is not None else _strip_padding(sequences[0], self.gen.pad_id)
+            self._emit(request, first[1 + request.emitted :])
+        return self.gen.result(request, sequences, scores)
 
     def _drop(self, request: Request) -> None:
         """A request whose rows are freed leaves the job: its source's blocks and its promises go."""
         self.cache.free_source(request.source)
         self.running.remove(request)
+        if request.on_tokens is not None and request in self.streaming:
+            self.streaming.remove(request)
         self.promised_blocks -= request.blocks
         self.promised_tokens -= request.tokens
+
+
+def _strip_padding(tokens: list[int], pad_id: int) -> list[int]:
+    """A padded output row without its trailing pad tokens (the decoder start token kept)."""
+    end = len(tokens)
+    while end > 1 and tokens[end - 1] == pad_id:
+        end -= 1
+    return tokens[:end]
 
 
 def _pad_rows(histories: list[list[int]], pad_id: int) -> list[list[int]]:

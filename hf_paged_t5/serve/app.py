@@ -11,14 +11,16 @@
 For T5 the prompt is the encoder's input; the task prefix given at start (e.g. "summarize: ") is
 put before each prompt. Every prompt of a request is one engine request; a client that disconnects
 cancels them (their blocks go back to the pool at the next step). An option the engine does not
-serve gets a 400 that names it. With `stream`, each choice's text is sent as one event when it is
-finished, then `data: [DONE]`. Each choice also carries its generated `token_ids` (the only output
+serve gets a 400 that names it. With `stream`, server-sent events carry each choice's text as it is
+generated (greedy and sampling: step by step; beam search: at its end), the last with the finish
+reason, then `data: [DONE]`. Each choice also carries its generated `token_ids` (the only output
 of a server started without a tokenizer).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import threading
 import time
@@ -201,10 +203,16 @@ def create_app(engine: OnlineEngine, model_name: str, prefix: str = "", max_queu
                 raise BadRequest(f"the server's queue is full ({max_queue} inputs); retry later", status=503,
                                  code="queue_full")
             futures = []
+            if stream:  # the engine thread hands each choice's new tokens to this event loop
+                loop, arrived, wake = asyncio.get_running_loop(), collections.deque(), asyncio.Event()
+
+                def tokens_of(i):
+                    return lambda tokens: loop.call_soon_threadsafe(_arrive, arrived, wake, i, tokens)
             try:
-                for p in prompts:
+                for i, p in enumerate(prompts):
                     item = prefix + p if isinstance(p, str) else p
-                    futures.append(engine.submit(BatchRequest(item, max_new_tokens=max_tokens)))
+                    futures.append(engine.submit(BatchRequest(item, max_new_tokens=max_tokens),
+                                                 on_tokens=tokens_of(i) if stream else None))
             except ValueError as exc:
                 for f in futures:
                     f.cancel()
@@ -219,7 +227,8 @@ def create_app(engine: OnlineEngine, model_name: str, prefix: str = "", max_queu
         ident = f"cmpl-{uuid.uuid4().hex}"
         head = {"id": ident, "object": "text_completion", "created": int(time.time()), "model": model_name}
         if stream:
-            return StreamingResponse(_events(request, futures, head, max_tokens, start), media_type="text/event-stream")
+            return StreamingResponse(_events(request, futures, arrived, wake, head, max_tokens, start),
+                                     media_type="text/event-stream")
         waiting = [asyncio.wrap_future(f) for f in futures]
         while not all(w.done() for w in waiting):
             await asyncio.wait(waiting, timeout=0.05)
@@ -238,19 +247,54 @@ def create_app(engine: OnlineEngine, model_name: str, prefix: str = "", max_queu
         return JSONResponse({**head, "choices": [choice(i, r, max_tokens) for i, r in enumerate(results)],
                              "usage": usage})
 
-    async def _events(request, futures, head, max_tokens, start):
+    def chunk(head: dict, index: int, text: str, tokens: list[int], reason: Optional[str]) -> str:
+        body = {**head, "choices": [{"text": text, "index": index, "logprobs": None, "finish_reason": reason,
+                                     "token_ids": tokens}]}
+        return f"data: {json.dumps(body)}\n\n"
+
+    async def _events(request, futures, arrived, wake, head, max_tokens, start):
+        """Server-sent events: each choice's text as it is generated (the decoded tokens so far, less
+        what was sent; a piece that would end inside a character waits), its last piece with the
+        finish reason, then [DONE]."""
+        tokenizer = generator.tokenizer
         waiting = {asyncio.wrap_future(f): i for i, f in enumerate(futures)}
-        results = []
+        tokens: list[list[int]] = [[] for _ in futures]
+        sent_text, sent_tokens, results = [""] * len(futures), [0] * len(futures), []
+
+        def piece(i: int, final: Optional[str] = None) -> tuple[str, list[int]]:
+            text = final if final is not None else (
+                tokenizer.decode(tokens[i], skip_special_tokens=True) if tokenizer is not None else "")
+            new_tokens = tokens[i][sent_tokens[i]:]
+            if final is None and text.endswith("\ufffd"):  # a character split across tokens: wait
+                return "", []
+            delta = text[len(sent_text[i]):] if text.startswith(sent_text[i]) else ""
+            sent_text[i] += delta
+            sent_tokens[i] = len(tokens[i])
+            return delta, new_tokens
+
         try:
             pending = set(waiting)
             while pending:
-                done, pending = await asyncio.wait(pending, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
-                for w in done:
-                    result = w.result()
+                wake.clear()
+                while arrived:
+                    i, new = arrived.popleft()
+                    tokens[i] += new
+                    delta, new_tokens = piece(i)
+                    if delta or new_tokens:
+                        yield chunk(head, i, delta, new_tokens, None)
+                for w in [w for w in pending if w.done()]:  # its tokens arrived before it resolved
+                    pending.discard(w)
+                    result, i = w.result(), waiting[w]
                     results.append(result)
-                    yield f"data: {json.dumps({**head, 'choices': [choice(waiting[w], result, max_tokens)]})}\n\n"
-                if pending and await request.is_disconnected():
+                    delta, new_tokens = piece(i, final=result.text if result.texts is not None else "")
+                    yield chunk(head, i, delta, new_tokens, finish_reason(result, max_tokens))
+                if not pending:
+                    break
+                if await request.is_disconnected():
                     raise asyncio.CancelledError
+                waker = asyncio.ensure_future(wake.wait())
+                await asyncio.wait([waker, *pending], timeout=0.25, return_when=asyncio.FIRST_COMPLETED)
+                waker.cancel()
             yield "data: [DONE]\n\n"
             usage = _usage(results)
             metrics.record(200, time.perf_counter() - start, usage["prompt_tokens"], usage["completion_tokens"])
@@ -284,6 +328,12 @@ def create_app(engine: OnlineEngine, model_name: str, prefix: str = "", max_queu
         Route("/health", health, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
     ])
+
+
+def _arrive(arrived: collections.deque, wake: asyncio.Event, index: int, tokens: list[int]) -> None:
+    """On the event loop: new tokens of choice `index` (from the engine's thread)."""
+    arrived.append((index, tokens))
+    wake.set()
 
 
 def _usage(results) -> dict:
