@@ -198,3 +198,13 @@ def test_on_tokens_streams_the_first_sequence(steps, num_beams):
         assert len(batches) >= 10 and batches[0][0] < batches[-1][0], "tokens came step by step"
     else:
         assert len(batches) == 1
+
+
+def test_close_with_a_timeout_cancels_what_is_left():
+    model = patched()
+    engine = hp.OnlineEngine(model)
+    long = engine.submit(hp.BatchRequest(inputs([8])[0], max_new_tokens=5000, min_new_tokens=5000))
+    wait_until(lambda: engine.stats()["running"] == 1)
+    engine.close(timeout=0.2)
+    assert long.cancelled() and not engine._thread.is_alive()
+    assert model._hf_paged_t5.pool.is_idle()

@@ -145,7 +145,7 @@ def test_a_full_queue_gets_503():
     engine = hp.OnlineEngine(model, tokenizer)
     with TestClient(create_app(engine, "m", max_queue=2)) as client:
         r = client.post("/v1/completions", json={"prompt": ["a", "b", "c"], "max_tokens": 2})
-        assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full"
+        assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full" and r.headers["retry-after"]
         assert client.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 2}).status_code == 200
     engine.close()
 
@@ -160,3 +160,36 @@ def test_serve_command_checks_before_loading(tmp_path, caplog):
     caplog.clear()
     assert main(["serve", "--model", path, "--task", "no-such-task"]) == 2
     assert "--task no-such-task" in caplog.text
+
+
+def test_min_tokens(served):
+    client, model, tokenizer = served
+    ids = tokenizer(PREFIX + TEXTS[2]).input_ids
+    r = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 12, "min_tokens": 12})
+    want = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12)[0, 1:].tolist()
+    assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == want and len(want) == 12
+    r = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 3, "min_tokens": 4})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
+
+
+def test_a_prompt_too_large_for_the_pool_gets_a_400_with_the_numbers():
+    tokenizer = tiny.build_tokenizer()
+    model = hp.patch_model(tiny.build_model("tiny", vocab_size=len(tokenizer)),
+                           hp.PagedCacheConfig(block_size=4, num_blocks=6, grow=False))
+    engine = hp.OnlineEngine(model, tokenizer)
+    with TestClient(create_app(engine, "m")) as client:
+        r = client.post("/v1/completions", json={"prompt": list(range(2, 80)), "max_tokens": 2})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "prompt" and "KV blocks by itself" in error["message"]
+        assert client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2}).status_code == 200
+    engine.close()
+
+
+def test_serve_command_names_the_missing_extra(monkeypatch, caplog):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uvicorn" else real(name, *a))
+    assert main(["serve", "--model", "anything"]) == 2
+    assert "pip install 'hf_paged_t5[serve]'" in caplog.text

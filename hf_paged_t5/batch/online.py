@@ -101,15 +101,20 @@ class OnlineEngine:
             return dict(queued=len(self._queue), running=len(self._run.running), rows=self._run.live_rows)
 
     def close(self, cancel: bool = False, timeout: Optional[float] = None) -> None:
-        """Stop taking requests; finish the queued and running ones (or, `cancel=True`, cancel them);
-        then stop the thread and return every block to the pool."""
+        """Stop taking requests; finish the queued and running ones (or, `cancel=True`, cancel them;
+        with a `timeout`, cancel what is left after that many seconds); then stop the thread and
+        return every block to the pool."""
         with self._cond:
             self._closing = True
-            pending = list(self._futures.values()) if cancel else []
             self._cond.notify()
-        for future in pending:
-            future.cancel()
-        self._thread.join(timeout)
+        if not cancel:
+            self._thread.join(timeout)
+        if self._thread.is_alive():
+            with self._cond:
+                pending = list(self._futures.values())
+            for future in pending:
+                future.cancel()
+            self._thread.join()
 
     def __enter__(self) -> "OnlineEngine":
         return self

@@ -36,6 +36,7 @@ from starlette.routing import Route
 from ..batch.online import OnlineEngine
 from ..batch.requests import BatchRequest
 from ..hf.patch import runtime_stats
+from ..kv.block_manager import PoolExhaustedError
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 # fields of OpenAI's completions request that are accepted only at the value that means "off"
@@ -43,8 +44,8 @@ OFF_VALUES = MappingProxyType({
     "logprobs": (None,), "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1),
     "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, MappingProxyType({})),
 })
-KNOWN_FIELDS = frozenset({"model", "prompt", "max_tokens", "temperature", "top_p", "n", "stop", "stream", "seed",
-                          "user", "stream_options", *OFF_VALUES})
+KNOWN_FIELDS = frozenset({"model", "prompt", "max_tokens", "min_tokens", "temperature", "top_p", "n", "stop",
+                          "stream", "seed", "user", "stream_options", *OFF_VALUES})
 
 
 class BadRequest(Exception):
@@ -54,8 +55,9 @@ class BadRequest(Exception):
 
     def response(self) -> JSONResponse:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
+        headers = {"Retry-After": "1"} if self.status == 503 else None
         return JSONResponse({"error": {"message": self.message, "type": kind, "param": self.param,
-                                       "code": self.code}}, status_code=self.status)
+                                       "code": self.code}}, status_code=self.status, headers=headers)
 
 
 class Metrics:
@@ -82,6 +84,7 @@ class Metrics:
         stats = engine.stats()
         pool = runtime_stats(engine.generator.model)
         total, free = pool["pool_blocks"], pool["pool_blocks_free"]
+        used = total - free - (1 if total else 0)  # the pool's one scratch block is not a request's
         lines = [
             "# HELP hf_paged_t5_queue_depth Requests submitted and not yet admitted.",
             "# TYPE hf_paged_t5_queue_depth gauge", f"hf_paged_t5_queue_depth {stats['queued']}",
@@ -89,8 +92,8 @@ class Metrics:
             "# TYPE hf_paged_t5_running_requests gauge", f"hf_paged_t5_running_requests {stats['running']}",
             "# HELP hf_paged_t5_running_rows Decoder rows in the running decode loop.",
             "# TYPE hf_paged_t5_running_rows gauge", f"hf_paged_t5_running_rows {stats['rows']}",
-            "# HELP hf_paged_t5_kv_blocks_used KV pool blocks in use.",
-            "# TYPE hf_paged_t5_kv_blocks_used gauge", f"hf_paged_t5_kv_blocks_used {total - free}",
+            "# HELP hf_paged_t5_kv_blocks_used KV pool blocks held by requests.",
+            "# TYPE hf_paged_t5_kv_blocks_used gauge", f"hf_paged_t5_kv_blocks_used {used}",
             "# HELP hf_paged_t5_kv_blocks_free KV pool blocks free.",
             "# TYPE hf_paged_t5_kv_blocks_free gauge", f"hf_paged_t5_kv_blocks_free {free}",
         ]
@@ -115,8 +118,9 @@ class Metrics:
         return "\n".join(lines) + "\n"
 
 
-def parse_completion(body: Any, model_name: str, greedy: bool, tokenizer) -> tuple[list, int, bool]:
-    """(prompts: texts or token-id lists, max_tokens, stream) of a completions request; BadRequest otherwise."""
+def parse_completion(body: Any, model_name: str, greedy: bool, tokenizer) -> tuple[list, int, int, bool]:
+    """(prompts: texts or token-id lists, max_tokens, min_tokens, stream) of a completions request;
+    BadRequest otherwise."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     unknown = sorted(set(body) - KNOWN_FIELDS)
@@ -147,6 +151,10 @@ def parse_completion(body: Any, model_name: str, greedy: bool, tokenizer) -> tup
         max_tokens = 16
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise BadRequest(f"max_tokens must be an integer >= 1, got {max_tokens!r}", param="max_tokens")
+    min_tokens = body.get("min_tokens") or 0
+    if not isinstance(min_tokens, int) or isinstance(min_tokens, bool) or not 0 <= min_tokens <= max_tokens:
+        raise BadRequest(f"min_tokens must be an integer from 0 to max_tokens ({max_tokens}), got {min_tokens!r}",
+                         param="min_tokens")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest(f"stream must be true or false, got {stream!r}", param="stream")
@@ -163,7 +171,7 @@ def parse_completion(body: Any, model_name: str, greedy: bool, tokenizer) -> tup
         raise BadRequest("this server has no tokenizer: give prompts as token ids", param="prompt")
     if any(isinstance(p, str) and not p for p in prompts):
         raise BadRequest("a prompt is empty", param="prompt")
-    return prompts, max_tokens, stream
+    return prompts, max_tokens, min_tokens, stream
 
 
 def _is_token(value) -> bool:
@@ -198,7 +206,7 @@ def create_app(engine: OnlineEngine, model_name: str, prefix: str = "", max_queu
                 body = await request.json()
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 raise BadRequest(f"the request body is not JSON: {exc}") from exc
-            prompts, max_tokens, stream = parse_completion(body, model_name, greedy, generator.tokenizer)
+            prompts, max_tokens, min_tokens, stream = parse_completion(body, model_name, greedy, generator.tokenizer)
             if max_queue is not None and engine.stats()["queued"] + len(prompts) > max_queue:
                 raise BadRequest(f"the server's queue is full ({max_queue} inputs); retry later", status=503,
                                  code="queue_full")
@@ -211,7 +219,8 @@ def create_app(engine: OnlineEngine, model_name: str, prefix: str = "", max_queu
             try:
                 for i, p in enumerate(prompts):
                     item = prefix + p if isinstance(p, str) else p
-                    futures.append(engine.submit(BatchRequest(item, max_new_tokens=max_tokens),
+                    futures.append(engine.submit(BatchRequest(item, max_new_tokens=max_tokens,
+                                                              min_new_tokens=min_tokens or None),
                                                  on_tokens=tokens_of(i) if stream else None))
             except ValueError as exc:
                 for f in futures:
@@ -239,7 +248,10 @@ def create_app(engine: OnlineEngine, model_name: str, prefix: str = "", max_queu
                 return PlainTextResponse("", status_code=499)
         try:
             results = [w.result() for w in waiting]
-        except Exception as exc:  # an input the pool cannot hold, or the engine stopped
+        except PoolExhaustedError as exc:  # a prompt the pool cannot hold even alone: the numbers
+            metrics.record(400, time.perf_counter() - start)
+            return BadRequest(f"the prompt does not fit the server's KV pool: {exc}", param="prompt").response()
+        except Exception as exc:  # the engine stopped
             metrics.record(500, time.perf_counter() - start)
             return BadRequest(f"generation failed: {exc}", status=500).response()
         usage = _usage(results)
@@ -284,7 +296,12 @@ def create_app(engine: OnlineEngine, model_name: str, prefix: str = "", max_queu
                         yield chunk(head, i, delta, new_tokens, None)
                 for w in [w for w in pending if w.done()]:  # its tokens arrived before it resolved
                     pending.discard(w)
-                    result, i = w.result(), waiting[w]
+                    try:
+                        result, i = w.result(), waiting[w]
+                    except PoolExhaustedError as exc:
+                        message = f"the prompt does not fit the server's KV pool: {exc}"
+                        yield f"data: {json.dumps({'error': {'message': message, 'type': 'invalid_request_error', 'param': 'prompt'}})}\n\n"
+                        continue
                     results.append(result)
                     delta, new_tokens = piece(i, final=result.text if result.texts is not None else "")
                     yield chunk(head, i, delta, new_tokens, finish_reason(result, max_tokens))
@@ -293,8 +310,10 @@ def create_app(engine: OnlineEngine, model_name: str, prefix: str = "", max_queu
                 if await request.is_disconnected():
                     raise asyncio.CancelledError
                 waker = asyncio.ensure_future(wake.wait())
-                await asyncio.wait([waker, *pending], timeout=0.25, return_when=asyncio.FIRST_COMPLETED)
-                waker.cancel()
+                try:
+                    await asyncio.wait([waker, *pending], timeout=0.25, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    waker.cancel()
             yield "data: [DONE]\n\n"
             usage = _usage(results)
             metrics.record(200, time.perf_counter() - start, usage["prompt_tokens"], usage["completion_tokens"])

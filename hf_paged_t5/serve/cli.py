@@ -8,8 +8,10 @@ patched, and the server binds --host (127.0.0.1 unless told otherwise) and --por
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import logging
+import signal
 
 from ..batch import cli as batch_cli
 from ..batch.cli import CliError
@@ -34,6 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KV tokens the running requests may hold together (default: 65536)")
     parser.add_argument("--batch-rows", type=int, default=None,
                         help="decoder rows per step (default: the pool config's max_graph_batch, 512)")
+    parser.add_argument("--drain", type=float, default=30.0, metavar="SECONDS",
+                        help="on SIGTERM / Ctrl-C, seconds the running requests get to finish (default: 30)")
     parser.add_argument("--model-name", default=None,
                         help="the name clients give as `model` (default: the checkpoint directory's name)")
 
@@ -71,6 +75,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    _Server = _server_class()
     from ..batch.online import OnlineEngine
     from ..hf.patch import is_patched, patch_model
     from .app import create_app
@@ -88,8 +93,30 @@ def _serve(args: argparse.Namespace) -> int:
     app = create_app(engine, name, prefix=prefix, max_queue=args.max_queue)
     logger.info("serving %r on http://%s:%d (POST /v1/completions, GET /v1/models /health /metrics)",
                 name, args.host, args.port)
-    try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                            timeout_graceful_shutdown=int(args.drain))
+    try:  # SIGTERM / SIGINT: no new connections, open requests answered, then the engine closes
+        _Server(config).run()
     finally:
-        engine.close(cancel=True)
+        engine.close(timeout=args.drain)  # what runs still gets `--drain` seconds, then is cancelled
     return 0
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, whose SIGTERM / SIGINT start its graceful shutdown and are not raised
+        again after it (uvicorn re-raises them, which would end the process before the engine
+        closes, with status -15)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return Server

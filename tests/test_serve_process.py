@@ -1,0 +1,198 @@
+"""`python -m hf_paged_t5 serve` as a real process on loopback, real HTTP (CPU, the embedded tiny
+checkpoint): 32 concurrent clients with mixed lengths and options get patched generate()'s answer
+on each prompt alone, streamed or not; 50 streams cancelled mid-way leave no block in use once the
+server is idle; the official `openai` client round-trips; SIGTERM stops the server cleanly. Every
+wait is bounded in time."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+
+from hf_paged_t5 import tiny  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get(url: str, timeout: float = 10.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read().decode()
+
+
+def post(url: str, body: dict, timeout: float = 60.0):
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"content-type": "application/json"})
+    return urllib.request.urlopen(request, timeout=timeout)
+
+
+def metric(base: str, name: str) -> float:
+    line = next(line for line in get(base + "/metrics").splitlines() if line.startswith(name + " "))
+    return float(line.split()[-1])
+
+
+def wait_until(condition, seconds: float, what: str) -> None:
+    end = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """(base url, reference model, tokenizer): a server process over a saved tiny checkpoint."""
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+    path = tiny.save_demo_checkpoint(tmp_path_factory.mktemp("ckpt") / "t5-tiny")
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen([sys.executable, "-m", "hf_paged_t5", "serve", "--model", path, "--port", str(port),
+                             "--device", "cpu", "--drain", "5"], env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        if proc.poll() is not None:
+            pytest.fail(f"the server exited ({proc.returncode}):\n{proc.stdout.read()}")
+        try:
+            return json.loads(get(base + "/health", timeout=1)) == {"status": "ok"}
+        except OSError:
+            return False
+
+    try:
+        wait_until(up, 120, "the server to start")
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForSeq2SeqLM.from_pretrained(path).eval()
+        yield base, model, tokenizer, proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def expected(model, tokenizer, text: str, max_tokens: int, min_tokens: int) -> list[int]:
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, max_new_tokens=max_tokens, min_new_tokens=min_tokens or None)
+    return out[0, 1:].tolist()
+
+
+def read_stream(response) -> tuple[str, list[int], str]:
+    """(text, token ids, finish reason) of one choice's server-sent events."""
+    text, ids, reason = "", [], None
+    for raw in response:
+        line = raw.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        choice = json.loads(line[len("data: "):])["choices"][0]
+        text += choice["text"]
+        ids += choice["token_ids"]
+        reason = choice["finish_reason"] or reason
+    return text, ids, reason
+
+
+def test_concurrent_clients_get_generate_alone_answers(server):
+    base, model, tokenizer, _ = server
+    rng = random.Random(0)
+    words = " ".join(tiny.CORPUS).split()
+    cases = []
+    for i in range(64):  # 32 clients, two requests each
+        text = "summarize: " + " ".join(rng.choice(words) for _ in range(rng.randint(1, 40)))
+        max_tokens = rng.randint(1, 24)
+        cases.append((text, max_tokens, rng.choice([0, 0, rng.randint(0, max_tokens)]), rng.random() < 0.5))
+    answers: dict[int, tuple] = {}
+    errors: list[BaseException] = []
+
+    def client(k: int) -> None:
+        try:
+            for i in (2 * k, 2 * k + 1):
+                text, max_tokens, min_tokens, stream = cases[i]
+                body = {"prompt": text, "max_tokens": max_tokens, "min_tokens": min_tokens, "stream": stream}
+                with post(base + "/v1/completions", body) as r:
+                    if stream:
+                        answers[i] = read_stream(r)[:2]
+                    else:
+                        choice = json.loads(r.read())["choices"][0]
+                        answers[i] = (choice["text"], choice["token_ids"])
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors[:3]
+    assert len(answers) == len(cases)
+    for i, (text, max_tokens, min_tokens, _) in enumerate(cases):
+        ids = expected(model, tokenizer, text, max_tokens, min_tokens)
+        assert answers[i][1] == ids, (i, cases[i])
+        assert answers[i][0] == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_cancelled_streams_give_their_blocks_back(server):
+    base, _, _, _ = server
+    rng = random.Random(1)
+    for i in range(50):
+        body = {"prompt": f"translate English to German: request {i}", "max_tokens": 400, "min_tokens": 400,
+                "stream": True}
+        r = post(base + "/v1/completions", body)
+        for _ in range(rng.randint(1, 3)):  # a few events, then the client goes away
+            r.readline()
+        r.close()
+    wait_until(lambda: metric(base, "hf_paged_t5_running_requests") == 0
+               and metric(base, "hf_paged_t5_queue_depth") == 0, 60, "the cancelled requests to stop")
+    assert metric(base, "hf_paged_t5_kv_blocks_used") == 0
+    cancelled = get(base + "/metrics")
+    assert 'hf_paged_t5_requests_total{code="499"}' in cancelled
+
+
+def test_bad_inputs_get_4xx(server):
+    base, _, _, _ = server
+    for body, status in (({"prompt": "x", "temperature": 0.5}, 400), ({"prompt": 5}, 400),
+                         ({"prompt": "x", "model": "other"}, 404), ({"prompt": "x", "max_tokens": -1}, 400)):
+        with pytest.raises(urllib.error.HTTPError) as info:
+            post(base + "/v1/completions", body)
+        assert info.value.code == status
+        assert "error" in json.loads(info.value.read())
+
+
+def test_openai_client_round_trips(server):
+    openai = pytest.importorskip("openai")
+    base, model, tokenizer, _ = server
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+    assert [m.id for m in client.models.list().data] == ["t5-tiny"]
+    text = "summarize: The morning train to the coast was late again."
+    want = tokenizer.decode(expected(model, tokenizer, text, 10, 0), skip_special_tokens=True)
+    done = client.completions.create(model="t5-tiny", prompt=text, max_tokens=10)
+    assert done.choices[0].text == want
+    pieces = client.completions.create(model="t5-tiny", prompt=text, max_tokens=10, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in pieces) == want
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="t5-tiny", prompt=text, max_tokens=10, temperature=0.8)
+
+
+def test_sigterm_stops_the_server(server):
+    base, _, _, proc = server
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(60)
+    assert proc.returncode == 0, proc.stdout.read()
