@@ -26,7 +26,7 @@ ALLOWED = {
     "decode": {"decode", "model", "kv", "cpu_ops", "config"},
     "hf": {"hf", "decode", "model", "kv", "config"},
     "batch": {"batch", "hf", "decode", "model", "kv", "config", "demo"},
-    "serve": {"serve", "batch", "hf"},
+    "serve": {"serve", "batch", "hf", "kv"},
 }
 NO_TRANSFORMERS = {"kv", "kernels", "reference", "cpu_ops", "config"}
 
