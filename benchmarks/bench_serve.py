@@ -1,0 +1,214 @@
+"""Serving under an open-loop Poisson load: `python -m hf_paged_t5 serve` against the servers users
+write today, each in its own process, the load from this one.
+
+Systems: (a) `paged-server`: this package's server (continuous batching, streaming); (b)
+`generate-server`: Starlette around one patched `generate()` per request (`serve_baseline.py
+--patched`); (c) `stock-server`: the same over stock HF. One random-weight checkpoint
+(`tiny.save_demo_checkpoint`, `--shape`), bf16 on a GPU. Requests: token-id prompts of long-tailed
+lengths, each with its own forced length (min_tokens = max_tokens), arriving as a Poisson process
+at each `--rates` value for `--duration` seconds; (a) streams (time to first token = first event),
+(b) and (c) answer whole (first token = the answer). Per system and rate: completed requests,
+errors, generated tokens/s over the load's wall time, p50 / p99 time to first token and
+end-to-end latency. A system's sustained rate is the highest rate whose p99 end-to-end latency
+stays under `--slo` seconds with no errors; its sweep stops at the first rate past 5x that.
+
+    python benchmarks/bench_serve.py [--shape t5-large] [--rates 1,2,4,8,16,32,64] [--duration 30]
+        [--systems paged-server,generate-server,stock-server] [--quick] [--out DIR]
+
+Needs the serve extra and httpx (`pip install "hf_paged_t5[serve]" httpx`). Writes DIR/serve.json
+(default DIR: benchmarks/results/<date>-<gpu>/, with its env.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import pathlib
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import common  # benchmarks/ is on sys.path
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SYSTEMS = ("paged-server", "generate-server", "stock-server")
+
+
+def workload(n: int, vocab: int, quick: bool, seed: int = 0) -> list[tuple[list[int], int]]:
+    """(prompt ids, forced new tokens): prompt lengths log-uniform in 20-2000 (quick: 4-60), new
+    tokens 20-200 (quick: 2-12)."""
+    rng = random.Random(seed)
+    low, high = (4, 60) if quick else (20, 2000)
+    new_low, new_high = (2, 12) if quick else (20, 200)
+    return [([rng.randrange(2, vocab) for _ in range(int(round(low * (high / low) ** rng.random())))],
+             rng.randint(new_low, new_high)) for _ in range(n)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(system: str, checkpoint: str, device: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    if system == "paged-server":
+        command = [sys.executable, "-m", "hf_paged_t5", "serve", "--model", checkpoint, "--port", str(port),
+                   "--device", device, "--drain", "2"]
+    else:
+        command = [sys.executable, str(ROOT / "benchmarks" / "serve_baseline.py"), "--model", checkpoint,
+                   "--port", str(port), "--device", device] + (["--patched"] if system == "generate-server" else [])
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    import urllib.request
+
+    end = time.monotonic() + 600
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{system} exited ({proc.returncode}):\n{proc.stdout.read()[-3000:]}")
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=1) as r:
+                if r.status == 200:
+                    return proc, base
+        except OSError:
+            pass
+        if time.monotonic() > end:
+            proc.kill()
+            raise RuntimeError(f"{system} did not start within 600 s")
+        time.sleep(0.2)
+
+
+async def one(client, base: str, prompt: list[int], new: int, stream: bool) -> dict:
+    body = {"prompt": prompt, "max_tokens": new, "min_tokens": new, "stream": stream}
+    t0 = time.perf_counter()
+    first = None
+    tokens = 0
+    if stream:
+        async with client.stream("POST", base + "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                return dict(ok=False, status=r.status_code)
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    first = first if first is not None else time.perf_counter() - t0
+                    tokens += len(json.loads(line[6:])["choices"][0].get("token_ids", []))
+    else:
+        r = await client.post(base + "/v1/completions", json=body)
+        if r.status_code != 200:
+            return dict(ok=False, status=r.status_code)
+        tokens = len(r.json()["choices"][0]["token_ids"])
+        first = time.perf_counter() - t0
+    return dict(ok=True, ttft=first, e2e=time.perf_counter() - t0, tokens=tokens)
+
+
+async def load(base: str, rate: float, duration: float, items, stream: bool) -> dict:
+    import httpx
+
+    rng = random.Random(int(rate * 1000))
+    tasks, t, i = [], 0.0, 0
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=None)) as client:
+        start = time.perf_counter()
+        while True:
+            t += rng.expovariate(rate)
+            if t > duration:
+                break
+            await asyncio.sleep(max(0.0, start + t - time.perf_counter()))
+            prompt, new = items[i % len(items)]
+            i += 1
+            tasks.append(asyncio.create_task(one(client, base, prompt, new, stream)))
+        done = await asyncio.gather(*tasks, return_exceptions=True)
+        wall = time.perf_counter() - start
+    ok = [d for d in done if isinstance(d, dict) and d.get("ok")]
+    errors = len(done) - len(ok)
+
+    def pct(key: str, q: float):
+        values = sorted(d[key] for d in ok if d.get(key) is not None)
+        return values[min(len(values) - 1, int(q * len(values)))] if values else None
+
+    return dict(rate=rate, requests=len(done), completed=len(ok), errors=errors, wall_s=wall,
+                tokens_per_s=sum(d["tokens"] for d in ok) / wall if wall else 0.0,
+                ttft_p50=pct("ttft", 0.5), ttft_p99=pct("ttft", 0.99), e2e_p50=pct("e2e", 0.5),
+                e2e_p99=pct("e2e", 0.99))
+
+
+def sweep(system: str, base: str, rates, duration: float, items, slo: float) -> list[dict]:
+    rows = []
+    for rate in rates:
+        row = asyncio.run(load(base, rate, duration, items, stream=system == "paged-server"))
+        rows.append(row)
+        print(f"{system} rate {rate}/s: {row['completed']}/{row['requests']} done, {row['tokens_per_s']:.0f} tok/s, "
+              f"ttft p99 {row['ttft_p99']}, e2e p50 {row['e2e_p50']} p99 {row['e2e_p99']}", flush=True)
+        if row["errors"] or row["e2e_p99"] is None or row["e2e_p99"] > 5 * slo:
+            break
+    return rows
+
+
+def sustained(rows: list[dict], slo: float) -> float:
+    good = [r["rate"] for r in rows if not r["errors"] and r["e2e_p99"] is not None and r["e2e_p99"] < slo]
+    return max(good) if good else 0.0
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default=None, help="tiny.SHAPES layout (default: t5-large; --quick: tiny)")
+    ap.add_argument("--rates", default=None, help="requests per second, comma-separated (default: 1,2,4,...,64)")
+    ap.add_argument("--duration", type=float, default=None, help="seconds of load per rate (default 30; quick 3)")
+    ap.add_argument("--slo", type=float, default=2.0, help="p99 end-to-end seconds of a sustained rate (default 2)")
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
+    ap.add_argument("--device", default=None, help="the servers' device (default: cuda if available)")
+    ap.add_argument("--quick", action="store_true", help="tiny layout, low rates, short loads (a smoke run)")
+    ap.add_argument("--out", default=None, help="folder for serve.json (default: benchmarks/results/<date>-<gpu>)")
+    args = ap.parse_args(argv)
+    systems = [s for s in args.systems.split(",") if s]
+    if not systems or any(s not in SYSTEMS for s in systems):
+        ap.error(f"--systems: give some of {', '.join(SYSTEMS)}")
+    import torch
+
+    from hf_paged_t5 import tiny
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    shape = args.shape or ("tiny" if args.quick else "t5-large")
+    rates = [float(r) for r in (args.rates or ("1,2,4" if args.quick else "1,2,4,8,16,32,64")).split(",")]
+    duration = args.duration or (3.0 if args.quick else 30.0)
+    out = common.start_suite(args.out, "serve")
+    with tempfile.TemporaryDirectory() as folder:
+        checkpoint = tiny.save_demo_checkpoint(pathlib.Path(folder) / shape, shape=shape)
+        vocab = json.loads((pathlib.Path(checkpoint) / "config.json").read_text())["vocab_size"]
+        items = workload(4096, vocab, args.quick)
+        results = {}
+        for system in systems:
+            proc, base = start(system, checkpoint, device)
+            try:
+                results[system] = sweep(system, base, rates, duration, items, args.slo)
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+    rate_of = {s: sustained(rows, args.slo) for s, rows in results.items()}
+    report = dict(shape=shape, device=device, slo_s=args.slo, duration_s=duration, rates=rates,
+                  sustained_rate=rate_of, systems=results)
+    if "paged-server" in rate_of:
+        for other in ("generate-server", "stock-server"):
+            if other in rate_of and rate_of[other]:
+                report[f"sustained_vs_{other}"] = rate_of["paged-server"] / rate_of[other]
+    common.write_json(out / "serve.json", report)
+    fmt = common.fmt
+    common.print_table(
+        ["system", "rate /s", "done", "errors", "tokens/s", "TTFT p50 s", "TTFT p99 s", "E2E p50 s", "E2E p99 s"],
+        ([s, r["rate"], f"{r['completed']}/{r['requests']}", r["errors"], f"{r['tokens_per_s']:.0f}",
+          fmt(r["ttft_p50"], ".3f"), fmt(r["ttft_p99"], ".3f"), fmt(r["e2e_p50"], ".3f"), fmt(r["e2e_p99"], ".3f")]
+         for s, rows in results.items() for r in rows),
+        title=f"{shape} on {device}, Poisson arrivals, {duration:g} s per rate")
+    print("sustained rate (p99 E2E < %g s): %s" % (args.slo, ", ".join(f"{s} {v:g}/s" for s, v in rate_of.items())))
+
+
+if __name__ == "__main__":
+    main()
