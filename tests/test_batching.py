@@ -502,3 +502,40 @@ def test_decode_steps_never_wait_for_the_gpu(monkeypatch, max_graph_batch, kw):
     torch.manual_seed(0)
     assert [r.sequences for r in gen.generate(requests)] == first
     assert model._hf_paged_t5.pool.is_idle()
+
+
+def test_per_input_sampling_options_and_seeds_give_solo_draws():
+    """Inputs with their own do_sample / temperature / top_p / top_k and a seed, mixed with greedy
+    ones in one job: each is generate() on that input alone after torch.manual_seed(seed)."""
+    model = patched()
+    inputs = make_inputs()[:6]
+    options = [dict(do_sample=True, temperature=0.7, top_k=20, seed=11), dict(),
+               dict(do_sample=True, top_p=0.9, seed=5), dict(do_sample=True, temperature=1.3, seed=2), dict(seed=4),
+               dict(do_sample=True, top_k=5, temperature=0.9, seed=9)]
+    requests = [hp.BatchRequest(ids, max_new_tokens=9, min_new_tokens=9, **o) for ids, o in zip(inputs, options)]
+    results = list(hp.BatchGenerator(model, max_batch_rows=4).generate(requests))
+    draws = set()
+    for ids, o, result in zip(inputs, options, results):
+        torch.manual_seed(o.get("seed", 0))
+        want = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=9, min_new_tokens=9,
+                              **{k: v for k, v in o.items() if k != "seed"})
+        assert result.sequences == want.tolist(), o
+        draws.add(tuple(result.sequences[0]))
+    assert len(draws) == len(inputs)
+
+
+def test_per_input_sampling_refusals():
+    model = patched()
+    ids = make_inputs()[0]
+    with pytest.raises(ValueError, match="not beam search"):
+        hp.BatchGenerator(model, num_beams=2).make_request(0, hp.BatchRequest(ids, temperature=0.5, do_sample=True))
+    gen = hp.BatchGenerator(model)
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        gen.make_request(0, hp.BatchRequest(ids, do_sample=True, temperature=0.0))
+    with pytest.raises(ValueError, match="top_p must be in"):
+        gen.make_request(0, hp.BatchRequest(ids, do_sample=True, top_p=1.5))
+    with pytest.raises(ValueError, match="num_return_sequences=1"):
+        hp.BatchGenerator(model, do_sample=True, num_return_sequences=2).make_request(0, hp.BatchRequest(ids, seed=3))
+    with pytest.raises(ValueError, match="read the generated tokens"):
+        hp.BatchGenerator(model, repetition_penalty=1.2).make_request(
+            0, hp.BatchRequest(ids, do_sample=True, temperature=0.5))

@@ -89,8 +89,9 @@ def test_stream(served):
 
 
 @pytest.mark.parametrize("field, value, status, needle", [
-    ("temperature", 0.7, 400, "temperature"),
+    ("temperature", -1, 400, "temperature"),
     ("top_p", 0.9, 400, "top_p"),
+    ("seed", "x", 400, "seed"),
     ("n", 2, 400, "n"),
     ("stop", ["\n"], 400, "stop"),
     ("logprobs", 3, 400, "logprobs"),
@@ -193,3 +194,17 @@ def test_serve_command_names_the_missing_extra(monkeypatch, caplog):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uvicorn" else real(name, *a))
     assert main(["serve", "--model", "anything"]) == 2
     assert "pip install 'hf_paged_t5[serve]'" in caplog.text
+
+
+def test_per_request_sampling_with_a_seed_is_a_solo_runs_draw(served):
+    client, model, tokenizer = served
+    ids = tokenizer(PREFIX + TEXTS[0]).input_ids
+    body = {"prompt": ids, "max_tokens": 10, "min_tokens": 10, "temperature": 0.8, "top_p": 0.95, "seed": 7}
+    got = [client.post("/v1/completions", json=body).json()["choices"][0]["token_ids"] for _ in range(2)]
+    torch.manual_seed(7)
+    want = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=10, min_new_tokens=10, do_sample=True,
+                          temperature=0.8, top_p=0.95)[0, 1:].tolist()
+    assert got == [want, want]
+    greedy = client.post("/v1/completions", json={**body, "temperature": 0, "top_p": None})
+    greedy = greedy.json()["choices"][0]["token_ids"]
+    assert greedy == model.generate(input_ids=torch.tensor([ids]), max_new_tokens=10, min_new_tokens=10)[0, 1:].tolist()

@@ -29,6 +29,9 @@ from .run import BatchRun
 from ..hf.patch import STOCK_ENCODER, _paged_encoder
 from ..hf.policy import fallback_reason
 
+# BatchRequest fields that override the generator's sampling for one input, in GenerationConfig's names.
+SAMPLING_OPTIONS = ("do_sample", "temperature", "top_p", "top_k")
+
 # What one input may be: a text (needs a tokenizer), token ids, or a request with its own limits.
 InputItem = Union[str, Sequence[int], torch.Tensor, "BatchRequest"]
 
@@ -79,6 +82,7 @@ class BatchGenerator:
         self.start_id = int(cfg._decoder_start_token_tensor)
         self.pad_id = int(cfg._pad_token_tensor)
         self.rules = LogitsRules(model, cfg, self.device)
+        self._rules_by_key: dict[tuple, LogitsRules] = {}  # per-input sampling options -> their rules
         self.max_batch_rows = runtime.config.max_graph_batch if max_batch_rows is None else max_batch_rows
         self.max_batch_tokens = max_batch_tokens
         if not isinstance(self.max_batch_rows, int) or self.max_batch_rows < self.expand:
@@ -135,7 +139,44 @@ class BatchGenerator:
                     f"input {index}: a per-input eos_token_id cannot be combined with {self.rules.binds_eos}, "
                     "which HF builds with the generation config's EOS"
                 )
-        return Request(index=index, ids=ids, max_new=max_new, min_new=min_new, eos=eos, expand=self.expand)
+        request = Request(index=index, ids=ids, max_new=max_new, min_new=min_new, eos=eos, expand=self.expand)
+        request.sampling, request.seed = self._sampling(index, limits)
+        return request
+
+    def _sampling(self, index: int, limits: BatchRequest):
+        """((LogitsRules, do_sample) of the input's own sampling options or None, its seed)."""
+        given = {name: getattr(limits, name) for name in SAMPLING_OPTIONS if getattr(limits, name) is not None}
+        if not given and limits.seed is None:
+            return None, None
+        if self.num_beams > 1:
+            raise ValueError(f"input {index}: per-input sampling options ({', '.join(sorted(given)) or 'seed'}) "
+                             f"need a greedy or sampling generator, not beam search (num_beams={self.num_beams})")
+        cfg = self.config
+        key = tuple(given.get(name, getattr(cfg, name)) for name in SAMPLING_OPTIONS)
+        do_sample, temperature, top_p, top_k = key
+        if do_sample:
+            if temperature is None or not temperature > 0:
+                raise ValueError(f"input {index}: temperature must be > 0 when sampling, got {temperature!r}")
+            if top_p is not None and not 0 < top_p <= 1:
+                raise ValueError(f"input {index}: top_p must be in (0, 1], got {top_p!r}")
+            if top_k is not None and (not isinstance(top_k, int) or top_k < 0):
+                raise ValueError(f"input {index}: top_k must be an int >= 0, got {top_k!r}")
+        if limits.seed is not None and (not isinstance(limits.seed, int) or isinstance(limits.seed, bool)):
+            raise ValueError(f"input {index}: seed must be an int, got {limits.seed!r}")
+        if limits.seed is not None and self.expand > 1:
+            raise ValueError(f"input {index}: a seed needs num_return_sequences=1 (HF draws the sequences of one "
+                             "input together)")
+        if key == tuple(getattr(cfg, name) for name in SAMPLING_OPTIONS):
+            return None, limits.seed
+        rules = self._rules_by_key.get(key)
+        if rules is None:
+            own = copy.deepcopy(cfg)
+            own.do_sample, own.temperature, own.top_p, own.top_k = key
+            rules = self._rules_by_key[key] = LogitsRules(self.model, own, self.device)
+        if rules.needs_history or self.rules.needs_history:
+            raise ValueError(f"input {index}: per-input sampling options cannot be combined with processors that "
+                             "read the generated tokens (repetition penalties, no_repeat_ngram_size, ...)")
+        return (rules, bool(do_sample)), limits.seed
 
     def _token_ids(self, index: int, inputs: Any) -> list[int]:
         if isinstance(inputs, str):

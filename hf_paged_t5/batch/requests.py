@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
@@ -20,6 +20,13 @@ class BatchRequest:
     max_new_tokens: Optional[int] = None
     min_new_tokens: Optional[int] = None
     eos_token_id: Optional[Union[int, Sequence[int]]] = None
+    # sampling of this input (greedy / sampling generators only; None: the generator's): with a
+    # `seed`, its draws are those of generate() on this input alone after torch.manual_seed(seed)
+    do_sample: Optional[bool] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    seed: Optional[int] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,3 +82,5 @@ class Request:
     # sampling: every step, one step late; beam search: once, at the end); `emitted` counts them
     on_tokens: Optional[Callable[[list[int]], None]] = None
     emitted: int = 0
+    sampling: Any = None  # (LogitsRules, do_sample) of its own sampling options, None: the generator's
+    seed: Optional[int] = None

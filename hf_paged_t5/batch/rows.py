@@ -30,6 +30,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
+from torch import nn
 
 from ..model.stacks import upload
 from ..decode.greedy_state import pick_tokens
@@ -78,10 +79,22 @@ class DecodeRows:
         cuda = device.type == "cuda"
         self._host = torch.zeros(max_rows, dtype=torch.long, pin_memory=cuda)  # [max_rows] read-back tokens
         self._copied = torch.cuda.Event() if cuda else None
+        # per slot: (LogitsRules, do_sample) of the row's own sampling options (None: the defaults), and
+        # its own torch.Generator (a seeded request's); the step's groups of rows by rules (`set_order`)
+        self.sampling: list = [None] * max_rows
+        self.generators: list = [None] * max_rows
+        self._sampling_groups: Optional[list] = None
 
     # ---- rows joining, the order ----------------------------------------------------------------
-    def join(self, slot: int, min_new: int, max_new: int, eos: Sequence[int]) -> None:
-        """A new row in `slot` (just taken from the cache), holding only the start token."""
+    def join(self, slot: int, min_new: int, max_new: int, eos: Sequence[int], sampling=None,
+             seed: Optional[int] = None) -> None:
+        """A new row in `slot` (just taken from the cache), holding only the start token.
+
+        sampling: (LogitsRules, do_sample) of the row's own options, None for the generator's; seed: the
+        row draws from its own generator seeded so (a solo generate() after torch.manual_seed(seed)).
+        """
+        self.sampling[slot] = sampling
+        self.generators[slot] = None if seed is None else torch.Generator(device=self.device).manual_seed(seed)
         if 1 + max_new > self.history.shape[1]:
             self.history = _widen_repeating(self.history, 1 + max_new)
         if len(eos) > self.eos.shape[1]:
@@ -112,6 +125,24 @@ class DecodeRows:
         self.slots, self.owners, self._age, self._groups = slots, owners, 0, []
         if self.rules.needs_history:
             self._order_history(packed[:, 6], steps[by_length])
+        self._sampling_groups = self._group_sampling(slots)
+
+    def _group_sampling(self, slots: np.ndarray) -> Optional[list]:
+        """None when every row samples as the generator does from the shared RNG; else, per distinct
+        (rules, do_sample): (rules, do_sample, positions on the device, positions, [(position in the
+        group, generator)] of its seeded rows)."""
+        slot_list = slots.tolist()
+        if all(self.sampling[s] is None and self.generators[s] is None for s in slot_list):
+            return None
+        groups: dict[int, tuple] = {}
+        for position, slot in enumerate(slot_list):
+            rules, do_sample = self.sampling[slot] or (self.rules, self.do_sample)
+            entry = groups.setdefault(id(rules), (rules, do_sample, [], []))
+            if self.generators[slot] is not None:
+                entry[3].append((len(entry[2]), self.generators[slot]))
+            entry[2].append(position)
+        return [(rules, do_sample, upload(torch.tensor(positions), self.device), positions, seeded)
+                for rules, do_sample, positions, seeded in groups.values()]
 
     def _order_history(self, by_length: torch.Tensor, sorted_steps: np.ndarray) -> None:
         """The order's groups of rows of equal length, and a device history wide enough for them."""
@@ -137,13 +168,15 @@ class DecodeRows:
         """The step's tokens from its logits [rows, vocab] float32, through the logits rules; they stay
         on the device as the next step's input ids. Nothing here waits for the device."""
         rules, limits = self.rules, self.limits
-        if rules.needs_history:  # HF's processors see the rows of one length together
+        if self._sampling_groups is not None:  # rows with their own sampling options or seeds
+            tokens = self._choose_by_group(logits)
+        elif rules.needs_history:  # HF's processors see the rows of one length together
             for positions, slots, steps in self._groups:
                 history = self.device_history[slots, : 1 + steps + self._age]  # [group rows, length]
                 logits[positions] = rules(history, logits[positions], limits.select(positions))
+            tokens = pick_tokens(logits, self.do_sample)
         else:
-            logits = rules(None, logits, limits)
-        tokens = pick_tokens(logits, self.do_sample)
+            tokens = pick_tokens(rules(None, logits, limits), self.do_sample)
         if rules.needs_history:
             self.device_history[self._order, limits.generated + 1] = tokens
         limits.generated.add_(1)
@@ -151,6 +184,24 @@ class DecodeRows:
         self._age += 1
         self.tokens, self._input = tokens, tokens[:, None]
         self._chosen = _Readback(self.slots, self.owners)
+
+    def _choose_by_group(self, logits: torch.Tensor) -> torch.Tensor:
+        """The step's tokens [rows] when rows sample differently: each group's rules on its rows; a
+        seeded row draws alone from its own generator, as HF's `_sample` draws for one input."""
+        tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+        for rules, do_sample, positions, host_positions, seeded in self._sampling_groups:
+            scores = rules(None, logits[positions], self.limits.select(positions))
+            chosen = pick_tokens(scores, do_sample) if len(seeded) < len(host_positions) else None
+            if do_sample and seeded:
+                chosen = chosen if chosen is not None else torch.empty(len(host_positions), dtype=torch.long,
+                                                                      device=logits.device)
+                for j, generator in seeded:
+                    probs = nn.functional.softmax(scores[j : j + 1], dim=-1)
+                    chosen[j] = torch.multinomial(probs, num_samples=1, generator=generator)[0, 0]
+            elif chosen is None:  # greedy rows with seeds: the seed changes nothing
+                chosen = pick_tokens(scores, False)
+            tokens[positions] = chosen
+        return tokens
 
     def collect(self) -> list[tuple[Any, list[int]]]:
         """Read back the step before the one just chosen (waiting for that step, not for the one queued

@@ -190,7 +190,8 @@ class BatchRun:
             request.live = list(range(request.expand))
             if self.rows is not None:
                 for slot in request.rows:
-                    self.rows.join(slot, request.min_new, request.max_new, request.eos)
+                    self.rows.join(slot, request.min_new, request.max_new, request.eos, request.sampling,
+                                   request.seed)
         if gen.num_beams > 1:
             self._form_groups(admitted)
         self.order_dirty = True

@@ -118,9 +118,10 @@ class Metrics:
         return "\n".join(lines) + "\n"
 
 
-def parse_completion(body: Any, model_name: str, greedy: bool, tokenizer) -> tuple[list, int, int, bool]:
-    """(prompts: texts or token-id lists, max_tokens, min_tokens, stream) of a completions request;
-    BadRequest otherwise."""
+def parse_completion(body: Any, model_name: str, greedy: bool, tokenizer) -> tuple[list, int, int, bool, dict]:
+    """(prompts: texts or token-id lists, max_tokens, min_tokens, stream, sampling: `BatchRequest`
+    fields) of a completions request; BadRequest otherwise. `temperature` 0 is greedy, > 0 samples
+    at that temperature; absent, the server's own decoding (greedy unless started otherwise)."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     unknown = sorted(set(body) - KNOWN_FIELDS)
@@ -136,16 +137,24 @@ def parse_completion(body: Any, model_name: str, greedy: bool, tokenizer) -> tup
         raise BadRequest("n: this server returns one completion per prompt (n=1)", param="n")
     if body.get("stop") not in (None, [], ""):
         raise BadRequest("stop sequences are not served by this server's batch engine", param="stop")
-    if greedy:
-        if body.get("temperature") not in (None, 0, 0.0):
-            raise BadRequest("temperature: this server decodes greedily (temperature 0); per-request sampling "
-                             "is not served by its batch engine", param="temperature")
-        if body.get("top_p") not in (None, 1, 1.0):
-            raise BadRequest("top_p: this server decodes greedily; per-request sampling is not served",
-                             param="top_p")
-    elif body.get("temperature") is not None or body.get("top_p") is not None or body.get("seed") is not None:
-        name = next(k for k in ("temperature", "top_p", "seed") if body.get(k) is not None)
-        raise BadRequest(f"{name}: the server's sampling options are fixed at its start", param=name)
+    sampling = {}
+    temperature, top_p, seed = body.get("temperature"), body.get("top_p"), body.get("seed")
+    if temperature is not None:
+        if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or temperature < 0:
+            raise BadRequest(f"temperature must be a number >= 0, got {temperature!r}", param="temperature")
+        sampling = dict(do_sample=False) if temperature == 0 else dict(do_sample=True, temperature=float(temperature))
+    if top_p is not None:
+        if not isinstance(top_p, (int, float)) or isinstance(top_p, bool) or not 0 < top_p <= 1:
+            raise BadRequest(f"top_p must be a number in (0, 1], got {top_p!r}", param="top_p")
+        if top_p < 1:
+            if not sampling.get("do_sample") and not (sampling == {} and not greedy):
+                raise BadRequest("top_p < 1 needs sampling: give a temperature > 0 (this server decodes greedily "
+                                 "by default)", param="top_p")
+            sampling["top_p"] = float(top_p)
+    if seed is not None:
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise BadRequest(f"seed must be an integer, got {seed!r}", param="seed")
+        sampling["seed"] = seed
     max_tokens = body.get("max_tokens", 16)
     if max_tokens is None:
         max_tokens = 16
@@ -171,7 +180,7 @@ def parse_completion(body: Any, model_name: str, greedy: bool, tokenizer) -> tup
         raise BadRequest("this server has no tokenizer: give prompts as token ids", param="prompt")
     if any(isinstance(p, str) and not p for p in prompts):
         raise BadRequest("a prompt is empty", param="prompt")
-    return prompts, max_tokens, min_tokens, stream
+    return prompts, max_tokens, min_tokens, stream, sampling
 
 
 def _is_token(value) -> bool:
@@ -206,7 +215,8 @@ def create_app(engine: OnlineEngine, model_name: str, prefix: str = "", max_queu
                 body = await request.json()
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 raise BadRequest(f"the request body is not JSON: {exc}") from exc
-            prompts, max_tokens, min_tokens, stream = parse_completion(body, model_name, greedy, generator.tokenizer)
+            prompts, max_tokens, min_tokens, stream, sampling = parse_completion(body, model_name, greedy,
+                                                                                 generator.tokenizer)
             if max_queue is not None and engine.stats()["queued"] + len(prompts) > max_queue:
                 raise BadRequest(f"the server's queue is full ({max_queue} inputs); retry later", status=503,
                                  code="queue_full")
@@ -220,12 +230,15 @@ def create_app(engine: OnlineEngine, model_name: str, prefix: str = "", max_queu
                 for i, p in enumerate(prompts):
                     item = prefix + p if isinstance(p, str) else p
                     futures.append(engine.submit(BatchRequest(item, max_new_tokens=max_tokens,
-                                                              min_new_tokens=min_tokens or None),
+                                                              min_new_tokens=min_tokens or None, **sampling),
                                                  on_tokens=tokens_of(i) if stream else None))
             except ValueError as exc:
                 for f in futures:
                     f.cancel()
-                raise BadRequest(str(exc), param="prompt") from exc
+                sampled = "sampling" in str(exc) or "seed" in str(exc) or "temperature" in str(exc)
+                param = next((k for k in ("temperature", "top_p", "seed") if k in body), "prompt") if sampled \
+                    else "prompt"
+                raise BadRequest(str(exc), param=param) from exc
             except RuntimeError as exc:  # the engine is closed or stopped
                 for f in futures:
                     f.cancel()
