@@ -83,6 +83,7 @@ class DecodeRows:
         # its own torch.Generator (a seeded request's); the step's groups of rows by rules (`set_order`)
         self.sampling: list = [None] * max_rows
         self.generators: list = [None] * max_rows
+        self._special: set[int] = set()  # slots whose row has its own sampling or seed
         self._sampling_groups: Optional[list] = None
 
     # ---- rows joining, the order ----------------------------------------------------------------
@@ -95,6 +96,10 @@ class DecodeRows:
         """
         self.sampling[slot] = sampling
         self.generators[slot] = None if seed is None else torch.Generator(device=self.device).manual_seed(seed)
+        if sampling is None and seed is None:
+            self._special.discard(slot)
+        else:
+            self._special.add(slot)
         if 1 + max_new > self.history.shape[1]:
             self.history = _widen_repeating(self.history, 1 + max_new)
         if len(eos) > self.eos.shape[1]:
@@ -131,8 +136,10 @@ class DecodeRows:
         """None when every row samples as the generator does from the shared RNG; else, per distinct
         (rules, do_sample): (rules, do_sample, positions on the device, positions, [(position in the
         group, generator)] of its seeded rows)."""
+        if not self._special:  # the common case: no host work per order
+            return None
         slot_list = slots.tolist()
-        if all(self.sampling[s] is None and self.generators[s] is None for s in slot_list):
+        if self._special.isdisjoint(slot_list):
             return None
         groups: dict[int, tuple] = {}
         for position, slot in enumerate(slot_list):

@@ -56,7 +56,9 @@ def make_encoder_forward(runtime: PagedRuntime, original):
             if reason is not None:
                 runtime.warn_once(reason, "the encoder")
                 stock = True
-        if not stock and not runtime.runner.owned_here():  # (inside a paged generate(), that call decided)
+        # (inside a paged generate(), that call decided; weights not on the CPU: the rule cannot apply)
+        if not stock and runtime.config.backend == "auto" and next(self.parameters()).device.type == "cpu" \
+                and not runtime.runner.owned_here():
             padded = lens is not None and min(lens) < attention_mask.shape[1]
             reason = cpu_stock_reason(runtime.config.backend, {p.device for p in self.parameters()}, runtime.d_model,
                                       1, padded)
