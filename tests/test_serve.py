@@ -92,7 +92,8 @@ def test_stream(served):
     ("temperature", -1, 400, "temperature"),
     ("top_p", 0.9, 400, "top_p"),
     ("seed", "x", 400, "seed"),
-    ("n", 2, 400, "n"),
+    ("n", 0, 400, "n"),
+    ("n", 99, 400, "n"),
     ("stop", ["\n"], 400, "stop"),
     ("logprobs", 3, 400, "logprobs"),
     ("echo", True, 400, "echo"),
@@ -208,3 +209,17 @@ def test_per_request_sampling_with_a_seed_is_a_solo_runs_draw(served):
     greedy = client.post("/v1/completions", json={**body, "temperature": 0, "top_p": None})
     greedy = greedy.json()["choices"][0]["token_ids"]
     assert greedy == model.generate(input_ids=torch.tensor([ids]), max_new_tokens=10, min_new_tokens=10)[0, 1:].tolist()
+
+
+def test_n_completions_per_prompt(served):
+    client, model, tokenizer = served
+    prompts = [tokenizer(PREFIX + t).input_ids for t in TEXTS[:2]]
+    body = {"prompt": prompts, "max_tokens": 6, "min_tokens": 6, "temperature": 0.9, "seed": 20, "n": 3}
+    choices = client.post("/v1/completions", json=body).json()["choices"]
+    assert [c["index"] for c in choices] == list(range(6))
+    for c in choices:
+        i, j = divmod(c["index"], 3)
+        torch.manual_seed(20 + j)
+        want = model.generate(input_ids=torch.tensor([prompts[i]]), max_new_tokens=6, min_new_tokens=6,
+                              do_sample=True, temperature=0.9)[0, 1:].tolist()
+        assert c["token_ids"] == want, c["index"]

@@ -1,8 +1,9 @@
 """The HTTP server: an OpenAI-style completions API over one `OnlineEngine` (Starlette).
 
     POST /v1/completions   OpenAI's fields: model, prompt (a string, a list of strings, token ids
-                           or lists of them), max_tokens (16), stream (server-sent events), and
-                           temperature / top_p / n / stop / seed as far as the engine serves them
+                           or lists of them), max_tokens (16), min_tokens, stream (server-sent
+                           events), temperature / top_p / seed per request, n (each completion one
+                           engine request; with a seed, completion j draws with seed + j)
     GET  /v1/models        the one model served
     GET  /health           200 while the engine runs, 503 after it stopped on an error
     GET  /metrics          Prometheus text: queue depth, running requests and rows, KV blocks used
@@ -38,6 +39,7 @@ from ..batch.requests import BatchRequest
 from ..hf.patch import runtime_stats
 from ..kv.block_manager import PoolExhaustedError
 
+MAX_N = 16  # completions per prompt a request may ask for
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 # fields of OpenAI's completions request that are accepted only at the value that means "off"
 OFF_VALUES = MappingProxyType({
@@ -118,9 +120,9 @@ class Metrics:
         return "\n".join(lines) + "\n"
 
 
-def parse_completion(body: Any, model_name: str, greedy: bool, tokenizer) -> tuple[list, int, int, bool, dict]:
+def parse_completion(body: Any, model_name: str, greedy: bool, tokenizer) -> tuple[list, int, int, bool, dict, int]:
     """(prompts: texts or token-id lists, max_tokens, min_tokens, stream, sampling: `BatchRequest`
-    fields) of a completions request; BadRequest otherwise. `temperature` 0 is greedy, > 0 samples
+    fields, n) of a completions request; BadRequest otherwise. `temperature` 0 is greedy, > 0 samples
     at that temperature; absent, the server's own decoding (greedy unless started otherwise)."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
@@ -133,8 +135,10 @@ def parse_completion(body: Any, model_name: str, greedy: bool, tokenizer) -> tup
     for name, off in OFF_VALUES.items():
         if body.get(name) not in off:
             raise BadRequest(f"{name}={body[name]!r} is not served by this server", param=name)
-    if body.get("n") not in (None, 1):
-        raise BadRequest("n: this server returns one completion per prompt (n=1)", param="n")
+    n = body.get("n")
+    n = 1 if n is None else n
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
+        raise BadRequest(f"n must be an integer from 1 to {MAX_N}, got {n!r}", param="n")
     if body.get("stop") not in (None, [], ""):
         raise BadRequest("stop sequences are not served by this server's batch engine", param="stop")
     sampling = {}
@@ -180,7 +184,7 @@ def parse_completion(body: Any, model_name: str, greedy: bool, tokenizer) -> tup
         raise BadRequest("this server has no tokenizer: give prompts as token ids", param="prompt")
     if any(isinstance(p, str) and not p for p in prompts):
         raise BadRequest("a prompt is empty", param="prompt")
-    return prompts, max_tokens, min_tokens, stream, sampling
+    return prompts, max_tokens, min_tokens, stream, sampling, n
 
 
 def _is_token(value) -> bool:
@@ -215,9 +219,9 @@ def create_app(engine: OnlineEngine, model_name: str, prefix: str = "", max_queu
                 body = await request.json()
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 raise BadRequest(f"the request body is not JSON: {exc}") from exc
-            prompts, max_tokens, min_tokens, stream, sampling = parse_completion(body, model_name, greedy,
-                                                                                 generator.tokenizer)
-            if max_queue is not None and engine.stats()["queued"] + len(prompts) > max_queue:
+            prompts, max_tokens, min_tokens, stream, sampling, n = parse_completion(body, model_name, greedy,
+                                                                                    generator.tokenizer)
+            if max_queue is not None and engine.stats()["queued"] + n * len(prompts) > max_queue:
                 raise BadRequest(f"the server's queue is full ({max_queue} inputs); retry later", status=503,
                                  code="queue_full")
             futures = []
@@ -227,11 +231,13 @@ def create_app(engine: OnlineEngine, model_name: str, prefix: str = "", max_queu
                 def tokens_of(i):
                     return lambda tokens: loop.call_soon_threadsafe(_arrive, arrived, wake, i, tokens)
             try:
-                for i, p in enumerate(prompts):
+                for p in prompts:  # choice i * n + j: the j-th completion of prompt i, as OpenAI numbers them
                     item = prefix + p if isinstance(p, str) else p
-                    futures.append(engine.submit(BatchRequest(item, max_new_tokens=max_tokens,
-                                                              min_new_tokens=min_tokens or None, **sampling),
-                                                 on_tokens=tokens_of(i) if stream else None))
+                    for j in range(n):
+                        own = dict(sampling, seed=sampling["seed"] + j) if "seed" in sampling else sampling
+                        futures.append(engine.submit(BatchRequest(item, max_new_tokens=max_tokens,
+                                                                  min_new_tokens=min_tokens or None, **own),
+                                                     on_tokens=tokens_of(len(futures)) if stream else None))
             except ValueError as exc:
                 for f in futures:
                     f.cancel()
