@@ -5,6 +5,7 @@ list, health, metrics, a full queue, and the `serve` command's checks before any
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -94,7 +95,8 @@ def test_stream(served):
     ("seed", "x", 400, "seed"),
     ("n", 0, 400, "n"),
     ("n", 99, 400, "n"),
-    ("stop", ["\n"], 400, "stop"),
+    ("stop", [""], 400, "stop"),
+    ("stop", ["a", "b", "c", "d", "e"], 400, "stop"),
     ("logprobs", 3, 400, "logprobs"),
     ("echo", True, 400, "echo"),
     ("max_tokens", 0, 400, "max_tokens"),
@@ -223,3 +225,27 @@ def test_n_completions_per_prompt(served):
         want = model.generate(input_ids=torch.tensor([prompts[i]]), max_new_tokens=6, min_new_tokens=6,
                               do_sample=True, temperature=0.9)[0, 1:].tolist()
         assert c["token_ids"] == want, c["index"]
+
+
+def test_stop_strings_end_the_text_before_them(served):
+    client, model, tokenizer = served
+    ids = tokenizer(PREFIX + TEXTS[1]).input_ids
+    full = tokenizer.decode(model.generate(input_ids=torch.tensor([ids]), max_new_tokens=30, min_new_tokens=30)[0],
+                            skip_special_tokens=True)
+    stop = full[8:10]
+    cut = full.find(stop)
+    for stream in (False, True):
+        body = {"prompt": ids, "max_tokens": 30, "min_tokens": 30, "stop": ["never-there", stop], "stream": stream}
+        if stream:
+            with client.stream("POST", "/v1/completions", json=body) as r:
+                chunks = [json.loads(line[6:])["choices"][0] for line in r.iter_lines()
+                          if line.startswith("data: ") and line != "data: [DONE]"]
+            text, reason = "".join(c["text"] for c in chunks), chunks[-1]["finish_reason"]
+        else:
+            choice = client.post("/v1/completions", json=body).json()["choices"][0]
+            text, reason = choice["text"], choice["finish_reason"]
+        assert (text, reason) == (full[:cut], "stop"), (stream, stop, full)
+    end = time.monotonic() + 30  # the stopped requests were cancelled: their blocks go back
+    while "hf_paged_t5_kv_blocks_used 0" not in client.get("/metrics").text:
+        assert time.monotonic() < end, client.get("/metrics").text
+        time.sleep(0.01)

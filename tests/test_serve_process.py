@@ -188,7 +188,11 @@ def test_openai_client_round_trips(server):
     pieces = client.completions.create(model="t5-tiny", prompt=text, max_tokens=10, stream=True)
     assert "".join(chunk.choices[0].text for chunk in pieces) == want
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model="t5-tiny", prompt=text, max_tokens=10, stop=["."])
+        client.completions.create(model="t5-tiny", prompt=text, max_tokens=10, temperature=-1)
+    if len(want) > 3:
+        stopped = client.completions.create(model="t5-tiny", prompt=text, max_tokens=10, stop=[want[2:4]])
+        assert stopped.choices[0].text == want[: want.find(want[2:4])]
+        assert stopped.choices[0].finish_reason == "stop"
     seeded = [client.completions.create(model="t5-tiny", prompt=text, max_tokens=10, temperature=0.9, seed=3)
               .choices[0].text for _ in range(2)]
     assert seeded[0] == seeded[1]

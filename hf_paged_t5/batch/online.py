@@ -81,6 +81,7 @@ class OnlineEngine:
         request = self.generator.make_request(index, item)
         request.on_tokens = on_tokens
         future: concurrent.futures.Future = concurrent.futures.Future()
+        future.num_input_tokens = len(request.ids)  # the encoder tokens of the input, for a caller's count
         with self._cond:
             self._check_open()
             self._futures[index] = future

@@ -3,7 +3,8 @@
     POST /v1/completions   OpenAI's fields: model, prompt (a string, a list of strings, token ids
                            or lists of them), max_tokens (16), min_tokens, stream (server-sent
                            events), temperature / top_p / seed per request, n (each completion one
-                           engine request; with a seed, completion j draws with seed + j)
+                           engine request; with a seed, completion j draws with seed + j), stop
+                           (up to 4 strings: the text ends before the first, its request stops)
     GET  /v1/models        the one model served
     GET  /health           200 while the engine runs, 503 after it stopped on an error
     GET  /metrics          Prometheus text: queue depth, running requests and rows, KV blocks used
@@ -120,9 +121,9 @@ class Metrics:
         return "\n".join(lines) + "\n"
 
 
-def parse_completion(body: Any, model_name: str, greedy: bool, tokenizer) -> tuple[list, int, int, bool, dict, int]:
+def parse_completion(body: Any, model_name: str, greedy: bool, tokenizer) -> tuple:
     """(prompts: texts or token-id lists, max_tokens, min_tokens, stream, sampling: `BatchRequest`
-    fields, n) of a completions request; BadRequest otherwise. `temperature` 0 is greedy, > 0 samples
+    fields, n, stop strings) of a completions request; BadRequest otherwise. `temperature` 0 is greedy, > 0 samples
     at that temperature; absent, the server's own decoding (greedy unless started otherwise)."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
@@ -139,8 +140,12 @@ def parse_completion(body: Any, model_name: str, greedy: bool, tokenizer) -> tup
     n = 1 if n is None else n
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
         raise BadRequest(f"n must be an integer from 1 to {MAX_N}, got {n!r}", param="n")
-    if body.get("stop") not in (None, [], ""):
-        raise BadRequest("stop sequences are not served by this server's batch engine", param="stop")
+    stops = body.get("stop")
+    stops = [] if stops in (None, "", []) else [stops] if isinstance(stops, str) else stops
+    if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(x, str) and x for x in stops):
+        raise BadRequest("stop must be a non-empty string or a list of up to 4 of them", param="stop")
+    if stops and tokenizer is None:
+        raise BadRequest("stop strings need the server's tokenizer (it was started without one)", param="stop")
     sampling = {}
     temperature, top_p, seed = body.get("temperature"), body.get("top_p"), body.get("seed")
     if temperature is not None:
@@ -184,7 +189,7 @@ def parse_completion(body: Any, model_name: str, greedy: bool, tokenizer) -> tup
         raise BadRequest("this server has no tokenizer: give prompts as token ids", param="prompt")
     if any(isinstance(p, str) and not p for p in prompts):
         raise BadRequest("a prompt is empty", param="prompt")
-    return prompts, max_tokens, min_tokens, stream, sampling, n
+    return prompts, max_tokens, min_tokens, stream, sampling, n, stops
 
 
 def _is_token(value) -> bool:
@@ -219,13 +224,14 @@ def create_app(engine: OnlineEngine, model_name: str, prefix: str = "", max_queu
                 body = await request.json()
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 raise BadRequest(f"the request body is not JSON: {exc}") from exc
-            prompts, max_tokens, min_tokens, stream, sampling, n = parse_completion(body, model_name, greedy,
-                                                                                    generator.tokenizer)
+            prompts, max_tokens, min_tokens, stream, sampling, n, stops = parse_completion(
+                body, model_name, greedy, generator.tokenizer)
             if max_queue is not None and engine.stats()["queued"] + n * len(prompts) > max_queue:
                 raise BadRequest(f"the server's queue is full ({max_queue} inputs); retry later", status=503,
                                  code="queue_full")
             futures = []
-            if stream:  # the engine thread hands each choice's new tokens to this event loop
+            watch = stream or bool(stops)  # the output is read as it is generated
+            if watch:  # the engine thread hands each choice's new tokens to this event loop
                 loop, arrived, wake = asyncio.get_running_loop(), collections.deque(), asyncio.Event()
 
                 def tokens_of(i):
@@ -237,7 +243,7 @@ def create_app(engine: OnlineEngine, model_name: str, prefix: str = "", max_queu
                         own = dict(sampling, seed=sampling["seed"] + j) if "seed" in sampling else sampling
                         futures.append(engine.submit(BatchRequest(item, max_new_tokens=max_tokens,
                                                                   min_new_tokens=min_tokens or None, **own),
-                                                     on_tokens=tokens_of(len(futures)) if stream else None))
+                                                     on_tokens=tokens_of(len(futures)) if watch else None))
             except ValueError as exc:
                 for f in futures:
                     f.cancel()
@@ -255,8 +261,10 @@ def create_app(engine: OnlineEngine, model_name: str, prefix: str = "", max_queu
         ident = f"cmpl-{uuid.uuid4().hex}"
         head = {"id": ident, "object": "text_completion", "created": int(time.time()), "model": model_name}
         if stream:
-            return StreamingResponse(_events(request, futures, arrived, wake, head, max_tokens, start),
+            return StreamingResponse(_events(request, futures, arrived, wake, head, max_tokens, stops, start),
                                      media_type="text/event-stream")
+        if stops:
+            return await _collected(request, futures, arrived, wake, head, max_tokens, stops, start)
         waiting = [asyncio.wrap_future(f) for f in futures]
         while not all(w.done() for w in waiting):
             await asyncio.wait(waiting, timeout=0.05)
@@ -267,12 +275,8 @@ def create_app(engine: OnlineEngine, model_name: str, prefix: str = "", max_queu
                 return PlainTextResponse("", status_code=499)
         try:
             results = [w.result() for w in waiting]
-        except PoolExhaustedError as exc:  # a prompt the pool cannot hold even alone: the numbers
-            metrics.record(400, time.perf_counter() - start)
-            return BadRequest(f"the prompt does not fit the server's KV pool: {exc}", param="prompt").response()
-        except Exception as exc:  # the engine stopped
-            metrics.record(500, time.perf_counter() - start)
-            return BadRequest(f"generation failed: {exc}", status=500).response()
+        except Exception as exc:  # a prompt the pool cannot hold even alone (400), or the engine stopped
+            return failed(exc, start)
         usage = _usage(results)
         metrics.record(200, time.perf_counter() - start, usage["prompt_tokens"], usage["completion_tokens"])
         return JSONResponse({**head, "choices": [choice(i, r, max_tokens) for i, r in enumerate(results)],
@@ -283,47 +287,68 @@ def create_app(engine: OnlineEngine, model_name: str, prefix: str = "", max_queu
                                      "token_ids": tokens}]}
         return f"data: {json.dumps(body)}\n\n"
 
-    async def _events(request, futures, arrived, wake, head, max_tokens, start):
-        """Server-sent events: each choice's text as it is generated (the decoded tokens so far, less
-        what was sent; a piece that would end inside a character waits), its last piece with the
-        finish reason, then [DONE]."""
+    async def _pieces(request, futures, arrived, wake, max_tokens, stops):
+        """Each choice's output as it is generated: ("piece", index, text, token ids, finish reason or
+        None) - the decoded tokens so far less what was given (a piece that would end inside a
+        character waits; with stop strings, the last characters that could start one wait too) -;
+        ("error", index, exception) for a choice that failed; then ("usage", usage). A choice whose
+        text reaches a stop string ends there (the string left out, OpenAI's "stop") and its
+        request is cancelled, its blocks back to the pool. A client gone cancels everything."""
         tokenizer = generator.tokenizer
         waiting = {asyncio.wrap_future(f): i for i, f in enumerate(futures)}
+        by_index = {i: w for w, i in waiting.items()}
         tokens: list[list[int]] = [[] for _ in futures]
-        sent_text, sent_tokens, results = [""] * len(futures), [0] * len(futures), []
+        sent_text, sent_tokens = [""] * len(futures), [0] * len(futures)
+        hold = max((len(x) for x in stops), default=1) - 1
+        prompt_tokens = completion_tokens = 0
 
-        def piece(i: int, final: Optional[str] = None) -> tuple[str, list[int]]:
+        def piece(i: int, final: Optional[str] = None) -> Optional[tuple[str, list[int], bool]]:
             text = final if final is not None else (
                 tokenizer.decode(tokens[i], skip_special_tokens=True) if tokenizer is not None else "")
-            new_tokens = tokens[i][sent_tokens[i]:]
             if final is None and text.endswith("\ufffd"):  # a character split across tokens: wait
-                return "", []
+                return None
+            cuts = [k for k in (text.find(x) for x in stops) if k >= 0]
+            if cuts:
+                text = text[: min(cuts)]
+            elif final is None and hold:
+                text = text[: max(len(sent_text[i]), len(text) - hold)]
             delta = text[len(sent_text[i]):] if text.startswith(sent_text[i]) else ""
+            new_tokens = tokens[i][sent_tokens[i]:]
             sent_text[i] += delta
             sent_tokens[i] = len(tokens[i])
-            return delta, new_tokens
+            return delta, new_tokens, bool(cuts)
 
+        pending = set(waiting)
         try:
-            pending = set(waiting)
             while pending:
                 wake.clear()
                 while arrived:
                     i, new = arrived.popleft()
+                    if by_index[i] not in pending:
+                        continue  # stopped already: the engine's last tokens before it saw the cancel
                     tokens[i] += new
-                    delta, new_tokens = piece(i)
-                    if delta or new_tokens:
-                        yield chunk(head, i, delta, new_tokens, None)
+                    out = piece(i)
+                    if out is None or not (out[0] or out[1] or out[2]):
+                        continue
+                    if out[2]:  # a stop string: this choice is done
+                        futures[i].cancel()
+                        pending.discard(by_index[i])
+                        prompt_tokens += getattr(futures[i], "num_input_tokens", 0)
+                        completion_tokens += len(tokens[i])
+                    yield ("piece", i, out[0], out[1], "stop" if out[2] else None)
                 for w in [w for w in pending if w.done()]:  # its tokens arrived before it resolved
                     pending.discard(w)
+                    i = waiting[w]
                     try:
-                        result, i = w.result(), waiting[w]
-                    except PoolExhaustedError as exc:
-                        message = f"the prompt does not fit the server's KV pool: {exc}"
-                        yield f"data: {json.dumps({'error': {'message': message, 'type': 'invalid_request_error', 'param': 'prompt'}})}\n\n"
+                        result = w.result()
+                    except Exception as exc:  # noqa: BLE001 - reported per choice
+                        yield ("error", i, exc)
                         continue
-                    results.append(result)
-                    delta, new_tokens = piece(i, final=result.text if result.texts is not None else "")
-                    yield chunk(head, i, delta, new_tokens, finish_reason(result, max_tokens))
+                    tokens[i] = result.token_ids[1:]
+                    delta, new_tokens, stopped = piece(i, final=result.text if result.texts is not None else "")
+                    prompt_tokens += result.num_input_tokens
+                    completion_tokens += len(tokens[i])
+                    yield ("piece", i, delta, new_tokens, "stop" if stopped else finish_reason(result, max_tokens))
                 if not pending:
                     break
                 if await request.is_disconnected():
@@ -333,19 +358,62 @@ def create_app(engine: OnlineEngine, model_name: str, prefix: str = "", max_queu
                     await asyncio.wait([waker, *pending], timeout=0.25, return_when=asyncio.FIRST_COMPLETED)
                 finally:
                     waker.cancel()
-            yield "data: [DONE]\n\n"
-            usage = _usage(results)
-            metrics.record(200, time.perf_counter() - start, usage["prompt_tokens"], usage["completion_tokens"])
-        except (asyncio.CancelledError, GeneratorExit):
+        except BaseException:
             for f in futures:
                 f.cancel()
+            raise
+        yield ("usage", {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                         "total_tokens": prompt_tokens + completion_tokens})
+
+    async def _events(request, futures, arrived, wake, head, max_tokens, stops, start):
+        """Server-sent events of `_pieces`, then [DONE]."""
+        try:
+            async for event in _pieces(request, futures, arrived, wake, max_tokens, stops):
+                if event[0] == "piece":
+                    yield chunk(head, *event[1:])
+                elif event[0] == "error":
+                    message, kind = _failure(event[2])
+                    yield f"data: {json.dumps({'error': {'message': message, 'type': kind, 'index': event[1]}})}\n\n"
+                else:
+                    usage = event[1]
+            yield "data: [DONE]\n\n"
+            metrics.record(200, time.perf_counter() - start, usage["prompt_tokens"], usage["completion_tokens"])
+        except (asyncio.CancelledError, GeneratorExit):
             metrics.record(499, time.perf_counter() - start)
             raise
         except Exception as exc:
-            for f in futures:
-                f.cancel()
             metrics.record(500, time.perf_counter() - start)
             yield f"data: {json.dumps({'error': {'message': f'generation failed: {exc}', 'type': 'server_error'}})}\n\n"
+
+    def failed(exc: BaseException, start: float) -> JSONResponse:
+        message, kind = _failure(exc)
+        status = 400 if kind == "invalid_request_error" else 500
+        metrics.record(status, time.perf_counter() - start)
+        return BadRequest(message, param="prompt" if status == 400 else None, status=status).response()
+
+    async def _collected(request, futures, arrived, wake, head, max_tokens, stops, start):
+        """The JSON answer of a request whose output is watched for stop strings."""
+        texts, ids, reasons = [""] * len(futures), [[] for _ in futures], [None] * len(futures)
+        try:
+            async for event in _pieces(request, futures, arrived, wake, max_tokens, stops):
+                if event[0] == "piece":
+                    _, i, delta, new_tokens, reason = event
+                    texts[i] += delta
+                    ids[i] += new_tokens
+                    reasons[i] = reason or reasons[i]
+                elif event[0] == "error":
+                    for f in futures:
+                        f.cancel()
+                    return failed(event[2], start)
+                else:
+                    usage = event[1]
+        except asyncio.CancelledError:
+            metrics.record(499, time.perf_counter() - start)
+            return PlainTextResponse("", status_code=499)
+        metrics.record(200, time.perf_counter() - start, usage["prompt_tokens"], usage["completion_tokens"])
+        choices = [{"text": t, "index": i, "logprobs": None, "finish_reason": r, "token_ids": k}
+                   for i, (t, k, r) in enumerate(zip(texts, ids, reasons))]
+        return JSONResponse({**head, "choices": choices, "usage": usage})
 
     async def models(request: HttpRequest):
         return JSONResponse({"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
@@ -366,6 +434,13 @@ def create_app(engine: OnlineEngine, model_name: str, prefix: str = "", max_queu
         Route("/health", health, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
     ])
+
+
+def _failure(exc: BaseException) -> tuple[str, str]:
+    """(message, OpenAI error type) of a choice that failed in the engine."""
+    if isinstance(exc, PoolExhaustedError):
+        return f"the prompt does not fit the server's KV pool: {exc}", "invalid_request_error"
+    return f"generation failed: {exc!r}", "server_error"
 
 
 def _arrive(arrived: collections.deque, wake: asyncio.Event, index: int, tokens: list[int]) -> None:
