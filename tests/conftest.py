@@ -3,6 +3,7 @@ on the device-resident decode loops. The compare-with-stock oracle is tests/orac
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -67,6 +68,31 @@ def make_batch(lengths, seq_len=None, padding_side="right", seed=1, vocab=VOCAB,
         ids[row, sl] = toks
         mask[row, sl] = 1
     return ids.to(device), mask.to(device)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's intra-op threads set to `n` inside, restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny matmuls: one thread avoids OpenMP spin-waits on a busy 2-core machine (10-100x here)."""
+    with torch_threads(1):
+        yield
+
+
+@pytest.fixture(scope="module")
+def one_thread_per_module():
+    """`one_thread` for a whole test module (`pytestmark = pytest.mark.usefixtures(...)`)."""
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture

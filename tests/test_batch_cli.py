@@ -25,12 +25,7 @@ TEXTS = [tiny.CORPUS[i] for i in range(9)] + [" ".join(tiny.CORPUS[10:14]), "Sho
 IDS = [f"doc-{i}" for i in range(len(TEXTS) - 1)] + [7]  # string ids and one int id
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls: avoid OpenMP spin-waits on a busy machine
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread_per_module")  # conftest: tiny matmuls, one thread
 
 
 @pytest.fixture(scope="module")

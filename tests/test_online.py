@@ -19,12 +19,7 @@ LENGTHS = [5, 23, 3, 17, 9, 30, 2, 12]
 MAX_NEW = [7, 19, 3, 12, 25, 4, 16, 9]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread_per_module")  # conftest: tiny matmuls, one thread
 
 
 def inputs(lengths=LENGTHS, seed=1):

@@ -258,15 +258,6 @@ def _mixed_call(rng: random.Random, stock_model, seed: int) -> dict:
     return kw
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny matmuls: one thread avoids OpenMP spin-waits on a busy 2-core machine (as in test_batching.py)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("seed", [*CI_MIX_SEEDS, *(pytest.param(s, marks=pytest.mark.slow) for s in SLOW_MIX_SEEDS)])
 def test_random_mix(seed, loops, one_thread):
     """MIX_CALLS random calls on one patched model of this case's family, block size and backend:
