@@ -186,6 +186,8 @@ def test_a_prompt_too_large_for_the_pool_gets_a_400_with_the_numbers():
         assert r.status_code == 400, r.text
         error = r.json()["error"]
         assert error["param"] == "prompt" and "KV blocks by itself" in error["message"]
+        r = client.post("/v1/completions", json={"prompt": list(range(2, 80)), "max_tokens": 2, "stream": True})
+        assert r.status_code == 400 and "KV blocks by itself" in r.json()["error"]["message"]
         assert client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2}).status_code == 200
     engine.close()
 

@@ -261,8 +261,17 @@ def create_app(engine: OnlineEngine, model_name: str, prefix: str = "", max_queu
         ident = f"cmpl-{uuid.uuid4().hex}"
         head = {"id": ident, "object": "text_completion", "created": int(time.time()), "model": model_name}
         if stream:
-            return StreamingResponse(_events(request, futures, arrived, wake, head, max_tokens, stops, start),
-                                     media_type="text/event-stream")
+            # the first piece decides the status: a prompt the pool cannot hold gets its 400, not a 200
+            pieces = _pieces(request, futures, arrived, wake, max_tokens, stops)
+            try:
+                first = await pieces.__anext__()
+            except asyncio.CancelledError:
+                metrics.record(499, time.perf_counter() - start)
+                return PlainTextResponse("", status_code=499)
+            if first[0] == "error" and len(futures) == 1:
+                await pieces.aclose()
+                return failed(first[2], start)
+            return StreamingResponse(_events(first, pieces, head, start), media_type="text/event-stream")
         if stops:
             return await _collected(request, futures, arrived, wake, head, max_tokens, stops, start)
         waiting = [asyncio.wrap_future(f) for f in futures]
@@ -365,10 +374,16 @@ def create_app(engine: OnlineEngine, model_name: str, prefix: str = "", max_queu
         yield ("usage", {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                          "total_tokens": prompt_tokens + completion_tokens})
 
-    async def _events(request, futures, arrived, wake, head, max_tokens, stops, start):
-        """Server-sent events of `_pieces`, then [DONE]."""
+    async def _events(first, pieces, head, start):
+        """Server-sent events of `_pieces` (its `first` event already taken), then [DONE]."""
+
+        async def events():
+            yield first
+            async for event in pieces:
+                yield event
+
         try:
-            async for event in _pieces(request, futures, arrived, wake, max_tokens, stops):
+            async for event in events():
                 if event[0] == "piece":
                     yield chunk(head, *event[1:])
                 elif event[0] == "error":
