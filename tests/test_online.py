@@ -128,6 +128,8 @@ def test_bad_input_is_refused_in_the_callers_thread_and_the_engine_goes_on():
             engine.submit(hp.BatchRequest([5, 6, 7], max_new_tokens=0))
         with pytest.raises(ValueError, match="a text, but BatchGenerator was given no tokenizer"):
             engine.submit("a text, but no tokenizer")
+        with pytest.raises(ValueError, match="token id 100000 is outside the model's vocabulary"):
+            engine.submit([5, 100000])
         ids = inputs([7])[0]
         assert engine.submit(ids).result(timeout=60).sequences == alone(model, ids, 3)
 

@@ -103,6 +103,7 @@ def test_stream(served):
     ("stream", "yes", 400, "stream"),
     ("prompt", [], 400, "prompt"),
     ("prompt", [[]], 400, "prompt"),
+    ("prompt", [5, 10**6], 400, "prompt"),
     ("model", "gpt-4", 404, "model"),
     ("frobnicate", 1, 400, "frobnicate"),
 ])

@@ -72,6 +72,7 @@ class BatchGenerator:
                             "use model.generate() for this model")
         self.model, self.tokenizer, self.runtime = model, tokenizer, runtime
         self.device = model.get_input_embeddings().weight.device
+        self.vocab_size = model.get_input_embeddings().num_embeddings
         self.config, self.default_max_new, self.default_min_new = _resolve_config(
             model, generation_config, generate_kwargs, self.device
         )
@@ -195,6 +196,11 @@ class BatchGenerator:
             )
         if not ids:
             raise ValueError(f"input {index} has no tokens; each input needs at least one")
+        low, high = min(ids), max(ids)
+        if low < 0 or high >= self.vocab_size:  # (an id past the embedding is a device-side fault on a GPU)
+            bad = low if low < 0 else high
+            raise ValueError(f"input {index}: token id {bad} is outside the model's vocabulary "
+                             f"(0 to {self.vocab_size - 1})")
         return ids
 
     def result(self, request: Request, sequences: list[list[int]], scores: Optional[list[float]]) -> BatchResult:

@@ -250,7 +250,7 @@ def create_app(engine: OnlineEngine, model_name: str, prefix: str = "", max_queu
                 sampled = "sampling" in str(exc) or "seed" in str(exc) or "temperature" in str(exc)
                 param = next((k for k in ("temperature", "top_p", "seed") if k in body), "prompt") if sampled \
                     else "prompt"
-                raise BadRequest(str(exc), param=param) from exc
+                raise BadRequest(f"{param}: {exc}", param=param) from exc
             except RuntimeError as exc:  # the engine is closed or stopped
                 for f in futures:
                     f.cancel()
