@@ -533,3 +533,5 @@ def test_per_input_sampling_refusals():
     with pytest.raises(ValueError, match="read the generated tokens"):
         hp.BatchGenerator(model, repetition_penalty=1.2).make_request(
             0, hp.BatchRequest(ids, do_sample=True, temperature=0.5))
+    with pytest.raises(ValueError, match="read the generated tokens"):
+        hp.BatchGenerator(model, do_sample=True, repetition_penalty=1.2).make_request(0, hp.BatchRequest(ids, seed=1))

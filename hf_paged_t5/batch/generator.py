@@ -167,6 +167,10 @@ class BatchGenerator:
         if limits.seed is not None and self.expand > 1:
             raise ValueError(f"input {index}: a seed needs num_return_sequences=1 (HF draws the sequences of one "
                              "input together)")
+        if self.rules.needs_history:  # the rows' own draws and rules go by row, not by length group
+            raise ValueError(f"input {index}: per-input sampling options or a seed cannot be combined with "
+                             "processors that read the generated tokens (repetition penalties, "
+                             "no_repeat_ngram_size, ...)")
         if key == tuple(getattr(cfg, name) for name in SAMPLING_OPTIONS):
             return None, limits.seed
         rules = self._rules_by_key.get(key)
@@ -174,7 +178,7 @@ class BatchGenerator:
             own = copy.deepcopy(cfg)
             own.do_sample, own.temperature, own.top_p, own.top_k = key
             rules = self._rules_by_key[key] = LogitsRules(self.model, own, self.device)
-        if rules.needs_history or self.rules.needs_history:
+        if rules.needs_history:
             raise ValueError(f"input {index}: per-input sampling options cannot be combined with processors that "
                              "read the generated tokens (repetition penalties, no_repeat_ngram_size, ...)")
         return (rules, bool(do_sample)), limits.seed
