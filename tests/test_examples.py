@@ -75,6 +75,7 @@ def runs(checkpoint, job_input, tmp_path_factory):
                    out / "dp2.jsonl"),
         "demo": ([EXAMPLES / "demo.py", "--model", checkpoint, "--max-new-tokens", "8", "--repeats", "1"],
                  None),
+        "serve_client": ([EXAMPLES / "serve_client.py", "--model", checkpoint], None),
     }
     procs = {}
     for name, (args, path) in commands.items():
@@ -231,3 +232,10 @@ def test_quickstart_notebook(checkpoint, runs, monkeypatch):
     assert "stock again: True" in printed, printed
     assert FALLBACK not in printed, printed
     assert "temporary checkpoint removed: True" in printed, printed
+
+
+def test_serve_client(runs):
+    out = finished(runs, "serve_client")
+    assert value(out, "finish reason:")
+    assert value(out, "streamed in").endswith("streamed equals plain: True")
+    assert value(out, "batch[1]:") is not None
