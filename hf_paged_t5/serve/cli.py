@@ -20,22 +20,14 @@ logger = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="local checkpoint directory (config.json, weights, tokenizer)")
+    batch_cli.add_model_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     parser.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
-    parser.add_argument("--dtype", choices=["auto", *sorted(batch_cli.DTYPES)], default="auto",
-                        help="weights' dtype (default auto: bfloat16 on a GPU that supports it, else the "
-                             "checkpoint's own dtype)")
-    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     parser.add_argument("--task", default=None,
                         help="task_specific_params key whose prefix and generation defaults apply to every prompt, "
                              "e.g. summarization or translation_en_to_de (default: none)")
     parser.add_argument("--max-queue", type=int, default=None, metavar="N",
                         help="inputs waiting for admission beyond which a request gets a 503 (default: no limit)")
-    parser.add_argument("--batch-tokens", type=int, default=65536,
-                        help="KV tokens the running requests may hold together (default: 65536)")
-    parser.add_argument("--batch-rows", type=int, default=None,
-                        help="decoder rows per step (default: the pool config's max_graph_batch, 512)")
     parser.add_argument("--drain", type=float, default=30.0, metavar="SECONDS",
                         help="on SIGTERM / Ctrl-C, seconds the running requests get to finish (default: 30)")
     parser.add_argument("--model-name", default=None,
