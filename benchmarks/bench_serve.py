@@ -6,13 +6,17 @@ Systems: (a) `paged-server`: this package's server (continuous batching, streami
 --patched`); (c) `stock-server`: the same over stock HF. One random-weight checkpoint
 (`tiny.save_demo_checkpoint`, `--shape`), bf16 on a GPU. Requests: token-id prompts of long-tailed
 lengths, each with its own forced length (min_tokens = max_tokens), arriving as a Poisson process
-at each `--rates` value for `--duration` seconds; (a) streams (time to first token = first event),
+at each `--rates` value (the stock server: `--stock-rates`) for `--duration` seconds, after
+`--warmup` seconds of unmeasured load (kernel compiles, graph captures), sent by `--clients`
+processes that share the rate (one process parsing every streamed event would be what limits the
+measured rate); (a) streams (time to first token = first event),
 (b) and (c) answer whole (first token = the answer). Per system and rate: completed requests,
 errors, generated tokens/s over the load's wall time, p50 / p99 time to first token and
 end-to-end latency. A system's sustained rate is the highest rate whose p99 end-to-end latency
 stays under `--slo` seconds with no errors; its sweep stops at the first rate past 5x that.
 
     python benchmarks/bench_serve.py [--shape t5-large] [--rates 1,2,4,8,16,32,64] [--duration 30]
+        [--stock-rates 0.125,0.25,0.5,1] [--warmup 10] [--clients 4]
         [--systems paged-server,generate-server,stock-server] [--quick] [--out DIR]
 
 Needs the serve extra and httpx (`pip install "hf_paged_t5[serve]" httpx`). Writes DIR/serve.json
@@ -23,7 +27,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
+import multiprocessing
 import os
 import pathlib
 import random
@@ -107,11 +113,13 @@ async def one(client, base: str, prompt: list[int], new: int, stream: bool) -> d
     return dict(ok=True, ttft=first, e2e=time.perf_counter() - t0, tokens=tokens)
 
 
-async def load(base: str, rate: float, duration: float, items, stream: bool) -> dict:
+async def _load(base: str, rate: float, duration: float, items, stream: bool, seed: int) -> tuple[list, float]:
+    """One client process's share of the load: Poisson arrivals at `rate` for `duration` seconds;
+    (a record per request, wall seconds until the last answer)."""
     import httpx
 
-    rng = random.Random(int(rate * 1000))
-    tasks, t, i = [], 0.0, 0
+    rng = random.Random(seed)
+    tasks, t, i = [], 0.0, rng.randrange(len(items))
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=None)) as client:
         start = time.perf_counter()
         while True:
@@ -124,26 +132,59 @@ async def load(base: str, rate: float, duration: float, items, stream: bool) -> 
             tasks.append(asyncio.create_task(one(client, base, prompt, new, stream)))
         done = await asyncio.gather(*tasks, return_exceptions=True)
         wall = time.perf_counter() - start
-    ok = [d for d in done if isinstance(d, dict) and d.get("ok")]
-    errors = len(done) - len(ok)
+    return [d if isinstance(d, dict) else dict(ok=False, status=type(d).__name__) for d in done], wall
+
+
+_ITEMS = None  # the workload, built once per client process
+
+
+def _client_init(vocab: int, quick: bool) -> None:
+    global _ITEMS
+    _ITEMS = workload(4096, vocab, quick)
+
+
+def _client(base: str, rate: float, duration: float, stream: bool, seed: int) -> tuple[list, float]:
+    return asyncio.run(_load(base, rate, duration, _ITEMS, stream, seed))
+
+
+def load(clients, base: str, rate: float, duration: float, stream: bool) -> dict:
+    """The load at `rate`, split over the client processes (a sum of Poisson processes is one), so
+    that parsing the answers is not what limits the measured rate."""
+    k = clients._max_workers
+    parts = [clients.submit(_client, base, rate / k, duration, stream, int(rate * 1000) * k + j) for j in range(k)]
+    records, wall = [], 0.0
+    for part in parts:
+        got, seconds = part.result()
+        records += got
+        wall = max(wall, seconds)
+    ok = [d for d in records if d.get("ok")]
+    statuses: dict[str, int] = {}
+    for d in records:
+        if not d.get("ok"):
+            statuses[str(d.get("status"))] = statuses.get(str(d.get("status")), 0) + 1
 
     def pct(key: str, q: float):
         values = sorted(d[key] for d in ok if d.get(key) is not None)
         return values[min(len(values) - 1, int(q * len(values)))] if values else None
 
-    return dict(rate=rate, requests=len(done), completed=len(ok), errors=errors, wall_s=wall,
+    return dict(rate=rate, requests=len(records), completed=len(ok), errors=len(records) - len(ok),
+                error_statuses=statuses, wall_s=wall,
                 tokens_per_s=sum(d["tokens"] for d in ok) / wall if wall else 0.0,
                 ttft_p50=pct("ttft", 0.5), ttft_p99=pct("ttft", 0.99), e2e_p50=pct("e2e", 0.5),
                 e2e_p99=pct("e2e", 0.99))
 
 
-def sweep(system: str, base: str, rates, duration: float, items, slo: float) -> list[dict]:
+def sweep(clients, system: str, base: str, rates, duration: float, slo: float, warmup: float) -> list[dict]:
+    stream = system == "paged-server"
+    if warmup:  # kernel compiles and graph captures of the shapes the load meets, not measured
+        load(clients, base, min(rates[0], 4.0), warmup, stream)
     rows = []
     for rate in rates:
-        row = asyncio.run(load(base, rate, duration, items, stream=system == "paged-server"))
+        row = load(clients, base, rate, duration, stream)
         rows.append(row)
         print(f"{system} rate {rate}/s: {row['completed']}/{row['requests']} done, {row['tokens_per_s']:.0f} tok/s, "
-              f"ttft p99 {row['ttft_p99']}, e2e p50 {row['e2e_p50']} p99 {row['e2e_p99']}", flush=True)
+              f"ttft p99 {row['ttft_p99']}, e2e p50 {row['e2e_p50']} p99 {row['e2e_p99']}"
+              + (f", errors {row['error_statuses']}" if row["errors"] else ""), flush=True)
         if row["errors"] or row["e2e_p99"] is None or row["e2e_p99"] > 5 * slo:
             break
     return rows
@@ -158,10 +199,16 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default=None, help="tiny.SHAPES layout (default: t5-large; --quick: tiny)")
     ap.add_argument("--rates", default=None, help="requests per second, comma-separated (default: 1,2,4,...,64)")
+    ap.add_argument("--stock-rates", default=None,
+                    help="the stock server's rates (default: 0.125,0.25,0.5,1; quick: as --rates)")
     ap.add_argument("--duration", type=float, default=None, help="seconds of load per rate (default 30; quick 3)")
     ap.add_argument("--slo", type=float, default=2.0, help="p99 end-to-end seconds of a sustained rate (default 2)")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
     ap.add_argument("--device", default=None, help="the servers' device (default: cuda if available)")
+    ap.add_argument("--warmup", type=float, default=None,
+                    help="seconds of unmeasured load before each system's sweep (default 10; quick 2)")
+    ap.add_argument("--clients", type=int, default=None,
+                    help="client processes that share the load (default: 4, 1 with --quick)")
     ap.add_argument("--quick", action="store_true", help="tiny layout, low rates, short loads (a smoke run)")
     ap.add_argument("--out", default=None, help="folder for serve.json (default: benchmarks/results/<date>-<gpu>)")
     args = ap.parse_args(argv)
@@ -176,24 +223,32 @@ def main(argv=None) -> None:
     shape = args.shape or ("tiny" if args.quick else "t5-large")
     rates = [float(r) for r in (args.rates or ("1,2,4" if args.quick else "1,2,4,8,16,32,64")).split(",")]
     duration = args.duration or (3.0 if args.quick else 30.0)
+    stock_rates = [float(r) for r in args.stock_rates.split(",")] if args.stock_rates else (
+        rates if args.quick else [0.125, 0.25, 0.5, 1.0])
     out = common.start_suite(args.out, "serve")
     with tempfile.TemporaryDirectory() as folder:
         checkpoint = tiny.save_demo_checkpoint(pathlib.Path(folder) / shape, shape=shape)
         vocab = json.loads((pathlib.Path(checkpoint) / "config.json").read_text())["vocab_size"]
-        items = workload(4096, vocab, args.quick)
+        warmup = args.warmup if args.warmup is not None else (2.0 if args.quick else 10.0)
+        clients = concurrent.futures.ProcessPoolExecutor(
+            args.clients or (1 if args.quick else 4), mp_context=multiprocessing.get_context("spawn"),
+            initializer=_client_init, initargs=(vocab, args.quick))
         results = {}
         for system in systems:
             proc, base = start(system, checkpoint, device)
             try:
-                results[system] = sweep(system, base, rates, duration, items, args.slo)
+                results[system] = sweep(clients, system, base, stock_rates if system == "stock-server" else rates,
+                                        duration, args.slo, warmup)
             finally:
                 proc.send_signal(signal.SIGTERM)
                 try:
                     proc.wait(60)
                 except subprocess.TimeoutExpired:
                     proc.kill()
+        clients.shutdown()
     rate_of = {s: sustained(rows, args.slo) for s, rows in results.items()}
-    report = dict(shape=shape, device=device, slo_s=args.slo, duration_s=duration, rates=rates,
+    report = dict(shape=shape, device=device, slo_s=args.slo, duration_s=duration, warmup_s=warmup,
+                  client_processes=clients._max_workers, rates=rates, stock_rates=stock_rates,
                   sustained_rate=rate_of, systems=results)
     if "paged-server" in rate_of:
         for other in ("generate-server", "stock-server"):

@@ -41,6 +41,7 @@ from ..hf.patch import runtime_stats
 from ..kv.block_manager import PoolExhaustedError
 
 MAX_N = 16  # completions per prompt a request may ask for
+DISCONNECT_CHECK_S = 0.25  # how often a streaming request looks for its client gone
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 # fields of OpenAI's completions request that are accepted only at the value that means "off"
 OFF_VALUES = MappingProxyType({
@@ -231,11 +232,7 @@ def create_app(engine: OnlineEngine, model_name: str, prefix: str = "", max_queu
                                  code="queue_full")
             futures = []
             watch = stream or bool(stops)  # the output is read as it is generated
-            if watch:  # the engine thread hands each choice's new tokens to this event loop
-                loop, arrived, wake = asyncio.get_running_loop(), collections.deque(), asyncio.Event()
-
-                def tokens_of(i):
-                    return lambda tokens: loop.call_soon_threadsafe(_arrive, arrived, wake, i, tokens)
+            arrivals = _Arrivals(asyncio.get_running_loop()) if watch else None
             try:
                 for p in prompts:  # choice i * n + j: the j-th completion of prompt i, as OpenAI numbers them
                     item = prefix + p if isinstance(p, str) else p
@@ -243,7 +240,7 @@ def create_app(engine: OnlineEngine, model_name: str, prefix: str = "", max_queu
                         own = dict(sampling, seed=sampling["seed"] + j) if "seed" in sampling else sampling
                         futures.append(engine.submit(BatchRequest(item, max_new_tokens=max_tokens,
                                                                   min_new_tokens=min_tokens or None, **own),
-                                                     on_tokens=tokens_of(len(futures)) if watch else None))
+                                                     on_tokens=arrivals.callback(len(futures)) if watch else None))
             except ValueError as exc:
                 for f in futures:
                     f.cancel()
@@ -262,7 +259,7 @@ def create_app(engine: OnlineEngine, model_name: str, prefix: str = "", max_queu
         head = {"id": ident, "object": "text_completion", "created": int(time.time()), "model": model_name}
         if stream:
             # the first piece decides the status: a prompt the pool cannot hold gets its 400, not a 200
-            pieces = _pieces(request, futures, arrived, wake, max_tokens, stops)
+            pieces = _pieces(request, futures, arrivals, max_tokens, stops)
             try:
                 first = await pieces.__anext__()
             except asyncio.CancelledError:
@@ -273,7 +270,7 @@ def create_app(engine: OnlineEngine, model_name: str, prefix: str = "", max_queu
                 return failed(first[2], start)
             return StreamingResponse(_events(first, pieces, head, start), media_type="text/event-stream")
         if stops:
-            return await _collected(request, futures, arrived, wake, head, max_tokens, stops, start)
+            return await _collected(request, futures, arrivals, head, max_tokens, stops, start)
         waiting = [asyncio.wrap_future(f) for f in futures]
         while not all(w.done() for w in waiting):
             await asyncio.wait(waiting, timeout=0.05)
@@ -296,20 +293,25 @@ def create_app(engine: OnlineEngine, model_name: str, prefix: str = "", max_queu
                                      "token_ids": tokens}]}
         return f"data: {json.dumps(body)}\n\n"
 
-    async def _pieces(request, futures, arrived, wake, max_tokens, stops):
+    async def _pieces(request, futures, arrivals, max_tokens, stops):
         """Each choice's output as it is generated: ("piece", index, text, token ids, finish reason or
         None) - the decoded tokens so far less what was given (a piece that would end inside a
         character waits; with stop strings, the last characters that could start one wait too) -;
         ("error", index, exception) for a choice that failed; then ("usage", usage). A choice whose
         text reaches a stop string ends there (the string left out, OpenAI's "stop") and its
-        request is cancelled, its blocks back to the pool. A client gone cancels everything."""
+        request is cancelled, its blocks back to the pool. A client gone cancels everything. The
+        tokens that arrived while the client was being written to go out as one piece per choice."""
         tokenizer = generator.tokenizer
+        loop = asyncio.get_running_loop()
         waiting = {asyncio.wrap_future(f): i for i, f in enumerate(futures)}
+        for w in waiting:
+            w.add_done_callback(arrivals.set)
         by_index = {i: w for w, i in waiting.items()}
         tokens: list[list[int]] = [[] for _ in futures]
         sent_text, sent_tokens = [""] * len(futures), [0] * len(futures)
         hold = max((len(x) for x in stops), default=1) - 1
         prompt_tokens = completion_tokens = 0
+        next_check = loop.time() + DISCONNECT_CHECK_S
 
         def piece(i: int, final: Optional[str] = None) -> Optional[tuple[str, list[int], bool]]:
             text = final if final is not None else (
@@ -330,12 +332,13 @@ def create_app(engine: OnlineEngine, model_name: str, prefix: str = "", max_queu
         pending = set(waiting)
         try:
             while pending:
-                wake.clear()
-                while arrived:
-                    i, new = arrived.popleft()
-                    if by_index[i] not in pending:
-                        continue  # stopped already: the engine's last tokens before it saw the cancel
-                    tokens[i] += new
+                arrivals.wake.clear()
+                grown = {}
+                for i, new in arrivals.take():
+                    if by_index[i] in pending:
+                        tokens[i] += new
+                        grown[i] = None
+                for i in grown:  # (a choice stopped already drops the engine's last tokens before the cancel)
                     out = piece(i)
                     if out is None or not (out[0] or out[1] or out[2]):
                         continue
@@ -360,13 +363,15 @@ def create_app(engine: OnlineEngine, model_name: str, prefix: str = "", max_queu
                     yield ("piece", i, delta, new_tokens, "stop" if stopped else finish_reason(result, max_tokens))
                 if not pending:
                     break
-                if await request.is_disconnected():
-                    raise asyncio.CancelledError
-                waker = asyncio.ensure_future(wake.wait())
+                if loop.time() >= next_check:
+                    if await request.is_disconnected():
+                        raise asyncio.CancelledError
+                    next_check = loop.time() + DISCONNECT_CHECK_S
+                timer = loop.call_later(DISCONNECT_CHECK_S, arrivals.set)
                 try:
-                    await asyncio.wait([waker, *pending], timeout=0.25, return_when=asyncio.FIRST_COMPLETED)
+                    await arrivals.wake.wait()
                 finally:
-                    waker.cancel()
+                    timer.cancel()
         except BaseException:
             for f in futures:
                 f.cancel()
@@ -406,11 +411,11 @@ def create_app(engine: OnlineEngine, model_name: str, prefix: str = "", max_queu
         metrics.record(status, time.perf_counter() - start)
         return BadRequest(message, param="prompt" if status == 400 else None, status=status).response()
 
-    async def _collected(request, futures, arrived, wake, head, max_tokens, stops, start):
+    async def _collected(request, futures, arrivals, head, max_tokens, stops, start):
         """The JSON answer of a request whose output is watched for stop strings."""
         texts, ids, reasons = [""] * len(futures), [[] for _ in futures], [None] * len(futures)
         try:
-            async for event in _pieces(request, futures, arrived, wake, max_tokens, stops):
+            async for event in _pieces(request, futures, arrivals, max_tokens, stops):
                 if event[0] == "piece":
                     _, i, delta, new_tokens, reason = event
                     texts[i] += delta
@@ -458,10 +463,43 @@ def _failure(exc: BaseException) -> tuple[str, str]:
     return f"generation failed: {exc!r}", "server_error"
 
 
-def _arrive(arrived: collections.deque, wake: asyncio.Event, index: int, tokens: list[int]) -> None:
-    """On the event loop: new tokens of choice `index` (from the engine's thread)."""
-    arrived.append((index, tokens))
-    wake.set()
+class _Arrivals:
+    """New tokens of one HTTP request's choices, from the engine's thread to the event loop: the
+    engine appends to a queue and wakes the loop at most once until the loop has run (not once per
+    choice and step: under load the loop would spend its time, and the GIL the engine needs, on
+    wake-ups)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: collections.deque = collections.deque()
+        self.wake = asyncio.Event()
+        self._scheduled = False
+
+    def callback(self, index: int):
+        """The engine's `on_tokens` for choice `index`."""
+
+        def on_tokens(tokens: list[int]) -> None:
+            self.queue.append((index, tokens))
+            if not self._scheduled:
+                self._scheduled = True
+                self.loop.call_soon_threadsafe(self._fire)
+
+        return on_tokens
+
+    def _fire(self) -> None:
+        self._scheduled = False
+        self.wake.set()
+
+    def set(self, *_: Any) -> None:
+        """On the event loop: wake the reader (a choice resolved, or the disconnect check is due)."""
+        self.wake.set()
+
+    def take(self) -> list[tuple[int, list[int]]]:
+        """Every (choice, new tokens) that arrived, in order."""
+        out = []
+        while self.queue:
+            out.append(self.queue.popleft())
+        return out
 
 
 def _usage(results) -> dict:
