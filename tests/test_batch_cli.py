@@ -230,6 +230,13 @@ def test_duplicate_id(files, caplog, no_load):
     assert not output.exists()
 
 
+def test_memory_fraction_out_of_range_refused(files, caplog, no_load):
+    model, source, output = files
+    assert_refused(job("generate", model, source, output, "--gpu-memory-utilization", "1.5"), caplog, no_load,
+                   "--gpu-memory-utilization 1.5: must be in (0, 1]")
+    assert not output.exists()
+
+
 def test_missing_input(files, caplog, no_load):
     model, source, output = files
     status = job("generate", model, source.with_name("none.jsonl"), output)

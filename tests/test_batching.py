@@ -93,7 +93,77 @@ def test_pool_not_rows_limits_admission(admissions):
     assert max(running for _, running, _ in admissions) == 3
     for ids, result in zip(inputs, results):
         assert result.sequences == alone(model, ids, max_new_tokens=10)[0]
+    for bad in (0, 1.5, -0.1, True, "0.9"):
+        with pytest.raises(ValueError, match=r"gpu_memory_utilization must be a fraction in \(0, 1\]"):
+            hp.BatchGenerator(model, gpu_memory_utilization=bad)
     assert model._hf_paged_t5.pool.is_idle()
+
+
+def test_default_kv_budget_from_gpu_memory(monkeypatch):
+    """Off CUDA the default budget is DEFAULT_BATCH_TOKENS; on CUDA devices (stood in for here) it is
+    what fits in the utilization share of each device's memory after what is in use, the model's
+    pool counting as room, the fewest over the devices; no room at all is an error with the numbers."""
+    from hf_paged_t5.batch import generator as gen_mod
+    from hf_paged_t5.kv.pool import LayerSpec
+
+    model = make_model("t5")
+    hp.patch_model(model, hp.PagedCacheConfig(backend="torch"))
+    assert hp.BatchGenerator(model).max_batch_tokens == gen_mod.DEFAULT_BATCH_TOKENS
+    assert hp.BatchGenerator(model, max_batch_tokens=300).max_batch_tokens == 300
+    gib = 2**30
+    cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    specs = [LayerSpec(cuda0, torch.bfloat16, 16, 64)] * 2 + [LayerSpec(cuda1, torch.bfloat16, 16, 64)]
+    memory = {cuda0: (50 * gib, 100 * gib), cuda1: (30 * gib, 100 * gib)}
+    # per token: cuda:0 holds two layers (2 x 2 x 16 x 64 x 2 B = 8 KiB), cuda:1 one (4 KiB)
+    tokens = gen_mod.kv_token_budget(specs, 0.9, memory.__getitem__)
+    assert tokens == min(int((50 - 10) * gib // 8192), int((30 - 10) * gib // 4096))  # cuda:0's 40 GiB / 8 KiB
+    assert gen_mod.kv_token_budget(specs, 0.5, memory.__getitem__) == 0  # cuda:1: 30 GiB free < 50 GiB kept unused
+    monkeypatch.setattr(model._hf_paged_t5, "layer_specs", lambda decoder: specs)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: memory[torch.device(device)])
+    assert gen_mod._default_batch_tokens(model._hf_paged_t5, model.decoder, 0.9) == (tokens, True)
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.5 leaves no room for KV on cuda:0 \(50.0 of "
+                                         r"100.0 GiB free\), cuda:1 \(30.0 of 100.0 GiB free\)"):
+        gen_mod._default_batch_tokens(model._hf_paged_t5, model.decoder, 0.5)
+
+
+def test_a_budget_sized_from_memory_is_reserved_up_front():
+    """A job whose budget came from the GPU's memory (stood in for by `reserve_tokens`) re-makes the
+    idle pool at once to hold it, and never grows it by copying during the job; a job with the
+    caller's budget leaves the pool to grow as it needs; a capped pool is not grown past its cap."""
+    from hf_paged_t5.batch.cache import blocks_for
+
+    model = patched(seed=9)
+    pool_of = lambda: model._hf_paged_t5.pool  # noqa: E731
+    inputs = make_inputs([10, 12, 60, 9], seed=8)
+    gen = hp.BatchGenerator(model, max_new_tokens=6, max_batch_rows=3)
+    assert gen.reserve_tokens is None  # off CUDA: the fixed default, no reservation
+    list(gen.generate(inputs[:1]))
+    before = pool_of().num_blocks
+    gen.reserve_tokens = gen.max_batch_tokens = 4000
+    sizes = []
+    grow = type(pool_of()).reserve
+
+    def recording(self, blocks):
+        sizes.append((self.is_idle(), blocks))
+        return grow(self, blocks)
+
+    type(pool_of()).reserve = recording
+    try:
+        results = list(gen.generate(inputs))
+    finally:
+        type(pool_of()).reserve = grow
+    wanted = blocks_for(4000, pool_of().block_size) + 2 * 3
+    assert before < wanted <= pool_of().num_blocks
+    assert sizes[0] == (True, wanted) and all(blocks <= pool_of().num_blocks for _, blocks in sizes)
+    for ids, result in zip(inputs, results):
+        assert result.sequences == alone(model, ids, max_new_tokens=6)[0]
+    assert pool_of().is_idle()
+
+    capped = patched(seed=9, num_blocks=64, max_num_blocks=96)
+    gen = hp.BatchGenerator(capped, max_new_tokens=6, max_batch_rows=3)
+    gen.reserve_tokens = gen.max_batch_tokens = 4000
+    list(gen.generate(inputs[:2]))
+    assert capped._hf_paged_t5.pool.num_blocks <= 96
 
 
 def test_token_budget_limits_admission_and_a_larger_input_runs_alone(admissions):

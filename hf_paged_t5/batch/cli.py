@@ -57,8 +57,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="weights' dtype (default auto: bfloat16 on a GPU that supports it, else the "
                              "checkpoint's own dtype, float32 when it names none)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    parser.add_argument("--batch-tokens", type=int, default=65536,
-                        help="KV tokens the running requests may hold together (default: 65536)")
+    parser.add_argument("--batch-tokens", type=int, default=None,
+                        help="KV tokens the running requests may hold together (default: what fits in "
+                             "--gpu-memory-utilization of the GPU's memory; 65536 on CPU)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="fraction of the GPU's memory the job may fill, KV included, in (0, 1] "
+                             "(default 0.9; sizes the default --batch-tokens)")
     parser.add_argument("--batch-rows", type=int, default=None,
                         help="decoder rows per step (default: the pool config's max_graph_batch, 512)")
 
@@ -86,6 +90,9 @@ def check_options(args: argparse.Namespace) -> None:
         value = getattr(args, option)
         if value is not None and value < lowest:
             raise CliError(f"--{option.replace('_', '-')} {value}: must be >= {lowest}; give a larger value")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise CliError(f"--gpu-memory-utilization {args.gpu_memory_utilization}: must be in (0, 1], "
+                       "the fraction of the GPU's memory the job may fill; e.g. 0.9")
     if args.min_new_tokens is not None and args.max_new_tokens is not None \
             and args.min_new_tokens > args.max_new_tokens:
         raise CliError(f"--min-new-tokens {args.min_new_tokens} is larger than --max-new-tokens "
@@ -342,7 +349,8 @@ def run_job(command: str, args: argparse.Namespace) -> int:
         patch_model(model)
     try:
         generator = BatchGenerator(model, tokenizer, max_batch_tokens=args.batch_tokens,
-                                   max_batch_rows=args.batch_rows, **kwargs)
+                                   max_batch_rows=args.batch_rows,
+                                   gpu_memory_utilization=args.gpu_memory_utilization, **kwargs)
     except (TypeError, ValueError) as exc:  # a model or generation option the batch engine does not serve
         raise CliError(str(exc)) from exc
     drop_half_written_line(args.output, complete_bytes)

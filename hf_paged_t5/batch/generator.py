@@ -1,6 +1,6 @@
 """`BatchGenerator`: continuous batching of a patched T5 over a stream of inputs of any length mix.
 
-    gen = BatchGenerator(model, tokenizer, max_new_tokens=128, max_batch_tokens=65536)
+    gen = BatchGenerator(model, tokenizer, max_new_tokens=128)  # KV budget: 0.9 of the GPU's memory
     for result in gen.generate(texts):          # results in input order
         print(result.text)
 
@@ -16,7 +16,8 @@ steps live in `run.py`; the per-row logits rules and beam search in `decoding.py
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Iterator
+import logging
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Optional, Sequence, Union
 
 import torch
@@ -31,6 +32,14 @@ from ..hf.policy import fallback_reason
 
 # BatchRequest fields that override the generator's sampling for one input, in GenerationConfig's names.
 SAMPLING_OPTIONS = ("do_sample", "temperature", "top_p", "top_k")
+
+logger = logging.getLogger(__name__)
+
+# KV tokens of the default budget off CUDA (a CPU's memory is not the limit a GPU's is)
+DEFAULT_BATCH_TOKENS = 65536
+# The most padded input tokens one encoder pass takes: its activations are not in the KV budget, so
+# a budget sized from a GPU's memory does not size them (t5-large, bf16: 0.5 GiB per hidden state)
+ENCODER_CHUNK_TOKENS = 262144
 
 # What one input may be: a text (needs a tokenizer), token ids, or a request with its own limits.
 InputItem = Union[str, Sequence[int], torch.Tensor, "BatchRequest"]
@@ -48,7 +57,13 @@ class BatchGenerator:
             are refused with the reason.
         max_batch_tokens: KV tokens the running requests may hold together, counted at admission as
             each request's worst case (input tokens + rows x (max_new_tokens + 1)). An input larger
-            than this alone still runs, by itself.
+            than this alone still runs, by itself. Default (None): on CUDA, what fits in
+            `gpu_memory_utilization` of each decoder device's memory after what is in use there now
+            (weights included; the model's own KV pool counts as room), as vLLM sizes its cache,
+            and reserved in the model's KV pool when a job starts on an idle pool (the memory stays
+            the pool's, for later jobs and generate() calls); elsewhere `DEFAULT_BATCH_TOKENS`.
+        gpu_memory_utilization: the fraction of each GPU's memory the process may fill, KV included,
+            in (0, 1]; used only to size the default `max_batch_tokens`.
         max_batch_rows: decoder rows (sequences x beams) per decode step; default: the pool config's
             `max_graph_batch`, the largest batch a captured CUDA graph serves.
     """
@@ -58,8 +73,9 @@ class BatchGenerator:
         model: nn.Module,
         tokenizer: Any = None,
         generation_config: Optional[GenerationConfig] = None,
-        max_batch_tokens: int = 65536,
+        max_batch_tokens: Optional[int] = None,
         max_batch_rows: Optional[int] = None,
+        gpu_memory_utilization: float = 0.9,
         **generate_kwargs: Any,
     ) -> None:
         runtime = getattr(model, "_hf_paged_t5", None)
@@ -70,6 +86,12 @@ class BatchGenerator:
         if not _paged_encoder(model.get_encoder()):
             raise TypeError(f"BatchGenerator runs the paged encoder, and {STOCK_ENCODER.split(';')[0]} only: "
                             "use model.generate() for this model")
+        if isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, (int, float)) \
+                or not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be a fraction in (0, 1] of each GPU's memory, got "
+                f"{gpu_memory_utilization!r}; e.g. 0.9"
+            )
         self.model, self.tokenizer, self.runtime = model, tokenizer, runtime
         self.device = model.get_input_embeddings().weight.device
         self.vocab_size = model.get_input_embeddings().num_embeddings
@@ -85,7 +107,16 @@ class BatchGenerator:
         self.rules = LogitsRules(model, cfg, self.device)
         self._rules_by_key: dict[tuple, LogitsRules] = {}  # per-input sampling options -> their rules
         self.max_batch_rows = runtime.config.max_graph_batch if max_batch_rows is None else max_batch_rows
+        # a budget sized from the GPU's memory is reserved in the pool when a job starts on an idle
+        # pool (re-made at that size): growing a pool that is in use copies it, and a copy near the
+        # memory's end would need room for both
+        self.reserve_tokens: Optional[int] = None
+        if max_batch_tokens is None:
+            max_batch_tokens, from_memory = _default_batch_tokens(runtime, model.decoder, gpu_memory_utilization)
+            self.reserve_tokens = max_batch_tokens if from_memory else None
         self.max_batch_tokens = max_batch_tokens
+        self.encoder_chunk_tokens = min(max_batch_tokens, ENCODER_CHUNK_TOKENS) if isinstance(max_batch_tokens, int) \
+            else None
         if not isinstance(self.max_batch_rows, int) or self.max_batch_rows < self.expand:
             raise ValueError(
                 f"max_batch_rows must be an int >= the rows of one input ({self.expand}), got {self.max_batch_rows!r}"
@@ -209,6 +240,48 @@ class BatchGenerator:
         if self.tokenizer is not None:
             texts = self.tokenizer.batch_decode(sequences, skip_special_tokens=True)
         return BatchResult(request.index, sequences, texts, scores, len(request.ids))
+
+
+def kv_token_budget(specs: Sequence, utilization: float, mem_get_info: Callable, pool=None) -> int:
+    """KV tokens that fit in `utilization` of every decoder device's memory: per device, its free
+    memory plus what the model's pool already holds there, less the (1 - utilization) share of its
+    total that stays unused, divided by the bytes one token's K/V takes on it; the fewest over the
+    devices, at least 0.
+
+    specs: the decoder layers' `LayerSpec`s; mem_get_info(device) -> (free, total) bytes
+    (`torch.cuda.mem_get_info`); pool: the model's `KVPool` or None.
+    """
+    per_token: dict = {}
+    for spec in specs:
+        per_token[spec.device] = per_token.get(spec.device, 0) + 2 * spec.num_heads * spec.head_dim * (
+            torch.finfo(spec.dtype).bits // 8)
+    pooled = pool is not None and list(pool.specs) == list(specs)
+    budget = None
+    for device, nbytes in per_token.items():
+        free, total = mem_get_info(device)
+        held = pool.num_blocks * pool.block_size * nbytes if pooled else 0
+        tokens = max(0, int((free + held - (1 - utilization) * total) // nbytes))
+        budget = tokens if budget is None else min(budget, tokens)
+    return budget or 0
+
+
+def _default_batch_tokens(runtime, decoder: nn.Module, utilization: float) -> tuple[int, bool]:
+    """(`max_batch_tokens` when the caller gives none (see `BatchGenerator`), whether it was sized
+    from the GPUs' memory)."""
+    specs = runtime.layer_specs(decoder)
+    if not all(spec.device.type == "cuda" for spec in specs):
+        return DEFAULT_BATCH_TOKENS, False
+    budget = kv_token_budget(specs, utilization, torch.cuda.mem_get_info, runtime.pool)
+    free = {str(s.device): torch.cuda.mem_get_info(s.device) for s in specs}
+    if budget < 1:
+        raise ValueError(
+            f"gpu_memory_utilization={utilization} leaves no room for KV on "
+            + ", ".join(f"{d} ({f / 2**30:.1f} of {t / 2**30:.1f} GiB free)" for d, (f, t) in free.items())
+            + "; raise gpu_memory_utilization, free GPU memory, or give max_batch_tokens"
+        )
+    logger.info("BatchGenerator: a KV budget of %d tokens (%s of %s's memory, after what is in use)",
+                budget, utilization, ", ".join(free))
+    return budget, True
 
 
 def _resolve_config(

@@ -48,10 +48,11 @@ class _OnlineRun(BatchRun):
 class OnlineEngine:
     """Continuous batching over requests submitted at any time. Arguments: as `BatchGenerator`'s."""
 
-    def __init__(self, model, tokenizer: Any = None, generation_config=None, max_batch_tokens: int = 65536,
-                 max_batch_rows: Optional[int] = None, **generate_kwargs: Any) -> None:
+    def __init__(self, model, tokenizer: Any = None, generation_config=None, max_batch_tokens: Optional[int] = None,
+                 max_batch_rows: Optional[int] = None, gpu_memory_utilization: float = 0.9,
+                 **generate_kwargs: Any) -> None:
         self.generator = BatchGenerator(model, tokenizer, generation_config, max_batch_tokens, max_batch_rows,
-                                        **generate_kwargs)
+                                        gpu_memory_utilization, **generate_kwargs)
         self._cond = threading.Condition()
         self._queue: collections.deque[Request] = collections.deque()
         self._futures: dict[int, concurrent.futures.Future] = {}

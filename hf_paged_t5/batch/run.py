@@ -78,6 +78,8 @@ class BatchRun:
         pool = self.gen.runtime.get_pool(self.gen.model.decoder)
         if self.cache is None:
             gen = self.gen
+            if gen.reserve_tokens is not None:
+                _reserve_budget(pool, gen.reserve_tokens, gen.max_batch_rows)
             self.cache = BatchCache(pool, gen.max_batch_rows)
             if gen.num_beams == 1:
                 self.rows = DecodeRows(gen.max_batch_rows, gen.rules, gen.config.do_sample, gen.start_id, gen.device)
@@ -174,7 +176,7 @@ class BatchRun:
 
     # ---- 2. encoder and cross K/V ---------------------------------------------------------------
     def _encode(self, admitted: list[Request], pool: KVPool) -> None:
-        budget = max(self.gen.max_batch_tokens, len(max(admitted, key=lambda r: len(r.ids)).ids))
+        budget = max(self.gen.encoder_chunk_tokens, len(max(admitted, key=lambda r: len(r.ids)).ids))
         chunk: list[Request] = []
         for request in sorted(admitted, key=lambda r: -len(r.ids)):
             if chunk and (len(chunk) + 1) * len(chunk[0].ids) > budget:  # padded size of the chunk
@@ -367,3 +369,14 @@ def _pad_rows(histories: list[list[int]], pad_id: int) -> list[list[int]]:
     """Rows padded to one length with the pad token, as generate() pads finished rows."""
     width = max(len(h) for h in histories)
     return [h + [pad_id] * (width - len(h)) for h in histories]
+
+
+def _reserve_budget(pool: KVPool, tokens: int, rows: int) -> None:
+    """Grow an idle `pool` at once to hold a job's KV budget of `tokens` (plus a partly filled block
+    per row and table); nothing when the pool is in use, already that large, or capped lower."""
+    blocks = blocks_for(tokens, pool.block_size) + 2 * rows
+    if not pool.is_idle() or pool.manager.num_free >= blocks or not pool.can_reserve(blocks):
+        return
+    pool.reserve(blocks)
+    logger.info("hf_paged_t5: KV pool reserved for the batch budget of %d tokens: %d blocks (%.1f GiB)",
+                tokens, pool.num_blocks, pool.num_blocks * pool.bytes_per_block() / 2**30)

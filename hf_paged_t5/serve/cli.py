@@ -43,6 +43,9 @@ def check_options(args: argparse.Namespace) -> None:
         value = getattr(args, option)
         if value is not None and value < 1:
             raise CliError(f"--{option.replace('_', '-')} {value}: must be >= 1")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise CliError(f"--gpu-memory-utilization {args.gpu_memory_utilization}: must be in (0, 1], "
+                       "the fraction of the GPU's memory the server may fill; e.g. 0.9")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -79,7 +82,7 @@ def _serve(args: argparse.Namespace) -> int:
     kwargs = {k: v for k, v in defaults.items() if k not in ("max_length", "max_new_tokens", "min_length")}
     try:
         engine = OnlineEngine(model, tokenizer, max_batch_tokens=args.batch_tokens, max_batch_rows=args.batch_rows,
-                              **kwargs)
+                              gpu_memory_utilization=args.gpu_memory_utilization, **kwargs)
     except (TypeError, ValueError) as exc:
         raise CliError(str(exc)) from exc
     app = create_app(engine, name, prefix=prefix, max_queue=args.max_queue)
