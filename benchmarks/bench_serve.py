@@ -234,6 +234,20 @@ def main(argv=None) -> None:
             args.clients or (1 if args.quick else 4), mp_context=multiprocessing.get_context("spawn"),
             initializer=_client_init, initargs=(vocab, args.quick))
         results = {}
+
+        def report() -> dict:  # written after each system: a run cut short keeps what it measured
+            rate_of = {s: sustained(rows, args.slo) for s, rows in results.items()}
+            out_ = dict(shape=shape, device=device, slo_s=args.slo, duration_s=duration, warmup_s=warmup,
+                        client_processes=clients._max_workers, rates=rates, stock_rates=stock_rates,
+                        sustained_rate=rate_of, systems=results)
+            if "paged-server" in rate_of:
+                for other in ("generate-server", "stock-server"):
+                    if other in rate_of:
+                        out_[f"sustained_vs_{other}"] = (rate_of["paged-server"] / rate_of[other] if rate_of[other]
+                                                         else None)  # None: the other sustains no rate
+            common.write_json(out / "serve.json", out_)
+            return out_
+
         for system in systems:
             proc, base = start(system, checkpoint, device)
             try:
@@ -245,16 +259,9 @@ def main(argv=None) -> None:
                     proc.wait(60)
                 except subprocess.TimeoutExpired:
                     proc.kill()
+            report()
         clients.shutdown()
-    rate_of = {s: sustained(rows, args.slo) for s, rows in results.items()}
-    report = dict(shape=shape, device=device, slo_s=args.slo, duration_s=duration, warmup_s=warmup,
-                  client_processes=clients._max_workers, rates=rates, stock_rates=stock_rates,
-                  sustained_rate=rate_of, systems=results)
-    if "paged-server" in rate_of:
-        for other in ("generate-server", "stock-server"):
-            if other in rate_of and rate_of[other]:
-                report[f"sustained_vs_{other}"] = rate_of["paged-server"] / rate_of[other]
-    common.write_json(out / "serve.json", report)
+    rate_of = report()["sustained_rate"]
     fmt = common.fmt
     common.print_table(
         ["system", "rate /s", "done", "errors", "tokens/s", "TTFT p50 s", "TTFT p99 s", "E2E p50 s", "E2E p99 s"],

@@ -61,7 +61,7 @@ class BatchResult:
         return len(self.sequences[0]) - 1
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # identity: the engine finds requests in its lists by identity
 class Request:
     """One input in flight (internal): its tokens, limits, cost and place in the cache."""
 

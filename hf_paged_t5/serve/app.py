@@ -218,6 +218,13 @@ def create_app(engine: OnlineEngine, model_name: str, prefix: str = "", max_queu
         return {"text": text, "index": index, "logprobs": None, "finish_reason": finish_reason(result, max_tokens),
                 "token_ids": result.token_ids[1:]}
 
+    handoffs: dict[int, _Handoff] = {}  # per event loop (one, unless the app is served by several)
+
+    def handoff_for(loop: asyncio.AbstractEventLoop) -> _Handoff:
+        if id(loop) not in handoffs or handoffs[id(loop)].loop is not loop:
+            handoffs[id(loop)] = _Handoff(loop)
+        return handoffs[id(loop)]
+
     async def completions(request: HttpRequest):
         start = time.perf_counter()
         try:
@@ -232,7 +239,7 @@ def create_app(engine: OnlineEngine, model_name: str, prefix: str = "", max_queu
                                  code="queue_full")
             futures = []
             watch = stream or bool(stops)  # the output is read as it is generated
-            arrivals = _Arrivals(asyncio.get_running_loop()) if watch else None
+            arrivals = _Arrivals(handoff_for(asyncio.get_running_loop())) if watch else None
             try:
                 for p in prompts:  # choice i * n + j: the j-th completion of prompt i, as OpenAI numbers them
                     item = prefix + p if isinstance(p, str) else p
@@ -463,35 +470,46 @@ def _failure(exc: BaseException) -> tuple[str, str]:
     return f"generation failed: {exc!r}", "server_error"
 
 
-class _Arrivals:
-    """New tokens of one HTTP request's choices, from the engine's thread to the event loop: the
-    engine appends to a queue and wakes the loop at most once until the loop has run (not once per
-    choice and step: under load the loop would spend its time, and the GIL the engine needs, on
-    wake-ups)."""
+class _Handoff:
+    """New tokens from the engine's thread to the event loop, for every open request of one app:
+    the engine appends to one queue and wakes the loop at most once until the loop has run (not
+    once per request and step: under load the loop would spend its time, and the GIL the engine
+    needs, on wake-ups)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.queue: collections.deque = collections.deque()
-        self.wake = asyncio.Event()
         self._scheduled = False
+
+    def send(self, arrivals: "_Arrivals", index: int, tokens: list[int]) -> None:
+        """From the engine's thread."""
+        self.queue.append((arrivals, index, tokens))
+        if not self._scheduled:
+            self._scheduled = True
+            self.loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        self._scheduled = False  # before the queue is read: a later send schedules another delivery
+        while self.queue:
+            arrivals, index, tokens = self.queue.popleft()
+            arrivals.queue.append((index, tokens))
+            arrivals.wake.set()
+
+
+class _Arrivals:
+    """The new tokens of one HTTP request's choices, on the event loop."""
+
+    def __init__(self, handoff: _Handoff) -> None:
+        self.handoff = handoff
+        self.queue: collections.deque = collections.deque()
+        self.wake = asyncio.Event()
 
     def callback(self, index: int):
         """The engine's `on_tokens` for choice `index`."""
-
-        def on_tokens(tokens: list[int]) -> None:
-            self.queue.append((index, tokens))
-            if not self._scheduled:
-                self._scheduled = True
-                self.loop.call_soon_threadsafe(self._fire)
-
-        return on_tokens
-
-    def _fire(self) -> None:
-        self._scheduled = False
-        self.wake.set()
+        return lambda tokens: self.handoff.send(self, index, tokens)
 
     def set(self, *_: Any) -> None:
-        """On the event loop: wake the reader (a choice resolved, or the disconnect check is due)."""
+        """Wake the reader (a choice resolved, or the disconnect check is due)."""
         self.wake.set()
 
     def take(self) -> list[tuple[int, list[int]]]:

@@ -12,9 +12,15 @@ import contextlib
 import importlib.util
 import logging
 import signal
+import sys
 
 from ..batch import cli as batch_cli
 from ..batch.cli import CliError
+
+# The engine's thread and the event loop share the GIL, and the engine gives it up in every torch
+# call: with Python's default 5 ms switch interval, a loop busy with many streams would hold each of
+# those calls up to 5 ms, stretching a decode step many times over. 0.2 ms bounds that wait.
+SWITCH_INTERVAL_S = 0.0002
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +76,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     _Server = _server_class()
     from ..batch.online import OnlineEngine
     from ..hf.patch import is_patched, patch_model
