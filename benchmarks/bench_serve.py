@@ -190,6 +190,21 @@ def sweep(clients, system: str, base: str, rates, duration: float, slo: float, w
     return rows
 
 
+def wait_for_gpu_memory(device: str, timeout: float = 60.0) -> None:
+    """Until the GPU's memory is free again (at least 80% of it) after a server process ended."""
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        free, total = torch.cuda.mem_get_info(torch.device(device))
+        if free >= 0.8 * total:
+            return
+        time.sleep(0.5)
+    print(f"warning: only {free / 2**30:.1f} of {total / 2**30:.1f} GiB free after the server ended", flush=True)
+
+
 def sustained(rows: list[dict], slo: float) -> float:
     good = [r["rate"] for r in rows if not r["errors"] and r["e2e_p99"] is not None and r["e2e_p99"] < slo]
     return max(good) if good else 0.0
@@ -233,13 +248,13 @@ def main(argv=None) -> None:
         clients = concurrent.futures.ProcessPoolExecutor(
             args.clients or (1 if args.quick else 4), mp_context=multiprocessing.get_context("spawn"),
             initializer=_client_init, initargs=(vocab, args.quick))
-        results = {}
+        results, logs = {}, {}
 
         def report() -> dict:  # written after each system: a run cut short keeps what it measured
             rate_of = {s: sustained(rows, args.slo) for s, rows in results.items()}
             out_ = dict(shape=shape, device=device, slo_s=args.slo, duration_s=duration, warmup_s=warmup,
                         client_processes=clients._max_workers, rates=rates, stock_rates=stock_rates,
-                        sustained_rate=rate_of, systems=results)
+                        sustained_rate=rate_of, systems=results, server_output_on_errors=logs)
             if "paged-server" in rate_of:
                 for other in ("generate-server", "stock-server"):
                     if other in rate_of:
@@ -256,9 +271,14 @@ def main(argv=None) -> None:
             finally:
                 proc.send_signal(signal.SIGTERM)
                 try:
-                    proc.wait(60)
+                    output = proc.communicate(timeout=60)[0] or ""
                 except subprocess.TimeoutExpired:
                     proc.kill()
+                    output = proc.communicate()[0] or ""
+                wait_for_gpu_memory(device)  # the next server must not start beside this one's KV pool
+            if any(row["errors"] for row in results.get(system, [])):
+                logs[system] = output[-4000:]  # what the server said about its failed requests
+                print(f"{system} output (last lines):\n{output[-2000:]}", flush=True)
             report()
         clients.shutdown()
     rate_of = report()["sustained_rate"]
