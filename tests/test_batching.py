@@ -121,6 +121,7 @@ def test_default_kv_budget_from_gpu_memory(monkeypatch):
     monkeypatch.setattr(model._hf_paged_t5, "layer_specs", lambda decoder: specs)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: memory[torch.device(device)])
     assert gen_mod._default_batch_tokens(model._hf_paged_t5, model.decoder, 0.9) == (tokens, True)
+    assert gen_mod._default_batch_tokens(model._hf_paged_t5, model.decoder, 0.9, cap=1000) == (1000, True)
     with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.5 leaves no room for KV on cuda:0 \(50.0 of "
                                          r"100.0 GiB free\), cuda:1 \(30.0 of 100.0 GiB free\)"):
         gen_mod._default_batch_tokens(model._hf_paged_t5, model.decoder, 0.5)

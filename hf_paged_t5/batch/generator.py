@@ -40,6 +40,9 @@ DEFAULT_BATCH_TOKENS = 65536
 # The most padded input tokens one encoder pass takes: its activations are not in the KV budget, so
 # a budget sized from a GPU's memory does not size them (t5-large, bf16: 0.5 GiB per hidden state)
 ENCODER_CHUNK_TOKENS = 262144
+# A budget sized from memory holds at most this many tokens per decoder row: a small model on a large
+# GPU would otherwise reserve (and track) hundreds of millions of tokens it cannot fill
+MEMORY_BUDGET_TOKENS_PER_ROW = 4096
 
 # What one input may be: a text (needs a tokenizer), token ids, or a request with its own limits.
 InputItem = Union[str, Sequence[int], torch.Tensor, "BatchRequest"]
@@ -59,7 +62,8 @@ class BatchGenerator:
             each request's worst case (input tokens + rows x (max_new_tokens + 1)). An input larger
             than this alone still runs, by itself. Default (None): on CUDA, what fits in
             `gpu_memory_utilization` of each decoder device's memory after what is in use there now
-            (weights included; the model's own KV pool counts as room), as vLLM sizes its cache,
+            (weights included; the model's own KV pool counts as room), as vLLM sizes its cache, at
+            most `MEMORY_BUDGET_TOKENS_PER_ROW` (4,096) per decoder row,
             and reserved in the model's KV pool when a job starts on an idle pool (the memory stays
             the pool's, for later jobs and generate() calls); elsewhere `DEFAULT_BATCH_TOKENS`.
         gpu_memory_utilization: the fraction of each GPU's memory the process may fill, KV included,
@@ -107,20 +111,21 @@ class BatchGenerator:
         self.rules = LogitsRules(model, cfg, self.device)
         self._rules_by_key: dict[tuple, LogitsRules] = {}  # per-input sampling options -> their rules
         self.max_batch_rows = runtime.config.max_graph_batch if max_batch_rows is None else max_batch_rows
+        if not isinstance(self.max_batch_rows, int) or self.max_batch_rows < self.expand:
+            raise ValueError(
+                f"max_batch_rows must be an int >= the rows of one input ({self.expand}), got {self.max_batch_rows!r}"
+            )
         # a budget sized from the GPU's memory is reserved in the pool when a job starts on an idle
         # pool (re-made at that size): growing a pool that is in use copies it, and a copy near the
         # memory's end would need room for both
         self.reserve_tokens: Optional[int] = None
         if max_batch_tokens is None:
-            max_batch_tokens, from_memory = _default_batch_tokens(runtime, model.decoder, gpu_memory_utilization)
+            max_batch_tokens, from_memory = _default_batch_tokens(runtime, model.decoder, gpu_memory_utilization,
+                                                                  self.max_batch_rows * MEMORY_BUDGET_TOKENS_PER_ROW)
             self.reserve_tokens = max_batch_tokens if from_memory else None
         self.max_batch_tokens = max_batch_tokens
         self.encoder_chunk_tokens = min(max_batch_tokens, ENCODER_CHUNK_TOKENS) if isinstance(max_batch_tokens, int) \
             else None
-        if not isinstance(self.max_batch_rows, int) or self.max_batch_rows < self.expand:
-            raise ValueError(
-                f"max_batch_rows must be an int >= the rows of one input ({self.expand}), got {self.max_batch_rows!r}"
-            )
         if not isinstance(max_batch_tokens, int) or max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be a positive int, got {max_batch_tokens!r}")
 
@@ -265,9 +270,10 @@ def kv_token_budget(specs: Sequence, utilization: float, mem_get_info: Callable,
     return budget or 0
 
 
-def _default_batch_tokens(runtime, decoder: nn.Module, utilization: float) -> tuple[int, bool]:
+def _default_batch_tokens(runtime, decoder: nn.Module, utilization: float, cap: Optional[int] = None
+                          ) -> tuple[int, bool]:
     """(`max_batch_tokens` when the caller gives none (see `BatchGenerator`), whether it was sized
-    from the GPUs' memory)."""
+    from the GPUs' memory); a budget sized from memory is at most `cap` tokens."""
     specs = runtime.layer_specs(decoder)
     if not all(spec.device.type == "cuda" for spec in specs):
         return DEFAULT_BATCH_TOKENS, False
@@ -279,6 +285,10 @@ def _default_batch_tokens(runtime, decoder: nn.Module, utilization: float) -> tu
             + ", ".join(f"{d} ({f / 2**30:.1f} of {t / 2**30:.1f} GiB free)" for d, (f, t) in free.items())
             + "; raise gpu_memory_utilization, free GPU memory, or give max_batch_tokens"
         )
+    if cap is not None and budget > cap:
+        logger.info("BatchGenerator: a KV budget of %d tokens (%d per decoder row; %s of %s's memory would "
+                    "hold %d)", cap, MEMORY_BUDGET_TOKENS_PER_ROW, utilization, ", ".join(free), budget)
+        return cap, True
     logger.info("BatchGenerator: a KV budget of %d tokens (%s of %s's memory, after what is in use)",
                 budget, utilization, ", ".join(free))
     return budget, True

@@ -16,6 +16,11 @@ future's request leaves the queue, or, running, gives its blocks back within the
 Options are the generator's (`BatchGenerator`'s arguments: one generation config for the engine);
 per request: `BatchRequest`'s max / min new tokens and EOS ids. Weights edited in place after the
 engine starts are not seen by its bias tables (they are checked once, at start).
+
+The engine's thread gives up the GIL in every torch call; an event loop in the same process that
+is busy (many streams) holds each of those calls up to Python's switch interval, 5 ms by default.
+`python -m hf_paged_t5 serve` sets 0.2 ms (`sys.setswitchinterval`); an app of your own that
+serves the engine may want the same.
 """
 
 from __future__ import annotations
