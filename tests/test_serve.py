@@ -161,6 +161,9 @@ def test_serve_command_checks_before_loading(tmp_path, caplog):
     caplog.clear()
     assert main(["serve", "--model", str(tmp_path), "--port", "70000"]) == 2
     assert "--port 70000" in caplog.text
+    caplog.clear()
+    assert main(["serve", "--model", str(tmp_path), "--gpu-memory-utilization", "1.5"]) == 2
+    assert "--gpu-memory-utilization 1.5: must be in (0, 1]" in caplog.text
     path = tiny.save_demo_checkpoint(tmp_path / "ckpt")
     caplog.clear()
     assert main(["serve", "--model", path, "--task", "no-such-task"]) == 2
