@@ -14,11 +14,17 @@ import sys
 from collections.abc import Sequence
 from typing import Optional
 
-from .batch import cli
+from .batch import cli, ray_data
 from . import demo
 from .serve import cli as serve_cli
 
 # name -> (help, add_arguments(parser), run(args) -> exit status)
+def _job(command: str):
+    """A batch command's runner: the local job, or with --ray the Ray Data job."""
+    local, on_ray = cli.command_runner(command), cli.command_runner(command, ray_data.run_ray_job)
+    return lambda args: (on_ray if args.ray else local)(args)
+
+
 _COMMANDS = MappingProxyType({
     "demo": (
         "stock HF generate() vs the paged one on a few texts: outputs, token agreement, ms/token",
@@ -33,17 +39,17 @@ _COMMANDS = MappingProxyType({
     "summarize": (
         "summarize a JSONL file with continuous batching (T5 'summarize: ' prefix); resumable output",
         cli.add_arguments,
-        cli.command_runner("summarize"),
+        _job("summarize"),
     ),
     "translate": (
         "translate a JSONL file with continuous batching (T5 translation prefix, --task); resumable output",
         cli.add_arguments,
-        cli.command_runner("translate"),
+        _job("translate"),
     ),
     "generate": (
         "generate for a JSONL file with continuous batching (no task prefix); resumable output",
         cli.add_arguments,
-        cli.command_runner("generate"),
+        _job("generate"),
     ),
     "serve": (
         "an OpenAI-style HTTP server (POST /v1/completions) with continuous batching; needs the serve extra",

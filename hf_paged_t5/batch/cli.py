@@ -81,6 +81,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=None)
     parser.add_argument("--min-new-tokens", type=int, default=None)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--ray", action="store_true",
+                        help="run on Ray Data (pip install 'hf_paged_t5[ray]'): JSONL or Parquet input, the output "
+                             "a folder of shard files (Parquet when it ends in .parquet), one model replica per GPU")
+    parser.add_argument("--ray-address", default=None, help="the Ray cluster to join (default: RAY_ADDRESS, or a "
+                                                            "local one)")
+    parser.add_argument("--replicas", type=int, default=None,
+                        help="model replicas with --ray (default: the cluster's GPUs, 1 without)")
 
 
 def check_options(args: argparse.Namespace) -> None:
@@ -383,12 +390,14 @@ def write_results(generator: BatchGenerator, todo: list[tuple[Any, str]], prefix
     return new_tokens
 
 
-def command_runner(command: str):
-    """The `run(args) -> exit status` of one subcommand for `__main__._COMMANDS`."""
+def command_runner(command: str, job=None):
+    """The `run(args) -> exit status` of one subcommand for `__main__._COMMANDS`; `job(command,
+    args)` runs it (default `run_job`; `ray_data.run_ray_job` for --ray)."""
+    job = run_job if job is None else job
 
     def run(args: argparse.Namespace) -> int:
         try:
-            return run_job(command, args)
+            return job(command, args)
         except (CliError, FileNotFoundError) as exc:  # FileNotFoundError: a checkpoint file missing at load
             logger.error("%s", exc)
             return 2
