@@ -121,3 +121,17 @@ def test_bad_input_is_one_line_before_any_model_loads(cluster, job, tmp_path, ca
     monkeypatch.setattr(ray_data.importlib.util, "find_spec", lambda name: None if name == "ray" else real(name))
     assert main(["generate", "--model", checkpoint, "--input", str(source), "--output", str(out), "--ray"]) == 2
     assert "pip install 'hf_paged_t5[ray]'" in caplog.text
+
+
+def test_parquet_in_and_out(cluster, job, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    checkpoint, source, expected = job
+    rows = [json.loads(line) for line in source.read_text().splitlines()[:50]]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "in.parquet")
+    out = tmp_path / "out.parquet"
+    assert main(["generate", "--model", checkpoint, "--input", str(tmp_path / "in.parquet"), "--output", str(out),
+                 "--ray", "--replicas", "1", *NEW]) == 0
+    written = pq.read_table(out).to_pylist()
+    check_once(written, {r["id"]: expected[r["id"]] for r in rows})
