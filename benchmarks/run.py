@@ -50,6 +50,7 @@ SUITES = {s.name: s for s in (
     Suite("import", "bench_import.py", "import cost in fresh processes"),
     Suite("encoder", "bench_encoder.py", "T5EncoderModel patched vs HF (GPU; --quick --device cpu)"),
     Suite("long", "bench_long.py", "8k / 16k-token inputs, time and peak memory (GPU; --quick --device cpu)"),
+    Suite("ray", "bench_ray.py", "one Ray Data replica vs BatchGenerator in process, the long-tailed job (--quick on CPU)"),
     Suite("serve", "bench_serve.py", "the serve command vs generate()-per-request servers, Poisson load (--quick on CPU)"),
     Suite("xxl", "bench_xxl.py", "t5-11b / flan-t5-xxl / madlad400-10b layouts: generate() vs HF, fp32 parity (GPU)"),
     Suite("multi-gpu", "multi_gpu_check.py", "device_map split over two devices, tokens vs stock (2 GPUs)"),

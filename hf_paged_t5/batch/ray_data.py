@@ -9,8 +9,11 @@
     out.write_json("out/")
 
 `BatchReplica` loads and patches the model once per replica (a Ray actor) and runs every batch
-Ray hands it through one `BatchGenerator` (continuous batching inside the replica); it returns
-the input's id, the output text and the number of new tokens as columns. Replicas, GPUs per
+Ray hands it through one online engine (`BatchGenerator` fed by a queue: continuous batching
+inside the replica, also across the batches Ray runs at once in it, `max_concurrency`); it returns
+the input's id, the output text and the number of new tokens as columns; the input is a text
+or token ids, and optional `max_new_tokens` / `min_new_tokens` columns set each row's lengths.
+Replicas, GPUs per
 replica and rows per batch are Ray's own knobs (`compute` / `concurrency`, `num_gpus`,
 `batch_size`); Ray
 retries the batch of a replica that dies on a new one. The model path must be readable from every
@@ -34,6 +37,7 @@ from typing import Any, Optional
 logger = logging.getLogger(__name__)
 
 ROWS_PER_BATCH = 256  # rows Ray hands a replica at a time (the CLI's; a caller of map_batches picks its own)
+REPLICA_BATCHES = 4  # batches one replica runs at once, all in its one decode loop (the CLI's)
 
 
 class BatchReplica:
@@ -51,7 +55,7 @@ class BatchReplica:
                  text_field: str = "text", id_field: str = "id", dtype: str = "auto",
                  device: Optional[str] = None, **generator_kwargs: Any) -> None:
         from . import cli as batch_cli
-        from .generator import BatchGenerator
+        from .online import OnlineEngine
         from ..demo import load_model
         from ..hf.patch import is_patched, patch_model
 
@@ -62,19 +66,39 @@ class BatchReplica:
         loaded, tokenizer, _ = load_model(model, device=device, dtype=torch_dtype)
         if not is_patched(loaded):
             patch_model(loaded)
-        kwargs = {**defaults, **generator_kwargs}
-        self.generator = BatchGenerator(loaded, tokenizer, **kwargs)
+        # one engine for every batch: batches Ray runs at once in this replica (its max_concurrency)
+        # share the decode loop, so it does not drain between batches
+        self.engine = OnlineEngine(loaded, tokenizer, **{**defaults, **generator_kwargs})
         self.prefix = task_prefix if prefix is None else prefix
         self.text_field, self.id_field = text_field, id_field
 
     def __call__(self, batch: dict) -> dict:
         import numpy as np
 
+        from .requests import BatchRequest
+
         texts, ids = batch[self.text_field], batch[self.id_field]
-        for record_id, text in zip(ids, texts):
-            if not isinstance(text, str):
-                raise ValueError(f"input {_plain(record_id)!r}: field {self.text_field!r} is {text!r}, not a text")
-        results = list(self.generator.generate(self.prefix + text for text in texts))
+        limits = batch.get("max_new_tokens"), batch.get("min_new_tokens")
+        items = []
+        for j, (record_id, text) in enumerate(zip(ids, texts)):
+            if isinstance(text, str):
+                item: Any = self.prefix + text
+            elif isinstance(text, (list, np.ndarray)) and all(isinstance(t, (int, np.integer)) for t in text):
+                item = [int(t) for t in text]  # token ids, as they are
+            else:
+                raise ValueError(f"input {_plain(record_id)!r}: field {self.text_field!r} is {text!r}, "
+                                 "not a text or token ids")
+            most, least = (None if column is None else _plain(column[j]) for column in limits)
+            if most is not None or least is not None:
+                item = BatchRequest(item, max_new_tokens=most, min_new_tokens=least)
+            items.append(item)
+        futures = [self.engine.submit(item) for item in items]
+        try:
+            results = [f.result() for f in futures]
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
         return {self.id_field: np.asarray(ids),
                 "output": np.array([r.text for r in results], dtype=object),
                 "num_new_tokens": np.array([r.num_new_tokens for r in results], dtype=np.int64)}
@@ -183,7 +207,7 @@ def run_ray_job(command: str, args: argparse.Namespace) -> int:
                 replicas, " with one GPU each" if gpus else "")
     results = todo.map_batches(
         BatchReplica, batch_size=ROWS_PER_BATCH, compute=ray.data.ActorPoolStrategy(size=replicas),
-        num_gpus=1 if gpus else 0, num_cpus=cpus,
+        num_gpus=1 if gpus else 0, num_cpus=cpus, max_concurrency=REPLICA_BATCHES,
         fn_constructor_kwargs=dict(model=args.model, prefix=prefix, text_field=text_field, id_field=id_field,
                                    dtype=args.dtype, device=args.device, max_batch_tokens=args.batch_tokens,
                                    max_batch_rows=args.batch_rows,
