@@ -255,3 +255,32 @@ def test_stop_strings_end_the_text_before_them(served):
     while "hf_paged_t5_kv_blocks_used 0" not in client.get("/metrics").text:
         assert time.monotonic() < end, client.get("/metrics").text
         time.sleep(0.01)
+
+
+def test_streamed_text_is_decoded_a_few_tokens_at_a_time_and_equals_the_whole_decode():
+    """`_Detokenizer` decodes each new piece with the tokens before it, not the whole output: at
+    every point its text is the whole decode's (special tokens in the middle included, which
+    decode to nothing and must not take the next token's leading space)."""
+    import random
+
+    from hf_paged_t5.serve.app import _Detokenizer
+
+    tokenizer = tiny.build_tokenizer()
+    rng = random.Random(0)
+    calls = []
+    real = tokenizer.decode
+
+    def counting(ids, **kw):
+        calls.append(len(ids))
+        return real(ids, **kw)
+
+    tokenizer.decode = counting
+    for _ in range(300):
+        ids = [rng.randrange(0, tokenizer.vocab_size) for _ in range(rng.randint(1, 40))]
+        detokenizer, k = _Detokenizer(tokenizer), 0
+        while k < len(ids):
+            k = min(len(ids), k + rng.randint(1, 3))
+            text = detokenizer.text(ids[:k])
+            if text is not None:
+                assert text == real(ids[:k], skip_special_tokens=True)
+    assert sum(calls) / len(calls) < 12  # windows of a few tokens, not the whole output (up to 40)

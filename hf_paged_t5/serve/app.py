@@ -320,10 +320,11 @@ def create_app(engine: OnlineEngine, model_name: str, prefix: str = "", max_queu
         prompt_tokens = completion_tokens = 0
         next_check = loop.time() + DISCONNECT_CHECK_S
 
+        detokenizers = [_Detokenizer(tokenizer) for _ in futures]
+
         def piece(i: int, final: Optional[str] = None) -> Optional[tuple[str, list[int], bool]]:
-            text = final if final is not None else (
-                tokenizer.decode(tokens[i], skip_special_tokens=True) if tokenizer is not None else "")
-            if final is None and text.endswith("\ufffd"):  # a character split across tokens: wait
+            text = final if final is not None else detokenizers[i].text(tokens[i])
+            if text is None:  # a character split across tokens: wait
                 return None
             cuts = [k for k in (text.find(x) for x in stops) if k >= 0]
             if cuts:
@@ -468,6 +469,36 @@ def _failure(exc: BaseException) -> tuple[str, str]:
     if isinstance(exc, PoolExhaustedError):
         return f"the prompt does not fit the server's KV pool: {exc}", "invalid_request_error"
     return f"generation failed: {exc!r}", "server_error"
+
+
+class _Detokenizer:
+    """The text of one choice's tokens so far, decoded a few tokens at a time (as vLLM streams):
+    each call decodes the tokens since the last piece together with the ones before it, and keeps
+    what they add to the text of those before - not the whole output again per token, which makes a
+    long streamed answer quadratic in its length. None while the last tokens end inside a character."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.decoded = ""
+        self.prefix = self.read = 0  # tokens[prefix:read]: the context of the next decode
+
+    def text(self, tokens: list[int]) -> Optional[str]:
+        if self.tokenizer is None:
+            return ""
+        decode = self.tokenizer.decode
+        before = decode(tokens[self.prefix : self.read], skip_special_tokens=True)
+        while not before and self.prefix:  # a context of special tokens alone decodes to nothing,
+            self.prefix = max(0, self.prefix - 4)  # and the next token would lose its leading space
+            before = decode(tokens[self.prefix : self.read], skip_special_tokens=True)
+        now = decode(tokens[self.prefix :], skip_special_tokens=True)
+        if now.endswith("\ufffd"):
+            return None
+        if now.startswith(before):
+            self.decoded += now[len(before):]
+        else:  # the context decodes differently with what follows it: decode everything once
+            self.decoded = decode(tokens, skip_special_tokens=True)
+        self.prefix, self.read = self.read, len(tokens)
+        return self.decoded
 
 
 class _Handoff:
