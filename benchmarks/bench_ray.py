@@ -44,8 +44,7 @@ def main(argv=None) -> None:
 
     import hf_paged_t5 as hp
     from hf_paged_t5 import tiny
-    from hf_paged_t5.batch.ray_data import BatchReplica
-    from hf_paged_t5.demo import load_model
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
     out = common.start_suite(args.out, "ray")
     shape = args.shape or ("tiny" if args.quick else "t5-large")
@@ -59,7 +58,8 @@ def main(argv=None) -> None:
         wanted = sum(n for _, n in items)
 
         # ---- in this process
-        model, tokenizer, _ = load_model(checkpoint, device=args.device, dtype=getattr(torch, dtype))
+        model = AutoModelForSeq2SeqLM.from_pretrained(checkpoint, dtype=getattr(torch, dtype)).to(args.device).eval()
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint)
         hp.patch_model(model)
         gen = hp.BatchGenerator(model, tokenizer)
         requests = lambda job: [hp.BatchRequest(ids, max_new_tokens=n, min_new_tokens=n) for ids, n in job]  # noqa: E731
@@ -74,7 +74,7 @@ def main(argv=None) -> None:
             torch.cuda.empty_cache()
 
         # ---- one Ray replica
-        class TimedReplica(BatchReplica):
+        class TimedReplica(hp.BatchReplica):
             """BatchReplica with a warm-up job at start, and each batch's start and end times."""
 
             def __init__(self, **kwargs):

@@ -17,6 +17,7 @@ _EXPORTS = MappingProxyType({
     "BatchRequest": "batch.requests",
     "BatchResult": "batch.requests",
     "OnlineEngine": "batch.online",
+    "BatchReplica": "batch.ray_data",
     "BlockManager": "kv.block_manager",
     "PoolExhaustedError": "kv.block_manager",
     "KVPool": "kv.pool",

@@ -48,7 +48,9 @@ class BatchReplica:
     (instead of the task's). dtype: "auto" (bfloat16 on a GPU that supports it, else the
     checkpoint's), or a torch dtype name. device: default cuda if available. The rest are
     `BatchGenerator`'s arguments (max_batch_tokens, max_batch_rows, gpu_memory_utilization,
-    generation options).
+    generation options). A replica sizes its KV budget from its GPU's memory (0.9 of it by
+    default): replicas that share a GPU (`num_gpus` < 1) each need their share of
+    `gpu_memory_utilization`, e.g. 0.45 for two.
     """
 
     def __init__(self, model: str, task: Optional[str] = None, prefix: Optional[str] = None,
