@@ -79,6 +79,14 @@ def test_two_replicas_give_the_local_outputs_and_a_rerun_resumes(cluster, job, t
     assert main(["generate", "--model", checkpoint, "--input", str(source), "--output", str(out), "--ray",
                  *NEW]) == 0
     assert sorted(os.listdir(out)) == before  # nothing left to run: nothing written
+    # a shard a crashed run left half written is set aside and its ids run again: each id still once
+    shard = next(out / name for name in sorted(os.listdir(out)) if name.endswith(".json"))
+    lost = {json.loads(line)["id"] for line in shard.read_text().splitlines()}
+    shard.write_text(shard.read_text()[:-10])
+    assert main(["generate", "--model", checkpoint, "--input", str(source), "--output", str(out), "--ray",
+                 *NEW]) == 0
+    assert (out / (shard.name + ".unreadable")).exists() and lost
+    check_once(shards(out), expected)
 
 
 def test_a_replica_that_dies_mid_job_is_retried(cluster, job, tmp_path):

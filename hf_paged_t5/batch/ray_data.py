@@ -145,7 +145,9 @@ def written_ids(path: str, id_field: str) -> set[str]:
             else:
                 continue
         except Exception as exc:  # noqa: BLE001 - a shard a crashed run left half written
-            logger.warning("%s: not readable (%s); its ids run again", file, exc)
+            # set aside, so that its ids, which run again, are not also in a shard that readers read
+            os.replace(file, file + ".unreadable")
+            logger.warning("%s: not readable (%s); renamed to %s.unreadable, its ids run again", file, exc, name)
             continue
         if id_field in table.column_names:
             done.update(id_key(v) for v in table.column(id_field).to_pylist())
