@@ -147,10 +147,9 @@ def _client(base: str, rate: float, duration: float, stream: bool, seed: int) ->
     return asyncio.run(_load(base, rate, duration, _ITEMS, stream, seed))
 
 
-def load(clients, base: str, rate: float, duration: float, stream: bool) -> dict:
-    """The load at `rate`, split over the client processes (a sum of Poisson processes is one), so
+def load(clients, k: int, base: str, rate: float, duration: float, stream: bool) -> dict:
+    """The load at `rate`, split over the `k` client processes of `clients` (a sum of Poisson processes is one), so
     that parsing the answers is not what limits the measured rate."""
-    k = clients._max_workers
     parts = [clients.submit(_client, base, rate / k, duration, stream, int(rate * 1000) * k + j) for j in range(k)]
     records, wall = [], 0.0
     for part in parts:
@@ -174,13 +173,13 @@ def load(clients, base: str, rate: float, duration: float, stream: bool) -> dict
                 e2e_p99=pct("e2e", 0.99))
 
 
-def sweep(clients, system: str, base: str, rates, duration: float, slo: float, warmup: float) -> list[dict]:
+def sweep(clients, k: int, system: str, base: str, rates, duration: float, slo: float, warmup: float) -> list[dict]:
     stream = system == "paged-server"
     if warmup:  # kernel compiles and graph captures of the shapes the load meets, not measured
-        load(clients, base, min(rates[0], 4.0), warmup, stream)
+        load(clients, k, base, min(rates[0], 4.0), warmup, stream)
     rows = []
     for rate in rates:
-        row = load(clients, base, rate, duration, stream)
+        row = load(clients, k, base, rate, duration, stream)
         rows.append(row)
         print(f"{system} rate {rate}/s: {row['completed']}/{row['requests']} done, {row['tokens_per_s']:.0f} tok/s, "
               f"ttft p99 {row['ttft_p99']}, e2e p50 {row['e2e_p50']} p99 {row['e2e_p99']}"
@@ -245,15 +244,16 @@ def main(argv=None) -> None:
         checkpoint = tiny.save_demo_checkpoint(pathlib.Path(folder) / shape, shape=shape)
         vocab = json.loads((pathlib.Path(checkpoint) / "config.json").read_text())["vocab_size"]
         warmup = args.warmup if args.warmup is not None else (2.0 if args.quick else 10.0)
+        workers = args.clients or (1 if args.quick else 4)
         clients = concurrent.futures.ProcessPoolExecutor(
-            args.clients or (1 if args.quick else 4), mp_context=multiprocessing.get_context("spawn"),
+            workers, mp_context=multiprocessing.get_context("spawn"),
             initializer=_client_init, initargs=(vocab, args.quick))
         results, logs = {}, {}
 
         def report() -> dict:  # written after each system: a run cut short keeps what it measured
             rate_of = {s: sustained(rows, args.slo) for s, rows in results.items()}
             out_ = dict(shape=shape, device=device, slo_s=args.slo, duration_s=duration, warmup_s=warmup,
-                        client_processes=clients._max_workers, rates=rates, stock_rates=stock_rates,
+                        client_processes=workers, rates=rates, stock_rates=stock_rates,
                         sustained_rate=rate_of, systems=results, server_output_on_errors=logs)
             if "paged-server" in rate_of:
                 for other in ("generate-server", "stock-server"):
@@ -266,7 +266,7 @@ def main(argv=None) -> None:
         for system in systems:
             proc, base = start(system, checkpoint, device)
             try:
-                results[system] = sweep(clients, system, base, stock_rates if system == "stock-server" else rates,
+                results[system] = sweep(clients, workers, system, base, stock_rates if system == "stock-server" else rates,
                                         duration, args.slo, warmup)
             finally:
                 proc.send_signal(signal.SIGTERM)

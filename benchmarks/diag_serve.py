@@ -108,7 +108,7 @@ def main(argv=None) -> None:
             bench_serve.subprocess.Popen = popen
         seen: list[dict] = []
         try:
-            bench_serve.load(clients, base, min(args.rate, 4.0), args.warmup, True)
+            bench_serve.load(clients, args.clients, base, min(args.rate, 4.0), args.warmup, True)
             stop = threading.Event()
 
             def watch():
@@ -117,7 +117,7 @@ def main(argv=None) -> None:
 
             watcher = threading.Thread(target=watch, daemon=True)
             watcher.start()
-            row = bench_serve.load(clients, base, args.rate, args.duration, True)
+            row = bench_serve.load(clients, args.clients, base, args.rate, args.duration, True)
             stop.set()
             watcher.join()
         finally:

@@ -123,11 +123,10 @@ class BatchGenerator:
             max_batch_tokens, from_memory = _default_batch_tokens(runtime, model.decoder, gpu_memory_utilization,
                                                                   self.max_batch_rows * MEMORY_BUDGET_TOKENS_PER_ROW)
             self.reserve_tokens = max_batch_tokens if from_memory else None
-        self.max_batch_tokens = max_batch_tokens
-        self.encoder_chunk_tokens = min(max_batch_tokens, ENCODER_CHUNK_TOKENS) if isinstance(max_batch_tokens, int) \
-            else None
         if not isinstance(max_batch_tokens, int) or max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be a positive int, got {max_batch_tokens!r}")
+        self.max_batch_tokens = max_batch_tokens
+        self.encoder_chunk_tokens = min(max_batch_tokens, ENCODER_CHUNK_TOKENS)
 
     # ---- public iteration ---------------------------------------------------------------------
     def generate(self, inputs: Iterable[InputItem]) -> Iterator[BatchResult]:

@@ -375,8 +375,10 @@ def _reserve_budget(pool: KVPool, tokens: int, rows: int) -> None:
     """Grow an idle `pool` at once to hold a job's KV budget of `tokens` (plus a partly filled block
     per row and table); nothing when the pool is in use, already that large, or capped lower."""
     blocks = blocks_for(tokens, pool.block_size) + 2 * rows
-    if not pool.is_idle() or pool.manager.num_free >= blocks or not pool.can_reserve(blocks):
+    before = pool.num_blocks
+    if pool.is_idle() and pool.can_reserve(blocks):
+        pool.reserve(blocks)  # (nothing when that many blocks are free already)
+    if pool.num_blocks == before:
         return
-    pool.reserve(blocks)
     logger.info("hf_paged_t5: KV pool reserved for the batch budget of %d tokens: %d blocks (%.1f GiB)",
                 tokens, pool.num_blocks, pool.num_blocks * pool.bytes_per_block() / 2**30)
