@@ -18,6 +18,7 @@ benchmarks/results/<date>-<gpu>/, with its env.json): tokens/s of both, and thei
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import pathlib
 import tempfile
@@ -43,6 +44,7 @@ def main(argv=None) -> None:
     import torch
 
     import hf_paged_t5 as hp
+    from hf_paged_t5 import replica_compute
     from hf_paged_t5 import tiny
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
@@ -69,9 +71,12 @@ def main(argv=None) -> None:
         local_s = time.perf_counter() - start
         assert sum(r.num_new_tokens for r in results) == wanted
         local = {r.index: r.text for r in results}
-        del gen, model
+        del gen, model, results
+        gc.collect()  # the patched model's cycles hold its KV pool (and the budget it reserved)
         if args.device == "cuda":
             torch.cuda.empty_cache()
+            free, total = torch.cuda.mem_get_info()
+            print(f"GPU memory free before the Ray replica: {free / 2**30:.1f} of {total / 2**30:.1f} GiB")
 
         # ---- one Ray replica
         class TimedReplica(hp.BatchReplica):
@@ -94,8 +99,8 @@ def main(argv=None) -> None:
                                   for i, (ids, n) in enumerate(items)])
         start = time.perf_counter()
         rows = ds.map_batches(
-            TimedReplica, batch_size=args.batch_size, compute=ray.data.ActorPoolStrategy(size=1),
-            num_gpus=1 if args.device == "cuda" else 0, max_concurrency=args.replica_batches,
+            TimedReplica, batch_size=args.batch_size, **replica_compute(1, args.replica_batches),
+            num_gpus=1 if args.device == "cuda" else 0,
             fn_constructor_kwargs=dict(model=checkpoint, dtype=dtype, device=args.device)).take_all()
         whole_s = time.perf_counter() - start
         ray.shutdown()

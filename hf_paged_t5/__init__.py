@@ -18,6 +18,7 @@ _EXPORTS = MappingProxyType({
     "BatchResult": "batch.requests",
     "OnlineEngine": "batch.online",
     "BatchReplica": "batch.ray_data",
+    "replica_compute": "batch.ray_data",
     "BlockManager": "kv.block_manager",
     "PoolExhaustedError": "kv.block_manager",
     "KVPool": "kv.pool",

@@ -143,3 +143,27 @@ def test_parquet_in_and_out(cluster, job, tmp_path):
                  "--ray", "--replicas", "1", *NEW]) == 0
     written = pq.read_table(out).to_pylist()
     check_once(written, {r["id"]: expected[r["id"]] for r in rows})
+
+
+
+def test_replica_compute_runs_batches_at_once_in_one_replica(cluster):
+    """Ray Data runs one call per actor unless told otherwise: the batches replica_compute lets a
+    replica run at once overlap in time (the engine sees all their rows), one replica."""
+
+    class Overlap:  # a stand-in replica whose calls each take 0.5 s and say when they ran (defined
+        # here: Ray's workers receive it by value, not by importing this test module)
+        def __call__(self, batch):
+            import time
+
+            began = time.time()
+            time.sleep(0.5)
+            return {"id": batch["id"], "began": [began] * len(batch["id"]), "ended": [time.time()] * len(batch["id"])}
+
+    rows = ray.data.range(8).map_batches(Overlap, batch_size=2, num_cpus=0.5,
+                                         **ray_data.replica_compute(1, batches=4)).take_all()
+    spans = sorted((r["began"], r["ended"]) for r in rows)
+    assert len({r["id"] for r in rows}) == 8
+    overlapping = max(sum(b <= t < e for b, e in spans) for t, _ in spans) // 2  # rows -> batches (2 each)
+    assert overlapping >= 2, spans
+    with pytest.raises(ValueError, match="replicas and batches must be >= 1"):
+        ray_data.replica_compute(0)

@@ -1,21 +1,23 @@
 """Batch jobs past one GPU: the batch engine inside each replica of a Ray Data job.
 
     import ray
-    from hf_paged_t5.batch.ray_data import BatchReplica
+    from hf_paged_t5.batch.ray_data import BatchReplica, replica_compute
 
     ds = ray.data.read_json("in.jsonl", lines=True)
     out = ds.map_batches(BatchReplica, fn_constructor_kwargs={"model": "/ckpt", "task": "summarization"},
-                         compute=ray.data.ActorPoolStrategy(size=4), num_gpus=1, batch_size=256)
+                         num_gpus=1, batch_size=256, **replica_compute(replicas=4))
     out.write_json("out/")
 
 `BatchReplica` loads and patches the model once per replica (a Ray actor) and runs every batch
 Ray hands it through one online engine (`BatchGenerator` fed by a queue: continuous batching
-inside the replica, also across the batches Ray runs at once in it, `max_concurrency`); it returns
+inside the replica, also across the batches Ray runs at once in it); it returns
 the input's id, the output text and the number of new tokens as columns; the input is a text
 or token ids, and optional `max_new_tokens` / `min_new_tokens` columns set each row's lengths.
 Replicas, GPUs per
 replica and rows per batch are Ray's own knobs (`compute` / `concurrency`, `num_gpus`,
-`batch_size`); Ray
+`batch_size`). Ray Data runs one call of an actor at a time unless told otherwise, which would
+leave the engine one batch and its long tail: `replica_compute` gives the `compute` (and, on an
+older Ray, `max_concurrency`) that lets several batches run at once in each replica. Ray
 retries the batch of a replica that dies on a new one. The model path must be readable from every
 node that runs a replica.
 
@@ -38,6 +40,27 @@ logger = logging.getLogger(__name__)
 
 ROWS_PER_BATCH = 256  # rows Ray hands a replica at a time (the CLI's; a caller of map_batches picks its own)
 REPLICA_BATCHES = 4  # batches one replica runs at once, all in its one decode loop (the CLI's)
+
+
+def replica_compute(replicas: int = 1, batches: int = REPLICA_BATCHES) -> dict:
+    """`map_batches` keyword arguments for `replicas` BatchReplica actors, each running `batches`
+    batches at once (their rows share the replica's decode loop).
+
+    A Ray Data whose ActorPoolStrategy has `enable_true_multi_threading` runs one call per actor at
+    a time unless it is set, whatever `max_concurrency` says; an older one takes `max_concurrency`.
+    """
+    import inspect
+
+    import ray.data
+
+    if replicas < 1 or batches < 1:
+        raise ValueError(f"replicas and batches must be >= 1, got {replicas} and {batches}")
+    options = inspect.signature(ray.data.ActorPoolStrategy).parameters
+    if "enable_true_multi_threading" in options:
+        return dict(compute=ray.data.ActorPoolStrategy(
+            size=replicas, max_tasks_in_flight_per_actor=batches, max_concurrent_calls_per_actor=batches,
+            enable_true_multi_threading=True))
+    return dict(compute=ray.data.ActorPoolStrategy(size=replicas), max_concurrency=batches)
 
 
 class BatchReplica:
@@ -68,7 +91,7 @@ class BatchReplica:
         loaded, tokenizer, _ = load_model(model, device=device, dtype=torch_dtype)
         if not is_patched(loaded):
             patch_model(loaded)
-        # one engine for every batch: batches Ray runs at once in this replica (its max_concurrency)
+        # one engine for every batch: batches Ray runs at once in this replica (replica_compute)
         # share the decode loop, so it does not drain between batches
         self.engine = OnlineEngine(loaded, tokenizer, **{**defaults, **generator_kwargs})
         self.prefix = task_prefix if prefix is None else prefix
@@ -210,8 +233,8 @@ def run_ray_job(command: str, args: argparse.Namespace) -> int:
     logger.info("%d inputs, %d already done, %d to run on %d replica(s)%s", total, total - remaining, remaining,
                 replicas, " with one GPU each" if gpus else "")
     results = todo.map_batches(
-        BatchReplica, batch_size=ROWS_PER_BATCH, compute=ray.data.ActorPoolStrategy(size=replicas),
-        num_gpus=1 if gpus else 0, num_cpus=cpus, max_concurrency=REPLICA_BATCHES,
+        BatchReplica, batch_size=ROWS_PER_BATCH, **replica_compute(replicas),
+        num_gpus=1 if gpus else 0, num_cpus=cpus,
         fn_constructor_kwargs=dict(model=args.model, prefix=prefix, text_field=text_field, id_field=id_field,
                                    dtype=args.dtype, device=args.device, max_batch_tokens=args.batch_tokens,
                                    max_batch_rows=args.batch_rows,

@@ -1,0 +1,225 @@
+"""Where a cold first generate() spends its seconds, and whether its Triton compiles run in parallel.
+
+    python benchmarks/diag_cold.py [--shape t5-large] [--src-len 300] [--new-tokens 64] [--out DIR]
+
+Runs itself in a fresh process with an empty TRITON_CACHE_DIR. There it builds the random-weight
+model (bf16, not timed), patches it and times three calls: the first generate() (1 row), a first
+call at a new batch size and a first beam call. For each call the seconds are split into Triton
+compiles (each compile's own wall time, by kernel), CUDA graph captures (capture_begin to
+capture_end, less the compiles inside them) and the rest (HF's preamble, the encoder, allocation,
+the decode steps). Then it compiles every kernel of those calls again into new empty cache
+folders: one after another, then all at once on a thread pool, then on a process pool (each
+worker recompiles from the kernel's specialization data, as `JITFunction.preload` does), to
+measure how much of the compile time parallel compilation can hide. Writes DIR/cold_diag.json
+(default DIR: benchmarks/results/<date>-<gpu>/, with its env.json) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+RESULT_PREFIX = "cold-diag: "
+
+
+def _compile_one(item: tuple[str, str, str, str]) -> float:
+    """Recompile one kernel from its specialization data in this (pool) process; seconds."""
+    module, name, data, cache = item
+    os.environ["TRITON_CACHE_DIR"] = cache
+    import importlib
+
+    import torch
+
+    torch.cuda.current_device()  # CUDA up, as in the process that compiled it first
+    kernel = getattr(importlib.import_module(module), name)
+    while not hasattr(kernel, "preload"):  # an autotuner or heuristics around the JITFunction
+        kernel = kernel.fn
+    start = time.perf_counter()
+    kernel.preload(data)
+    return time.perf_counter() - start
+
+
+def worker(args) -> dict:
+    import torch
+    import triton
+    import triton.compiler
+    from triton import knobs
+
+    import common  # benchmarks/ is on sys.path
+    import hf_paged_t5 as hp
+    from hf_paged_t5 import tiny
+
+    compiles: list[dict] = []  # one per compile: kernel, seconds, start
+    captures: list[list[float]] = []  # [begin, end] per graph capture
+    specs: list[tuple[object, str]] = []  # (JITFunction, specialization data) per compiled kernel
+    real_compile = triton.compiler.compile
+
+    def timed_compile(src, *a, **kw):
+        start = time.perf_counter()
+        try:
+            return real_compile(src, *a, **kw)
+        finally:
+            fn = getattr(src, "fn", None)
+            compiles.append(dict(kernel=getattr(getattr(fn, "fn", fn), "__name__", "?"), start=start,
+                                 seconds=time.perf_counter() - start))
+
+    triton.compiler.compile = timed_compile
+    triton.compile = timed_compile
+
+    def record_spec(**kw):  # jit_post_compile_hook: the kernel and its specialization data
+        specs.append((getattr(kw.get("fn"), "jit_function", None), kw.get("compile", {}).get("specialization_data")))
+        return None
+
+    knobs.runtime.jit_post_compile_hook = record_spec
+    begin, end = torch.cuda.CUDAGraph.capture_begin, torch.cuda.CUDAGraph.capture_end
+
+    def capture_begin(self, *a, **kw):
+        captures.append([time.perf_counter(), None])
+        return begin(self, *a, **kw)
+
+    def capture_end(self, *a, **kw):
+        try:
+            return end(self, *a, **kw)
+        finally:
+            captures[-1][1] = time.perf_counter()
+
+    torch.cuda.CUDAGraph.capture_begin, torch.cuda.CUDAGraph.capture_end = capture_begin, capture_end
+
+    model = tiny.build_model(args.shape, dtype=torch.bfloat16, device="cuda")
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    hp.patch_model(model)
+    patch_s = time.perf_counter() - start
+    rows = []
+    calls = [("first generate(), batch 1", 1, 1), (f"first call at batch {args.new_batch}", args.new_batch, 1),
+             (f"first beam call, {args.beams} beams", 1, args.beams)]
+    with torch.inference_mode():
+        for label, batch, beams in calls:
+            ids, mask = common.random_inputs(batch, args.src_len, "cuda", model.config.vocab_size)
+            first_compile, first_capture = len(compiles), len(captures)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            model.generate(input_ids=ids, attention_mask=mask, num_beams=beams, do_sample=False,
+                           max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+            mine = compiles[first_compile:]
+            compile_s = sum(c["seconds"] for c in mine)
+            capture_s = 0.0
+            for b, e in captures[first_capture:]:
+                inside = sum(c["seconds"] for c in mine if b <= c["start"] <= e)
+                capture_s += (e - b) - inside
+            by_kernel: dict[str, float] = {}
+            for c in mine:
+                by_kernel[c["kernel"]] = by_kernel.get(c["kernel"], 0.0) + c["seconds"]
+            rows.append(dict(call=label, seconds=seconds, compiles=len(mine), compile_s=compile_s,
+                             graphs=len(captures) - first_capture, capture_s=capture_s,
+                             rest_s=seconds - compile_s - capture_s,
+                             compile_s_by_kernel=dict(sorted(by_kernel.items(), key=lambda kv: -kv[1]))))
+
+    # the same kernels compiled again, into new empty caches: serial, threads, processes
+    kernels = [(k, d) for k, d in specs if k is not None]
+    total = sum(c["seconds"] for c in compiles)
+    replay = {}
+
+    def fresh_cache() -> str:
+        folder = tempfile.mkdtemp(prefix="triton-diag-")
+        knobs.cache.dir = folder
+        os.environ["TRITON_CACHE_DIR"] = folder
+        for k, _ in kernels:
+            for cache in k.device_caches.values():
+                cache[0].clear()  # the in-memory kernel cache: compile again
+        return folder
+
+    def attempt(name, fn):
+        try:
+            fn()
+        except Exception as exc:  # a mode this Triton does not allow: say so, measure the others
+            replay[name + "_error"] = f"{type(exc).__name__}: {exc}"[:500]
+
+    def serial():
+        fresh_cache()
+        start = time.perf_counter()
+        for k, d in kernels:
+            k.preload(d)
+        replay["serial_s"] = time.perf_counter() - start
+
+    def threads():
+        fresh_cache()
+        start = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(len(kernels)) as pool:
+            list(pool.map(lambda kd: kd[0].preload(kd[1]), kernels))
+        replay["threads_s"] = time.perf_counter() - start
+
+    def processes():
+        import multiprocessing
+
+        folder = fresh_cache()
+        items = [(k.fn.__module__, k.fn.__name__, d, folder) for k, d in kernels]
+        start = time.perf_counter()
+        with concurrent.futures.ProcessPoolExecutor(min(len(items), os.cpu_count() or 1),
+                                                    mp_context=multiprocessing.get_context("spawn")) as pool:
+            replay["processes_each_s"] = list(pool.map(_compile_one, items))
+        replay["processes_s"] = time.perf_counter() - start
+        start = time.perf_counter()
+        for k, d in kernels:  # this process, from the cache the workers filled
+            k.preload(d)
+        replay["load_from_cache_s"] = time.perf_counter() - start
+
+    if kernels and all(d for _, d in kernels):
+        for name, fn in (("serial", serial), ("threads", threads), ("processes", processes)):
+            attempt(name, fn)
+    else:
+        replay["note"] = "this Triton's post-compile hook gives no specialization data: no replay"
+    return dict(shape=args.shape, src_len=args.src_len, new_tokens=args.new_tokens, patch_model_s=patch_s,
+                rows=rows, compiles_total=len(compiles), compile_s_total=total, kernels_replayed=len(kernels),
+                replay=replay, cpu_count=os.cpu_count(), triton=triton.__version__)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="t5-large")
+    ap.add_argument("--src-len", type=int, default=300)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--new-batch", type=int, default=16)
+    ap.add_argument("--beams", type=int, default=4)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        print(RESULT_PREFIX + json.dumps(worker(args)), flush=True)
+        return
+    import common  # benchmarks/ is on sys.path
+
+    common.require_cuda("diag_cold.py")
+    out = common.start_suite(args.out, "cold-diag")
+    cache = tempfile.mkdtemp(prefix="triton-cold-")
+    env = {**os.environ, "TRITON_CACHE_DIR": cache,
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(common.REPO), str(common.BENCH),
+                                                       os.environ.get("PYTHONPATH")]))}
+    argv = [sys.executable, __file__, "--worker", "--shape", args.shape, "--src-len", str(args.src_len),
+            "--new-tokens", str(args.new_tokens), "--new-batch", str(args.new_batch), "--beams", str(args.beams)]
+    proc = subprocess.run(argv, capture_output=True, text=True, cwd=common.REPO, env=env, check=False)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"the worker failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    report = json.loads(lines[-1][len(RESULT_PREFIX):])
+    common.write_json(out / "cold_diag.json", report)
+    common.print_table(
+        ["call", "seconds", "compiles", "compile s", "graphs", "capture s", "rest s"],
+        ([r["call"], f"{r['seconds']:.3f}", r["compiles"], f"{r['compile_s']:.3f}", r["graphs"],
+          f"{r['capture_s']:.3f}", f"{r['rest_s']:.3f}"] for r in report["rows"]),
+        title=f"{args.shape}, bf16, fresh process, empty Triton cache (patch_model {report['patch_model_s']:.3f} s)")
+    for r in report["rows"]:
+        print(r["call"], {k: round(v, 3) for k, v in r["compile_s_by_kernel"].items()})
+    print("replay of", report["kernels_replayed"], "kernels:", report["replay"])
+
+
+if __name__ == "__main__":
+    main()
