@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import cProfile
 import json
 import os
+import pstats
 import subprocess
 import sys
 import tempfile
@@ -43,6 +45,15 @@ def _compile_one(item: tuple[str, str, str, str]) -> float:
     start = time.perf_counter()
     kernel.preload(data)
     return time.perf_counter() - start
+
+
+def _top(profiler, count: int) -> dict[str, list[dict]]:
+    """The `count` functions of a cProfile run with the most cumulative time, and with the most own time."""
+    stats = pstats.Stats(profiler)
+    entries = [dict(function=f"{path.rsplit('/', 2)[-1]}:{line}:{name}", cumulative_s=round(ct, 4), own_s=round(tt, 4),
+                    calls=nc) for (path, line, name), (_, nc, tt, ct, _) in stats.stats.items()]
+    return dict(cumulative=sorted(entries, key=lambda e: -e["cumulative_s"])[:count],
+                own=sorted(entries, key=lambda e: -e["own_s"])[:count])
 
 
 def worker(args) -> dict:
@@ -96,7 +107,7 @@ def worker(args) -> dict:
     start = time.perf_counter()
     hp.patch_model(model)
     patch_s = time.perf_counter() - start
-    rows = []
+    rows, profile = [], None
     calls = [("first generate(), batch 1", 1, 1), (f"first call at batch {args.new_batch}", args.new_batch, 1),
              (f"first beam call, {args.beams} beams", 1, args.beams)]
     with torch.inference_mode():
@@ -104,11 +115,17 @@ def worker(args) -> dict:
             ids, mask = common.random_inputs(batch, args.src_len, "cuda", model.config.vocab_size)
             first_compile, first_capture = len(compiles), len(captures)
             torch.cuda.synchronize()
+            profiler = cProfile.Profile() if args.profile and not rows else None
             start = time.perf_counter()
+            if profiler is not None:
+                profiler.enable()
             model.generate(input_ids=ids, attention_mask=mask, num_beams=beams, do_sample=False,
                            max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)
             torch.cuda.synchronize()
             seconds = time.perf_counter() - start
+            if profiler is not None:
+                profiler.disable()
+                profile = _top(profiler, args.profile)
             mine = compiles[first_compile:]
             compile_s = sum(c["seconds"] for c in mine)
             capture_s = 0.0
@@ -177,7 +194,7 @@ def worker(args) -> dict:
             attempt(name, fn)
     else:
         replay["note"] = "this Triton's post-compile hook gives no specialization data: no replay"
-    return dict(shape=args.shape, src_len=args.src_len, new_tokens=args.new_tokens, patch_model_s=patch_s,
+    return dict(first_call_profile=profile, shape=args.shape, src_len=args.src_len, new_tokens=args.new_tokens, patch_model_s=patch_s,
                 rows=rows, compiles_total=len(compiles), compile_s_total=total, kernels_replayed=len(kernels),
                 replay=replay, cpu_count=os.cpu_count(), triton=triton.__version__)
 
@@ -189,6 +206,8 @@ def main(argv=None) -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--new-batch", type=int, default=16)
     ap.add_argument("--beams", type=int, default=4)
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="profile the first generate() (cProfile) and keep its N costliest functions")
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -204,7 +223,8 @@ def main(argv=None) -> None:
            "PYTHONPATH": os.pathsep.join(filter(None, [str(common.REPO), str(common.BENCH),
                                                        os.environ.get("PYTHONPATH")]))}
     argv = [sys.executable, __file__, "--worker", "--shape", args.shape, "--src-len", str(args.src_len),
-            "--new-tokens", str(args.new_tokens), "--new-batch", str(args.new_batch), "--beams", str(args.beams)]
+            "--new-tokens", str(args.new_tokens), "--new-batch", str(args.new_batch), "--beams", str(args.beams),
+            "--profile", str(args.profile)]
     proc = subprocess.run(argv, capture_output=True, text=True, cwd=common.REPO, env=env, check=False)
     lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
     if proc.returncode != 0 or not lines:
@@ -219,6 +239,9 @@ def main(argv=None) -> None:
     for r in report["rows"]:
         print(r["call"], {k: round(v, 3) for k, v in r["compile_s_by_kernel"].items()})
     print("replay of", report["kernels_replayed"], "kernels:", report["replay"])
+    for entry in [e for part in (report["first_call_profile"] or {}).values() for e in part]:
+        print(f"{entry['cumulative_s']:8.3f} s cumulative {entry['own_s']:8.3f} s own {entry['calls']:7d} calls  "
+              f"{entry['function']}")
 
 
 if __name__ == "__main__":
