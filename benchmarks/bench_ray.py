@@ -34,7 +34,7 @@ def main(argv=None) -> None:
     ap.add_argument("--shape", default=None, help="model shape (default t5-large; tiny with --quick)")
     ap.add_argument("--num-inputs", type=int, default=None, help="inputs (default 2000; 40 with --quick)")
     ap.add_argument("--batch-size", type=int, default=256, help="rows per batch Ray hands the replica")
-    ap.add_argument("--replica-batches", type=int, default=4, help="batches the replica runs at once")
+    ap.add_argument("--replica-batches", type=int, default=8, help="batches the replica runs at once")
     ap.add_argument("--quick", action="store_true", help="tiny model and workload (CPU is fine)")
     ap.add_argument("--out", default=None, help="folder for ray.json (default: benchmarks/results/<date>-<gpu>)")
     args = ap.parse_args(argv)

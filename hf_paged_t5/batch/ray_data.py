@@ -39,7 +39,7 @@ from typing import Any, Optional
 logger = logging.getLogger(__name__)
 
 ROWS_PER_BATCH = 256  # rows Ray hands a replica at a time (the CLI's; a caller of map_batches picks its own)
-REPLICA_BATCHES = 4  # batches one replica runs at once, all in its one decode loop (the CLI's)
+REPLICA_BATCHES = 8  # batches one replica runs at once, all in its one decode loop (the CLI's)
 
 
 def replica_compute(replicas: int = 1, batches: int = REPLICA_BATCHES) -> dict:
