@@ -32,8 +32,8 @@ LONGT5_SHAPES = {
     "long-t5-large": dict(vocab_size=32128, d_model=1024, d_kv=64, num_heads=16, d_ff=2816, num_layers=24,
                           num_decoder_layers=24, feed_forward_proj="gated-gelu", local_radius=127,
                           global_block_size=16),
-    "tiny": dict(vocab_size=512, d_model=64, d_kv=16, num_heads=4, d_ff=128, num_layers=2, num_decoder_layers=2,
-                 feed_forward_proj="gated-gelu", local_radius=7, global_block_size=4),
+    "tiny": dict(vocab_size=512, d_model=64, d_kv=16, num_heads=4, d_ff=128, num_layers=2,
+                 num_decoder_layers=2, feed_forward_proj="gated-gelu", local_radius=7, global_block_size=4),
 }
 LONGT5_ATTENTION = ("local", "transient-global")
 
@@ -75,8 +75,10 @@ def measure(rows: list, model_name: str, system: str, model, lengths, new: int, 
         g = torch.Generator().manual_seed(length)
         ids = torch.randint(2, model.config.vocab_size, (1, length), generator=g).to(device)
         r = run(model, ids, new, device)
-        rows.append(dict(model=model_name, system=system, src_len=length, new_tokens=new, weights_gib=weights, **r))
-        shown = "out of memory" if r.get("oom") else f"{r['seconds']:.2f} s  peak {r['peak_gib'] or float('nan'):.2f} GiB"
+        rows.append(dict(model=model_name, system=system, src_len=length, new_tokens=new, weights_gib=weights,
+                         **r))
+        peak = r.get("peak_gib") or float("nan")
+        shown = "out of memory" if r.get("oom") else f"{r['seconds']:.2f} s  peak {peak:.2f} GiB"
         print(f"{model_name} {system:6s} L={length:6d}: {shown}", flush=True)
 
 
@@ -116,8 +118,8 @@ def add_speedups(rows: list) -> None:
             stock = [s for s in rows if s["model"] == r["model"] and s["src_len"] == r["src_len"]
                      and s["system"] != "paged" and not s.get("oom")]
             r["same_tokens_as_stock"] = all(s["tokens"] == r["tokens"] for s in stock)
-            print(f"{r['model']} L={r['src_len']}: paged {r['speedup_vs_best_hf']:.1f}x faster than the best HF",
-                  flush=True)
+            print(f"{r['model']} L={r['src_len']}: paged {r['speedup_vs_best_hf']:.1f}x faster than the best "
+                  "HF", flush=True)
 
 
 def main(argv=None) -> None:

@@ -638,6 +638,23 @@ def test_gpu_prefill_realistic(dtype, head_dim, causal):
     assert rel_err(out, prefill_reference(*args, causal=causal, bias_table=table)) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("side", [False, True])
+@gpu_test
+def test_gpu_local_prefill_realistic(dtype, side):
+    """LongT5-large's layout: 16 heads x 64, radius 127, global blocks of 16, a 4k row and short ones."""
+    num_heads, head_dim = 16, 64
+    lens = [4096, 1000, 129, 15, 1]
+    query, key, value, cu_seqlens = packed(lens, num_heads, head_dim, dtype)
+    kw = dict(bias_table=torch.randn(num_heads, 257, device=DEVICE))
+    if side:
+        kw.update(side_inputs(lens, 16, num_heads, head_dim, dtype), side_bias_table=torch.randn(num_heads, 257,
+                                                                                                device=DEVICE))
+    args = (query, key, value, cu_seqlens, max(lens), 127)
+    out = local_prefill(*args, **kw)
+    assert rel_err(out, local_reference(*args, **kw)) < TOLERANCE[dtype]
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @gpu_test

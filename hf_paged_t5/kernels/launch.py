@@ -1,8 +1,9 @@
 """Launch knobs of the attention kernels and how their defaults are picked on a GPU.
 
 `DecodeConfig` / `decode_config` for `decode.paged_decode`, `PrefillConfig` / `prefill_config`
-for `prefill.prefill`, `LocalConfig` / `local_config` for `local.local_prefill`. The defaults come from H200 sweeps (`benchmarks/tune_kernels.py`); a
-caller may pass any config, and every config computes the same attention.
+for `prefill.prefill`, `LocalConfig` / `local_config` for `local.local_prefill`. The defaults come
+from H200 sweeps (`benchmarks/tune_kernels.py`; `local_config`'s not yet); a caller may pass any
+config, and every config computes the same attention.
 """
 
 from __future__ import annotations
