@@ -168,8 +168,8 @@ def encoder_forward(
     if attention_mask is None:
         attention_mask = torch.ones(batch, seq_len, dtype=torch.long, device=source.device)
     index, lens, cu_seqlens, max_seqlen = pack_tokens(attention_mask, source.device)
-    plan = longt5.local_plan(stack, lens, cu_seqlens, max_seqlen) if is_local(self_attention(stack.block[0].layer[0])) \
-        else None
+    local = is_local(self_attention(stack.block[0].layer[0]))  # LongT5's windowed attention
+    plan = longt5.local_plan(stack, lens, cu_seqlens, max_seqlen) if local else None
     plans: dict[torch.device, longt5.LocalPlan] = {}  # the plan on each layer device
     if inputs_embeds is None:
         hidden = stack.embed_tokens(input_ids.reshape(-1)[index])
