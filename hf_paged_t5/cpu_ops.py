@@ -13,7 +13,10 @@ rows in Python and builds a bias per row; here every call is a few batched tenso
   mask once for all its layers;
 - `prefill` pads the packed sequences to [batch, max_seqlen] and runs SDPA per chunk of query rows
   with the bias of relative positions built once per chunk (it is the same for every sequence),
-  so its memory is O(batch * heads * chunk * max_seqlen), never O(L^2) per head for long inputs.
+  so its memory is O(batch * heads * chunk * max_seqlen), never O(L^2) per head for long inputs;
+- `local_prefill` (LongT5's encoder) splits each sequence into blocks of local_radius + 1 queries, as
+  HF does, each over its three-block key window (and the sequence's side keys), with the window's
+  bias built once per call; SDPA per chunk of blocks, so memory is O(L), not O(L^2).
 
 Like the reference, a float64 model is computed in float64 (softmax and accumulation in
 `promote_types(dtype, float32)`).
@@ -31,10 +34,12 @@ import torch.nn.functional as F
 
 from .reference import gemv, gemv_supports, rms_norm, store_kv
 
-__all__ = ["DecodeState", "gemv", "gemv_supports", "paged_decode", "prefill", "rms_norm", "store_kv"]
+__all__ = ["DecodeState", "gemv", "gemv_supports", "local_prefill", "paged_decode", "prefill", "rms_norm", "store_kv"]
 
 # Query rows per SDPA call in `prefill`: bounds the [batch, heads, rows, keys] bias + mask.
 PREFILL_QUERY_CHUNK = 1024
+# Elements of one `local_prefill` chunk's keys and additive mask: bounds its memory for long inputs.
+LOCAL_CHUNK_ELEMENTS = 2**23
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -245,3 +250,91 @@ def prefill(
     if full:
         return out.transpose(1, 2).reshape(total, num_heads, head_dim).to(query.dtype)
     return out.transpose(1, 2)[real].to(query.dtype)
+
+
+def _side_rows(side_bias_table, block_ids: torch.Tensor, num_globals: int, dtype) -> Optional[torch.Tensor]:
+    """[num_heads, len(block_ids), num_globals] side bias at clamp(g - block_id), or None."""
+    if side_bias_table is None:
+        return None
+    d = (side_bias_table.shape[1] - 1) // 2
+    rel = torch.arange(num_globals, device=block_ids.device)[None, :] - block_ids.long()[:, None]
+    return side_bias_table.to(dtype)[:, rel.clamp(-d, d) + d]
+
+
+def local_prefill(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    local_radius: int,
+    scale: float = 1.0,
+    bias_table: Optional[torch.Tensor] = None,
+    side_key: Optional[torch.Tensor] = None,
+    side_value: Optional[torch.Tensor] = None,
+    cu_globals: Optional[torch.Tensor] = None,
+    block_ids: Optional[torch.Tensor] = None,
+    side_bias_table: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Local attention plus optional side keys within each packed sequence (see `reference.local_prefill`).
+
+    Each sequence is cut into blocks of `local_radius + 1` queries; a block's keys are its own and
+    its two neighbours' (the window holds every key within the radius), then the side keys.
+    query, key, value: [total_tokens, num_heads, head_dim]; returns the same shape, query's dtype
+    """
+    total, num_heads, head_dim = query.shape
+    dtype, device = _compute_dtype(query.dtype), query.device
+    out = torch.empty_like(query)
+    block = local_radius + 1
+    rel = torch.arange(3 * block, device=device)[None, :] - block - torch.arange(block, device=device)[:, None]
+    in_window = rel.abs() <= local_radius  # [block, 3 * block]: key - query of a block's window
+    window_bias = None  # [num_heads, block, 3 * block]
+    if bias_table is not None:
+        d = (bias_table.shape[1] - 1) // 2
+        window_bias = bias_table.to(dtype)[:, rel.clamp(-d, d) + d]
+    bounds = cu_seqlens.tolist()
+    g_bounds = cu_globals.tolist() if side_key is not None else None
+    for b in range(len(bounds) - 1):
+        start, end = bounds[b], bounds[b + 1]
+        n = end - start
+        if n == 0:
+            continue
+        blocks = -(-n // block)
+        # [blocks + 2 blocks of keys]: one zero block before, the tail and one zero block after
+        pad = (0, 0, 0, 0, block, blocks * block - n + block)
+        q = F.pad(query[start:end].to(dtype), (0, 0, 0, 0, 0, blocks * block - n))
+        q = q.view(blocks, block, num_heads, head_dim).transpose(1, 2)  # [blocks, heads, block, head_dim]
+        k_win = F.pad(key[start:end].to(dtype), pad).unfold(0, 3 * block, block)  # [blocks, heads, head_dim, 3 * block]
+        v_win = F.pad(value[start:end].to(dtype), pad).unfold(0, 3 * block, block)
+        k_pos = (torch.arange(blocks, device=device)[:, None] - 1) * block + torch.arange(3 * block, device=device)
+        live = in_window[None] & ((k_pos >= 0) & (k_pos < n))[:, None, :]  # [blocks, block, 3 * block]
+        num_globals, side_k, side_v, side_bias = 0, None, None, None
+        if g_bounds is not None:
+            g0, g1 = g_bounds[b], g_bounds[b + 1]
+            num_globals = g1 - g0
+            side_k = side_key[g0:g1].to(dtype).transpose(0, 1)  # [heads, globals, head_dim]
+            side_v = side_value[g0:g1].to(dtype).transpose(0, 1)
+            ids = F.pad(block_ids[start:end], (0, blocks * block - n))
+            side_bias = _side_rows(side_bias_table, ids, num_globals, dtype)  # [heads, blocks * block, globals]
+        keys = 3 * block + num_globals
+        step = max(1, LOCAL_CHUNK_ELEMENTS // (num_heads * keys * (block + 2 * head_dim)))
+        for c0 in range(0, blocks, step):
+            c1 = min(c0 + step, blocks)
+            mask = torch.zeros(c1 - c0, 1, block, 3 * block, dtype=dtype, device=device)
+            mask.masked_fill_(~live[c0:c1, None], float("-inf"))
+            if window_bias is not None:
+                mask = mask + window_bias[None]
+            k, v = k_win[c0:c1].transpose(2, 3), v_win[c0:c1].transpose(2, 3)  # [chunk, heads, 3 * block, head_dim]
+            if num_globals:
+                expand = (c1 - c0, num_heads, num_globals, head_dim)
+                k = torch.cat([k, side_k[None].expand(expand)], dim=2)
+                v = torch.cat([v, side_v[None].expand(expand)], dim=2)
+                side = torch.zeros((), dtype=dtype, device=device) if side_bias is None else (
+                    side_bias[:, c0 * block:c1 * block].unflatten(1, (c1 - c0, block)).transpose(0, 1))
+                mask = mask.expand(c1 - c0, num_heads, block, 3 * block)
+                mask = torch.cat([mask, side.expand(c1 - c0, num_heads, block, num_globals)], dim=3)
+            o = F.scaled_dot_product_attention(q[c0:c1], k, v, attn_mask=mask, scale=scale)  # [chunk, heads, block, d]
+            rows = o.transpose(1, 2).reshape(-1, num_heads, head_dim)
+            lo, hi = start + c0 * block, min(start + c1 * block, end)
+            out[lo:hi] = rows[: hi - lo].to(query.dtype)
+    return out

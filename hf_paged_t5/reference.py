@@ -162,6 +162,62 @@ def prefill(
     return out
 
 
+
+def local_prefill(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    local_radius: int,
+    scale: float = 1.0,
+    bias_table: Optional[torch.Tensor] = None,
+    side_key: Optional[torch.Tensor] = None,
+    side_value: Optional[torch.Tensor] = None,
+    cu_globals: Optional[torch.Tensor] = None,
+    block_ids: Optional[torch.Tensor] = None,
+    side_bias_table: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Local attention within each packed sequence, plus optional side keys (LongT5's encoder).
+
+    query, key, value: [total_tokens, num_heads, head_dim], sequences back to back
+    cu_seqlens: [batch + 1] int32; max_seqlen: host int >= every sequence length
+    local_radius: query i attends key j of its sequence iff |i - j| <= local_radius
+    bias_table: bidirectional table [num_heads, 2 * D + 1] at clamp(j - i, +-D) + D, or None
+    side_key, side_value: [total_globals, num_heads, head_dim]; sequence b's side keys are rows
+        [cu_globals[b], cu_globals[b + 1]) and every token of b attends all of them, in the same
+        softmax as its local keys; None: local attention only
+    block_ids: [total_tokens] int32, each token's global block (within its sequence)
+    side_bias_table: [num_heads, 2 * Ds + 1] at clamp(g - block_id, +-Ds) + Ds, or None
+    returns: [total_tokens, num_heads, head_dim], query's dtype
+    """
+    out = torch.empty_like(query)
+    bounds = cu_seqlens.tolist()
+    g_bounds = cu_globals.tolist() if side_key is not None else None
+    for b in range(len(bounds) - 1):
+        start, end = bounds[b], bounds[b + 1]
+        if end == start:
+            continue
+        pos = torch.arange(end - start, device=query.device)
+        keys, values = key[start:end], value[start:end]
+        mask = (pos[None, :] - pos[:, None]).abs() <= local_radius  # [q, k]
+        bias = _bias_rows(bias_table, pos, pos, causal=False)
+        if bias is None:
+            bias = torch.zeros(query.shape[1], end - start, end - start, device=query.device)
+        if g_bounds is not None:
+            g0, g1 = g_bounds[b], g_bounds[b + 1]
+            keys, values = torch.cat([keys, side_key[g0:g1]]), torch.cat([values, side_value[g0:g1]])
+            mask = torch.cat([mask, mask.new_ones(end - start, g1 - g0)], dim=1)
+            side = _bias_rows(side_bias_table, block_ids[start:end].long(), torch.arange(g1 - g0, device=query.device),
+                              causal=False)
+            if side is None:
+                side = bias.new_zeros(query.shape[1], end - start, g1 - g0)
+            bias = torch.cat([bias.to(side.dtype), side], dim=2)
+        o = _attend(query[start:end], keys, values, scale, bias, mask)
+        out[start:end] = o.to(query.dtype)
+    return out
+
+
 def rms_norm(
     hidden: torch.Tensor,
     weight: torch.Tensor,

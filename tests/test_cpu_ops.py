@@ -97,7 +97,7 @@ def test_interface_matches_the_reference():
     """Same functions, same keyword arguments in the same order (the backends are interchangeable)."""
     import inspect
 
-    for name in ("store_kv", "paged_decode", "prefill", "rms_norm", "gemv", "gemv_supports"):
+    for name in ("store_kv", "paged_decode", "prefill", "local_prefill", "rms_norm", "gemv", "gemv_supports"):
         assert list(inspect.signature(getattr(cpu_ops, name)).parameters) == \
             list(inspect.signature(getattr(reference, name)).parameters), name
 
@@ -140,3 +140,33 @@ def test_decode_state_keeps_cross_kv_per_layer():
     for layer, kw in ((0, a), (1, b), (0, a), (1, b)):
         want = reference.paged_decode(scale=1.0, **kw)
         assert rel_err(state.cross_decode(layer, scale=1.0, **kw), want) < TOLERANCE[torch.float64]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("local_radius", [0, 2, 9])
+@pytest.mark.parametrize("side", [False, True])
+@pytest.mark.parametrize("chunk", [None, 1])
+def test_local_prefill_matches_reference(dtype, local_radius, side, chunk, monkeypatch):
+    """LongT5's windowed attention: windows of local_radius + 1 around rows of awkward lengths (an
+    empty row, rows shorter than a window and than a global block), one block per chunk or all."""
+    if chunk is not None:
+        monkeypatch.setattr(cpu_ops, "LOCAL_CHUNK_ELEMENTS", chunk)
+    g = torch.Generator().manual_seed(21)
+    lens, heads, head_dim, size = [7, 0, 1, 3, 26], 3, 8, 4
+    total = sum(lens)
+    q, k, v = (torch.randn(total, heads, head_dim, generator=g, dtype=torch.float64).to(dtype) for _ in range(3))
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    kw = dict(scale=0.7, bias_table=torch.randn(heads, 9, generator=g, dtype=torch.float64).to(dtype))
+    if side:
+        blocks = [n // size for n in lens]
+        kw.update(
+            side_key=torch.randn(sum(blocks), heads, head_dim, generator=g, dtype=torch.float64).to(dtype),
+            side_value=torch.randn(sum(blocks), heads, head_dim, generator=g, dtype=torch.float64).to(dtype),
+            cu_globals=torch.tensor([0, *torch.tensor(blocks).cumsum(0).tolist()], dtype=torch.int32),
+            block_ids=torch.cat([torch.minimum(torch.arange(n) // size, torch.tensor(max(b - 1, 0)))
+                                 for n, b in zip(lens, blocks)]).to(torch.int32),
+            side_bias_table=torch.randn(heads, 5, generator=g, dtype=torch.float64).to(dtype),
+        )  # fmt: skip
+    out = cpu_ops.local_prefill(q, k, v, cu, max(lens), local_radius, **kw)
+    ref = reference.local_prefill(q, k, v, cu, max(lens), local_radius, **kw)
+    assert out.dtype == dtype and rel_err(out, ref) < TOLERANCE[dtype]

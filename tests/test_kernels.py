@@ -20,8 +20,9 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 
 from hf_paged_t5 import reference  # noqa: E402
-from hf_paged_t5.kernels import paged_decode, prefill, store_kv  # noqa: E402
+from hf_paged_t5.kernels import local_prefill, paged_decode, prefill, store_kv  # noqa: E402
 from hf_paged_t5.kernels.decode import DecodeConfig, decode_config  # noqa: E402
+from hf_paged_t5.kernels.launch import LocalConfig  # noqa: E402
 from hf_paged_t5.kernels.prefill import PrefillConfig, _band_tiles, _wide_table, band_range, prefill_config  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -496,6 +497,109 @@ def test_prefill_rejects_bad_arguments(over, error, words):
         prefill(**args)
 
 
+# ----------------------------------------------------------------------------- local prefill (LongT5)
+
+
+def side_inputs(lens, size, num_heads, head_dim, dtype, seed=0):
+    """LongT5 transient-global side keys of packed rows of `lens` tokens, blocks of `size`:
+    side_key, side_value [total_globals, heads, head_dim], cu_globals [batch + 1], block_ids [total_tokens]
+    (orphan tails in the last full block)."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = [n // size for n in lens]
+    side = [torch.randn(sum(blocks), num_heads, head_dim, generator=g).to(dtype).to(DEVICE) for _ in range(2)]
+    cu_globals = torch.tensor([0, *torch.tensor(blocks).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    ids = [torch.minimum(torch.arange(n) // size, torch.tensor(max(b - 1, 0))) for n, b in zip(lens, blocks)]
+    block_ids = torch.cat(ids).to(torch.int32).to(DEVICE)
+    return dict(side_key=side[0], side_value=side[1], cu_globals=cu_globals, block_ids=block_ids)
+
+
+def local_reference(query, key, value, cu_seqlens, max_seqlen, local_radius, **kw):
+    up = {k: (v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in kw.items()}
+    return reference.local_prefill(query.float(), key.float(), value.float(), cu_seqlens, max_seqlen, local_radius,
+                                   **up)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("local_radius", [0, 16, 37])
+@pytest.mark.parametrize("side", [False, True])
+def test_local_prefill_matches_reference(dtype, local_radius, side):
+    """Windows inside one 16-key tile, reaching past it and wider than several; lengths around the
+    tiles, an empty row, rows shorter than a global block; tables shorter than the distances met
+    (the clamp), side keys spanning several tiles."""
+    num_heads, head_dim = 2, 24
+    lens = [1, 15, 16, 17, 0, 3, 70]
+    query, key, value, cu_seqlens = packed(lens, num_heads, head_dim, dtype, seed=11)
+    g = torch.Generator().manual_seed(12)
+    kw = dict(scale=0.5, bias_table=(3 * torch.randn(num_heads, 15, generator=g)).to(DEVICE))
+    if side:
+        kw.update(side_inputs(lens, 4, num_heads, head_dim, dtype, seed=13))
+        kw["side_bias_table"] = (3 * torch.randn(num_heads, 7, generator=g)).to(DEVICE)
+    args = (query, key, value, cu_seqlens, max(lens), local_radius)
+    out = local_prefill(*args, **kw)
+    ref = local_reference(*args, **kw)
+    assert out.dtype == dtype and out.shape == query.shape
+    assert rel_err(out, ref) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("block_m, block_n, block_g", [(32, 16, 16), (16, 32, 32), (64, 16, 32), (16, 16, 64)])
+def test_local_prefill_tile_configs(block_m, block_n, block_g):
+    """Query blocks larger and smaller than key tiles, side tiles larger than a row's globals."""
+    num_heads, head_dim = 2, 16
+    lens = [block_n - 1, block_m + 1, 2 * block_m + 3, 90]
+    query, key, value, cu_seqlens = packed(lens, num_heads, head_dim, torch.float32, seed=14)
+    kw = dict(bias_table=torch.randn(num_heads, 41, device=DEVICE),
+              side_bias_table=torch.randn(num_heads, 9, device=DEVICE),
+              **side_inputs(lens, 2, num_heads, head_dim, torch.float32, seed=15))
+    args = (query, key, value, cu_seqlens, max(lens), 20)
+    out = local_prefill(*args, config=LocalConfig(block_m, block_n, block_g, num_warps=4), **kw)
+    assert rel_err(out, local_reference(*args, **kw)) < TOLERANCE[torch.float32]
+
+
+def test_local_prefill_without_tables_and_radius_past_the_row():
+    """No bias at all (a layer of a model without bias weights) and a window wider than every row:
+    full bidirectional attention, the prefill kernel's result; no side bias table."""
+    query, key, value, cu_seqlens = packed([5, 33], 2, 16, torch.float32, seed=16)
+    out = local_prefill(query, key, value, cu_seqlens, 33, 1000)
+    assert rel_err(out, prefill_reference(query, key, value, cu_seqlens, 33)) < TOLERANCE[torch.float32]
+    side = side_inputs([5, 33], 4, 2, 16, torch.float32, seed=17)
+    out = local_prefill(query, key, value, cu_seqlens, 33, 2, **side)
+    ref = local_reference(query, key, value, cu_seqlens, 33, 2, **side)
+    assert rel_err(out, ref) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize(
+    "over, error, words",
+    [
+        (dict(local_radius=-1), TypeError, "local_radius"),
+        (dict(local_radius=torch.tensor(3)), TypeError, "local_radius"),
+        (dict(bias_table=torch.zeros(2, 8)), ValueError, "odd"),
+        (dict(bias_table=torch.zeros(2, 9, 2)[..., 0]), ValueError, "contiguous"),
+        (dict(side_key=torch.randn(2, 2, 16)), ValueError, "all of side_key"),
+        (dict(side_bias_table=torch.zeros(2, 5)), ValueError, "side_bias_table needs"),
+        (dict(side=True, block_ids=torch.zeros(9, dtype=torch.int32)), ValueError, "block_ids"),
+        (dict(side=True, side_value=torch.randn(2, 2, 8)), ValueError, "side_value"),
+        (dict(side=True, cu_globals=torch.tensor([0, 2], dtype=torch.int32)), ValueError, "cu_globals"),
+    ],
+)
+def test_local_prefill_rejects_bad_arguments(over, error, words):
+    args = dict(
+        query=torch.randn(10, 2, 16), key=torch.randn(10, 2, 16), value=torch.randn(10, 2, 16),
+        cu_seqlens=torch.tensor([0, 4, 10], dtype=torch.int32), max_seqlen=6, local_radius=3,
+    )  # fmt: skip
+    if over.pop("side", False):
+        args.update(side_key=torch.randn(2, 2, 16), side_value=torch.randn(2, 2, 16),
+                    cu_globals=torch.tensor([0, 1, 2], dtype=torch.int32), block_ids=torch.zeros(10, dtype=torch.int32))
+    args.update(over)
+    args = {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) and v.dim() > 0 else v) for k, v in args.items()}
+    with pytest.raises(error, match=words):
+        local_prefill(**args)
+
+
+def test_local_config_rejects_bad_knobs():
+    with pytest.raises(ValueError, match="block_g"):
+        LocalConfig(block_m=16, block_n=16, block_g=24, num_warps=4)
+
+
 # ----------------------------------------------------------------------------- GPU only
 
 
@@ -532,6 +636,23 @@ def test_gpu_prefill_realistic(dtype, head_dim, causal):
     args = (query, key, value, cu_seqlens, max(lens))
     out = prefill(*args, causal=causal, bias_table=table)
     assert rel_err(out, prefill_reference(*args, causal=causal, bias_table=table)) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("side", [False, True])
+@gpu_test
+def test_gpu_local_prefill_realistic(dtype, side):
+    """LongT5-large's layout: 16 heads x 64, radius 127, global blocks of 16, a 4k row and short ones."""
+    num_heads, head_dim = 16, 64
+    lens = [4096, 1000, 129, 15, 1]
+    query, key, value, cu_seqlens = packed(lens, num_heads, head_dim, dtype)
+    kw = dict(bias_table=torch.randn(num_heads, 257, device=DEVICE))
+    if side:
+        kw.update(side_inputs(lens, 16, num_heads, head_dim, dtype), side_bias_table=torch.randn(num_heads, 257,
+                                                                                                device=DEVICE))
+    args = (query, key, value, cu_seqlens, max(lens), 127)
+    out = local_prefill(*args, **kw)
+    assert rel_err(out, local_reference(*args, **kw)) < TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])

@@ -29,6 +29,7 @@ from .requests import BatchRequest, BatchResult, Request
 from .run import BatchRun
 from ..hf.patch import STOCK_ENCODER, _paged_encoder
 from ..hf.policy import fallback_reason
+from ..model import longt5
 
 # BatchRequest fields that override the generator's sampling for one input, in GenerationConfig's names.
 SAMPLING_OPTIONS = ("do_sample", "temperature", "top_p", "top_k")
@@ -88,8 +89,12 @@ class BatchGenerator:
                 "BatchGenerator needs a seq2seq model patched by hf_paged_t5: call hf_paged_t5.patch_model(model) first"
             )
         if not _paged_encoder(model.get_encoder()):
-            raise TypeError(f"BatchGenerator runs the paged encoder, and {STOCK_ENCODER.split(';')[0]} only: "
+            raise TypeError(f"BatchGenerator runs the paged encoder, and {STOCK_ENCODER.split(':')[0]}: "
                             "use model.generate() for this model")
+        reason = longt5.unserved_reason(model.get_encoder(), None)
+        if reason is not None:
+            raise TypeError(f"BatchGenerator runs the paged encoder, which does not give stock HF's result here "
+                            f"({reason}): use model.generate() for this model")
         if isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, (int, float)) \
                 or not 0 < gpu_memory_utilization <= 1:
             raise ValueError(

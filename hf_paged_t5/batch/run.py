@@ -212,7 +212,8 @@ class BatchRun:
         # from the device, so the host queues the encoder behind the decode steps instead of waiting
         # for them to finish
         packed = encoder_forward(encoder, runtime.ops_for, tables, None, torch.from_numpy(real), input_ids=ids,
-                                 packed=True, band_memos=runtime.band_memos(encoder))  # [total_tokens, d_model]
+                                 packed=True, band_memos=runtime.band_memos(encoder),
+                                 side_tables=runtime.side_tables(encoder))  # [total_tokens, d_model]
         slots = []
         for request in chunk:
             request.source, source_slots = self.cache.add_source(len(request.ids))

@@ -12,6 +12,8 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions, Seq2SeqLMOutput
 
+from ..model import longt5
+from ..model.bias import is_local, self_attention
 from ..model.stacks import encoder_forward, mask_rows, store_cross
 from .cache import PagedEncoderDecoderCache
 from .policy import cpu_stock_reason
@@ -51,8 +53,14 @@ def make_encoder_forward(runtime: PagedRuntime, original):
         unknown = set(kwargs) - {"output_attentions", "output_hidden_states", "use_cache"}
         stock = unknown or not _paged_allowed(runtime, self, kwargs)
         lens = None
+        attention = self_attention(self.block[0].layer[0])
+        if not stock and is_local(attention):
+            reason = longt5.unserved_reason(self, attention_mask)
+            if reason is not None:
+                runtime.warn_once(reason, "the encoder")
+                stock = True
         if not stock and attention_mask is not None:
-            lens, reason = mask_rows(attention_mask)
+            lens, reason = mask_rows(attention_mask, right_padded=longt5.is_transient_global(attention))
             if reason is not None:
                 runtime.warn_once(reason, "the encoder")
                 stock = True
@@ -78,7 +86,7 @@ def make_encoder_forward(runtime: PagedRuntime, original):
         tables = runtime.bias_tables(self, causal=False)
         # given input_ids, only the real tokens are embedded (inside encoder_forward)
         hidden = encoder_forward(self, runtime.ops_for, tables, inputs_embeds, attention_mask, input_ids=input_ids,
-                                 band_memos=runtime.band_memos(self))
+                                 band_memos=runtime.band_memos(self), side_tables=runtime.side_tables(self))
         # the class T5's stacks return (a caller that compiles generate() sees one type either way)
         out = BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=hidden)
         if return_dict is None:

@@ -75,7 +75,8 @@ def _encoder_inputs(model: nn.Module, gen_config, model_kwargs: dict):
     lens, reason = mask_rows(mask)
     if reason == EMPTY_ROW:  # HF's decoder attends over every encoder position of such a row
         return None, None, reason
-    return source, lens, None  # (a hole: the encoder forward runs HF's, the decoder stays paged)
+    # (a hole, or LongT5 transient-global left padding: the encoder forward runs HF's, the decoder stays paged)
+    return source, lens, None
 
 
 def _paged_generate(runtime, model, original, inputs, generation_config, gen_config, model_kwargs, kwargs, devices,

@@ -15,6 +15,7 @@ from typing import Any, Optional
 from torch import nn
 
 from ..config import PagedCacheConfig
+from ..model.bias import SELF_ATTENTION_NAMES
 from .forward import make_encoder_forward, make_forward
 from .generate import make_generate
 from .runtime import PagedRuntime, set_attr
@@ -22,13 +23,12 @@ from .runtime import PagedRuntime, set_attr
 logger = logging.getLogger(__name__)
 
 _ATTR = "_hf_paged_t5"
+# An encoder whose layers are not all one attention kind the paged encoder knows
+STOCK_ENCODER = "the encoder's layers are not all T5 or LongT5 self-attention: the encoder runs on stock HF"
 SUPPORTED_CLASSES = (
     "T5ForConditionalGeneration", "MT5ForConditionalGeneration", "UMT5ForConditionalGeneration",
-    "LongT5ForConditionalGeneration", "T5EncoderModel", "MT5EncoderModel", "UMT5EncoderModel",
+    "LongT5ForConditionalGeneration", "T5EncoderModel", "MT5EncoderModel", "UMT5EncoderModel", "LongT5EncoderModel",
 )
-# LongT5's encoder attends within local windows (and to transient global tokens), which the paged
-# encoder does not do: it stays stock HF, its decoder (T5's) runs on the paged path
-STOCK_ENCODER = "LongT5's encoder (local / transient-global attention) runs on stock HF; its decoder is paged"
 
 
 def _check_model(model: Any) -> None:
@@ -36,16 +36,18 @@ def _check_model(model: Any) -> None:
     if not names.intersection(SUPPORTED_CLASSES):
         raise TypeError(
             f"hf_paged_t5 supports {', '.join(SUPPORTED_CLASSES)} (T5, Flan-T5, T5 v1.1, mT5, UMT5, ByT5, "
-            f"MADLAD checkpoints load as these); got {type(model).__name__}. Load the model with "
-            "AutoModelForSeq2SeqLM or T5EncoderModel."
+            f"MADLAD, LongT5 checkpoints load as these); got {type(model).__name__}. Load the model with "
+            "AutoModelForSeq2SeqLM or T5EncoderModel (LongT5EncoderModel)."
         )
     if getattr(model.config, "is_gated_act", None) is None and not hasattr(model.config, "feed_forward_proj"):
         raise TypeError(f"{type(model).__name__} has no T5 configuration")
 
 
 def _paged_encoder(encoder: nn.Module) -> bool:
-    """Whether the paged encoder serves `encoder`: T5's full self-attention in every layer."""
-    return all(hasattr(block.layer[0], "SelfAttention") for block in encoder.block)
+    """Whether the paged encoder serves `encoder`: T5's full self-attention in every layer, or
+    LongT5's local or transient-global attention in every layer."""
+    kinds = {next((n for n in SELF_ATTENTION_NAMES if hasattr(block.layer[0], n)), None) for block in encoder.block}
+    return len(kinds) == 1 and None not in kinds
 
 
 def patch_model(model: nn.Module, config: Optional[PagedCacheConfig] = None) -> nn.Module:

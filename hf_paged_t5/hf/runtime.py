@@ -59,6 +59,10 @@ class PagedRuntime:
         """Each layer's bias table of `stack` (`bias.BiasTableCache`; no host sync)."""
         return self.tables.get(stack, causal)
 
+    def side_tables(self, stack: nn.Module) -> Optional[list[torch.Tensor]]:
+        """Each layer's side table of a LongT5 transient-global encoder, else None (`bias.BiasTableCache`)."""
+        return self.tables.side_tables(stack)
+
     def band_memos(self, stack: nn.Module) -> list[dict]:
         """Each encoder layer's memo for the prefill kernel's band tiles (`bias.BiasTableCache.memos`)."""
         return self.tables.memos(stack, causal=False)

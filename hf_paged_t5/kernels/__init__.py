@@ -6,6 +6,7 @@
 - `rms_norm`: T5's layer norm, optionally fused with the residual add.
 - `gemv`: x @ weight.T for at most a few rows (batch-1 decode projections).
 - `prefill`: varlen flash-attention over packed sequences, bidirectional or causal.
+- `local_prefill`: varlen local (windowed) attention plus optional side keys (LongT5's encoder).
 
 Integer arguments that follow the workload (sequence lengths, key counts, splits, rows, table
 widths) are excluded from Triton's specialization (`do_not_specialize`): Triton otherwise compiles
@@ -16,8 +17,9 @@ moving would keep compiling. These arguments are loop bounds and masks, where th
 
 from .decode import paged_decode
 from .gemv import gemv, gemv_supports
+from .local import local_prefill
 from .prefill import prefill
 from .rmsnorm import rms_norm
 from .store_kv import store_kv
 
-__all__ = ["gemv", "gemv_supports", "paged_decode", "prefill", "rms_norm", "store_kv"]
+__all__ = ["gemv", "gemv_supports", "local_prefill", "paged_decode", "prefill", "rms_norm", "store_kv"]

@@ -181,3 +181,48 @@ def check_prefill_args(query, key, value, cu_seqlens, max_seqlen, causal, bias_t
                 f"[{batch}|1, {num_heads}|1, >={max_seqlen}, >={max_seqlen}], got {tuple(dense_bias.shape)}"
             )
     return max_distance
+
+
+def _check_table(name: str, table: Optional[torch.Tensor], num_heads: int, device: torch.device) -> int:
+    """A bidirectional distance table [num_heads, 2D + 1], contiguous per head; returns D (0 without one)."""
+    distance = check_bias_table(table, num_heads, device, causal=False)
+    if table is not None and table.stride(1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dim (stride {table.stride(1)}); call .contiguous()")
+    return distance
+
+
+def check_local_args(query, key, value, cu_seqlens, max_seqlen, local_radius, bias_table, side_key, side_value,
+                     cu_globals, block_ids, side_bias_table) -> tuple[int, int]:
+    """Validate `local_prefill` arguments; returns the max_distance of the local and the side table."""
+    check_prefill_args(query, key, value, cu_seqlens, max_seqlen, False, None, None)
+    if isinstance(local_radius, (bool, torch.Tensor)) or not hasattr(local_radius, "__index__") or local_radius < 0:
+        raise TypeError(f"local_radius must be a non-negative host int, got {local_radius!r}")
+    device, num_heads = query.device, query.shape[1]
+    max_distance = _check_table("bias_table", bias_table, num_heads, device)
+    side = (side_key, side_value, cu_globals, block_ids)
+    if all(t is None for t in side):
+        if side_bias_table is not None:
+            raise ValueError("side_bias_table needs side_key, side_value, cu_globals and block_ids")
+        return max_distance, 0
+    if any(t is None for t in side):
+        raise ValueError("side keys need all of side_key, side_value, cu_globals and block_ids (or none of them)")
+    check_float("side_key", side_key, 3)
+    check_float("side_value", side_value, 3)
+    check_int32("cu_globals", cu_globals, 1)
+    check_int32("block_ids", block_ids, 1)
+    for name, tensor in (("side_key", side_key), ("side_value", side_value), ("cu_globals", cu_globals),
+                         ("block_ids", block_ids)):
+        check_device(name, tensor, device)
+    check_same_dtype("side_key", side_key, query)
+    check_same_dtype("side_value", side_value, query)
+    if side_key.shape != side_value.shape or tuple(side_key.shape[1:]) != tuple(query.shape[1:]):
+        raise ValueError(
+            f"side_key {tuple(side_key.shape)} and side_value {tuple(side_value.shape)} must both be "
+            f"[total_globals, num_heads, head_dim] with the query's {list(query.shape[1:])}"
+        )
+    if cu_globals.shape != cu_seqlens.shape:
+        raise ValueError(f"cu_globals must be [batch + 1] like cu_seqlens {tuple(cu_seqlens.shape)}, "
+                         f"got {tuple(cu_globals.shape)}")
+    if block_ids.shape[0] != query.shape[0]:
+        raise ValueError(f"block_ids must be [total_tokens = {query.shape[0]}], got {tuple(block_ids.shape)}")
+    return max_distance, _check_table("side_bias_table", side_bias_table, num_heads, device)

@@ -1,8 +1,9 @@
 """Launch knobs of the attention kernels and how their defaults are picked on a GPU.
 
 `DecodeConfig` / `decode_config` for `decode.paged_decode`, `PrefillConfig` / `prefill_config`
-for `prefill.prefill`. The defaults come from H200 sweeps (`benchmarks/tune_kernels.py`); a
-caller may pass any config, and every config computes the same attention.
+for `prefill.prefill`, `LocalConfig` / `local_config` for `local.local_prefill`. The defaults come
+from H200 sweeps (`benchmarks/tune_kernels.py`; `local_config`'s not yet); a caller may pass any
+config, and every config computes the same attention.
 """
 
 from __future__ import annotations
@@ -170,3 +171,36 @@ def prefill_config(head_dim: int, dtype: torch.dtype, max_seqlen: int) -> Prefil
     if head_dim <= 128:
         return PrefillConfig(block_m=128, block_n=32, num_warps=8, num_stages=3)
     return PrefillConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalConfig:
+    """Launch knobs of `local_prefill`.
+
+    block_m: queries per program; block_n: local keys per tile; block_g: side keys per tile
+    (powers of two >= 16); num_warps: warps per program; num_stages: pipelining depth of the loops
+    """
+
+    block_m: int
+    block_n: int
+    block_g: int
+    num_warps: int
+    num_stages: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_g"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+
+
+def local_config(head_dim: int, dtype: torch.dtype) -> LocalConfig:
+    """Default knobs on a GPU: the prefill kernel's tile shapes for one masked loop (not tuned on
+    the window yet; a LongT5 window of radius 127 spans ~5 key tiles of 64 per 64 queries)."""
+    if dtype == torch.float32 or block_d(head_dim) > 64:
+        return LocalConfig(block_m=64, block_n=32, block_g=32, num_warps=8, num_stages=2)
+    return LocalConfig(block_m=64, block_n=64, block_g=64, num_warps=4, num_stages=2)

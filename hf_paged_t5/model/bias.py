@@ -8,12 +8,17 @@ embedding lookup are HF's code. `D = max_distance`: HF's log-bucketing reaches i
 bucket there (its log ratio is 1 at max_distance and the bucket is clamped to the last one
 above), so every longer distance has the bias at D (tests/test_bias.py checks HF's bias to
 3 * max_distance). A tight D keeps the encoder kernel's gathering band narrow.
+
+LongT5's encoder (local and transient-global attention) has the same bidirectional table for its
+local keys, built from HF's `compute_bias(block_length)` of those modules, and, for
+transient-global attention, a second one of the same layout for its side (global) keys: layer 0's
+`global_relative_attention_bias` at the bucket of `global_block - block_id(query)`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -49,18 +54,62 @@ def bidirectional_bias_table(attention: nn.Module) -> torch.Tensor:
     return values[0, :, 0, :].to(_table_dtype(values)).contiguous()
 
 
+@torch.no_grad()
+def local_bias_table(attention: nn.Module) -> torch.Tensor:
+    """LongT5 local / transient-global encoder table, float32 [num_heads, 2D + 1], index
+    `clamp(k - q, -D, D) + D`, as `bidirectional_bias_table` (float64 for a float64 model)."""
+    d = table_distance(attention)
+    # HF's window of block_length d + 1: its first query sits at d + 1 over keys 0 .. 3d + 2, so
+    # keys 1 .. 2d + 1 are at relative positions -d .. d.
+    values = attention.compute_bias(d + 1)  # [1, 1, num_heads, d + 1, 3 * (d + 1)]
+    return values[0, 0, :, 0, 1 : 2 * d + 2].to(_table_dtype(values)).contiguous()
+
+
+@torch.no_grad()
+def side_bias_table(attention: nn.Module) -> torch.Tensor:
+    """LongT5 transient-global side table, float32 [num_heads, 2D + 1], index
+    `clamp(g - block_id, -D, D) + D` (g: the side key's global block, block_id: the query's), from
+    HF's own bucketing and `global_relative_attention_bias` (float64 for a float64 model)."""
+    d = table_distance(attention)
+    embedding = attention.global_relative_attention_bias
+    relative = torch.arange(-d, d + 1, device=embedding.weight.device)
+    buckets = attention._relative_position_bucket(
+        relative, bidirectional=not attention.is_decoder, num_buckets=attention.relative_attention_num_buckets,
+        max_distance=attention.relative_attention_max_distance,
+    )  # fmt: skip
+    values = embedding(buckets)  # [2d + 1, num_heads]
+    return values.T.to(_table_dtype(values)).contiguous()
+
+
 def _table_dtype(values: torch.Tensor) -> torch.dtype:
     """float32, or float64 for a float64 model (whose attention the torch backend runs in float64)."""
     return torch.promote_types(values.dtype, torch.float32)
 
 
+# The self-attention module's name in a block's first layer: T5's, LongT5's local and transient-global
+SELF_ATTENTION_NAMES = ("SelfAttention", "LocalSelfAttention", "TransientGlobalSelfAttention")
+
+
+def self_attention(layer: nn.Module) -> nn.Module:
+    """The self-attention module of a block's first layer (see SELF_ATTENTION_NAMES)."""
+    for name in SELF_ATTENTION_NAMES:
+        if hasattr(layer, name):
+            return getattr(layer, name)
+    raise TypeError(f"{type(layer).__name__} has none of {', '.join(SELF_ATTENTION_NAMES)}")
+
+
+def is_local(attention: nn.Module) -> bool:
+    """Whether `attention` is LongT5's local or transient-global encoder attention."""
+    return hasattr(attention, "local_radius")
+
+
 def layer_bias_modules(stack: nn.Module) -> list[nn.Module]:
-    """The attention module whose relative bias each layer of `stack` uses (T5: layer 0's for all;
-    UMT5: each layer its own)."""
-    first = stack.block[0].layer[0].SelfAttention
+    """The attention module whose relative bias each layer of `stack` uses (T5, LongT5: layer 0's
+    for all; UMT5: each layer its own)."""
+    first = self_attention(stack.block[0].layer[0])
     modules = []
     for block in stack.block:
-        own = block.layer[0].SelfAttention
+        own = self_attention(block.layer[0])
         modules.append(own if getattr(own, "has_relative_attention_bias", False) else first)
     return modules
 
@@ -104,18 +153,32 @@ class BiasTableCache:
     """
 
     def __init__(self, on_rebuild: Callable[[], None]) -> None:
-        self._stacks: dict[str, _StackTables] = {}  # "encoder" / "decoder"
+        self._stacks: dict[str, _StackTables] = {}  # "encoder" / "decoder" / "encoder_side"
         self._on_rebuild = on_rebuild
 
     def get(self, stack: nn.Module, causal: bool) -> list[torch.Tensor]:
-        """One table per layer of `stack`: causal [num_heads, D + 1] or bidirectional [num_heads, 2D + 1]."""
-        key = "decoder" if causal else "encoder"
+        """One table per layer of `stack`: causal [num_heads, D + 1] or bidirectional [num_heads, 2D + 1]
+        (LongT5's encoder: the table of its local keys)."""
         modules = layer_bias_modules(stack)
-        weights = list({id(m): m.relative_attention_bias.weight for m in modules}.values())
+        if causal:
+            build = causal_bias_table
+        else:
+            build = local_bias_table if is_local(modules[0]) else bidirectional_bias_table
+        return self._get("decoder" if causal else "encoder", modules, "relative_attention_bias", build)
+
+    def side_tables(self, stack: nn.Module) -> Optional[list[torch.Tensor]]:
+        """LongT5 transient-global encoder: one side table per layer ([num_heads, 2D + 1], see
+        `side_bias_table`); None for a stack without side keys."""
+        modules = layer_bias_modules(stack)
+        if not hasattr(modules[0], "global_relative_attention_bias"):
+            return None
+        return self._get("encoder_side", modules, "global_relative_attention_bias", side_bias_table)
+
+    def _get(self, key: str, modules: list[nn.Module], weight_name: str, build) -> list[torch.Tensor]:
+        weights = list({id(m): getattr(m, weight_name).weight for m in modules}.values())
         cached = self._stacks.get(key)
         if cached is not None and cached.stamp == _stamp(weights):
             return cached.tables
-        build = causal_bias_table if causal else bidirectional_bias_table
         by_module: dict[int, torch.Tensor] = {}
         # Normal tensors even inside torch.inference_mode: with a version counter, the prefill
         # kernel keeps what it derives from a table (its band tiles, in the layer's memo).

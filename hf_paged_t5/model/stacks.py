@@ -1,4 +1,4 @@
-"""The paged forward of T5's encoder stack and of one decoder step, built from HF's own modules.
+"""The paged forward of T5's (and LongT5's) encoder stack and of one decoder step, built from HF's own modules.
 
 Every weight is the model's own (`T5LayerNorm`, the q/k/v/o Linears, `T5LayerFF`); only the
 attention core and the KV bookkeeping are ours. The order of operations is HF's, including
@@ -14,6 +14,8 @@ import torch
 from torch import nn
 
 from . import attention as attn_ops
+from . import longt5
+from .bias import is_local, self_attention
 from ..kv.pool import KVPool, StepMetadata
 
 # The encoder runs its feed-forward over the packed tokens in row chunks so that each
@@ -68,17 +70,24 @@ def pack_tokens(mask: torch.Tensor, device: Optional[torch.device] = None) -> tu
     return index, lens, upload(cu, device), max(lens)
 
 
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device`: a host tensor through `upload` (no wait for the device)."""
+    return upload(tensor, device) if tensor.device.type == "cpu" else tensor.to(device)
+
+
 EMPTY_ROW = "a row of attention_mask has no real token (all zeros)"
 HOLE = "attention_mask has zeros between a row's real tokens (a hole)"
 
 
-def mask_rows(mask: torch.Tensor) -> tuple[list[int], Optional[str]]:
+def mask_rows(mask: torch.Tensor, right_padded: bool = False) -> tuple[list[int], Optional[str]]:
     """(real tokens per row, why `pack_tokens` cannot serve `mask` exactly or None). Not served:
     a row with no real token (HF's encoder then attends over every position of that row), and
     zeros between a row's ones (HF keeps the tokens after such a hole at their original
-    distances; packing would close it up). One host read of [batch + 2] numbers.
+    distances; packing would close it up); with `right_padded`, padding before a row's first
+    token too (LongT5's transient-global blocks are counted from the tensor's first position).
+    One host read of [batch + 3] numbers.
 
-    mask: [batch, seq_len], nonzero = real token; the reason is EMPTY_ROW, HOLE or None
+    mask: [batch, seq_len], nonzero = real token; the reason is EMPTY_ROW, HOLE, LEFT_PADDED or None
     """
     if mask.numel() == 0:
         return [0] * mask.shape[0], None  # an empty batch or empty rows: the callers' own checks say so
@@ -87,9 +96,11 @@ def mask_rows(mask: torch.Tensor) -> tuple[list[int], Optional[str]]:
     positions = torch.arange(real.shape[1], device=real.device)
     first = torch.where(real, positions, real.shape[1]).amin(dim=1)
     last = torch.where(real, positions, -1).amax(dim=1)
-    flags = torch.stack([(lens == 0).any(), ((last - first + 1 != lens) & (lens > 0)).any()])
-    *row_lens, empty, holes = torch.cat([lens, flags.to(lens.dtype)]).tolist()
-    return row_lens, (EMPTY_ROW if empty else HOLE if holes else None)
+    flags = torch.stack([(lens == 0).any(), ((last - first + 1 != lens) & (lens > 0)).any(),
+                         ((first > 0) & (lens > 0)).any()])
+    *row_lens, empty, holes, late = torch.cat([lens, flags.to(lens.dtype)]).tolist()
+    left = right_padded and late
+    return row_lens, (EMPTY_ROW if empty else HOLE if holes else longt5.LEFT_PADDED if left else None)
 
 
 def ff_chunk_tokens(d_ff: int, element_size: int, tokens: int) -> int:
@@ -137,14 +148,18 @@ def encoder_forward(
     input_ids: Optional[torch.Tensor] = None,
     packed: bool = False,
     band_memos: Optional[list[dict]] = None,
+    side_tables: Optional[list[torch.Tensor]] = None,
 ) -> torch.Tensor:
-    """T5 encoder over the real tokens only (varlen); padded positions of the output are 0.
+    """T5 (or LongT5) encoder over the real tokens only (varlen); padded positions of the output are 0.
 
     inputs_embeds: [batch, seq_len, d_model], or None with input_ids [batch, seq_len]: then only
     the real tokens are embedded (no [batch, seq_len, d_model] copy of the embeddings is made);
     attention_mask: [batch, seq_len] or None; on the CPU, nothing here waits for the device
     bias_tables[i]: layer i's bidirectional table (see bias.py); band_memos[i]: its memo for the
     prefill kernel (`BiasTableCache.memos`), or None
+    LongT5 (local / transient-global attention): bias_tables[i] is layer i's local table and
+    side_tables[i] its side table (transient-global) or side_tables None; the rows of
+    attention_mask must be right-padded for transient-global attention (`longt5.unserved_reason`)
     packed: return the real tokens only, [total_tokens, d_model] row by row (no padded copy)
     returns: last_hidden_state [batch, seq_len, d_model] (or packed, above)
     """
@@ -152,7 +167,10 @@ def encoder_forward(
     batch, seq_len = source.shape[:2]
     if attention_mask is None:
         attention_mask = torch.ones(batch, seq_len, dtype=torch.long, device=source.device)
-    index, _, cu_seqlens, max_seqlen = pack_tokens(attention_mask, source.device)
+    index, lens, cu_seqlens, max_seqlen = pack_tokens(attention_mask, source.device)
+    local = is_local(self_attention(stack.block[0].layer[0]))  # LongT5's windowed attention
+    plan = longt5.local_plan(stack, lens, cu_seqlens, max_seqlen) if local else None
+    plans: dict[torch.device, longt5.LocalPlan] = {}  # the plan on each layer device
     if inputs_embeds is None:
         hidden = stack.embed_tokens(input_ids.reshape(-1)[index])
     else:
@@ -169,10 +187,18 @@ def encoder_forward(
         sa, ff = block.layer[0], block.layer[-1]
         normed, hidden = attn_ops.add_norm(ops, sa.layer_norm, hidden, out)
         del out
-        out = sa.dropout(attn_ops.encoder_self_attention(
-            ops, sa.SelfAttention, normed, cu_seqlens.to(device), max_seqlen, bias_tables[i].to(device),
-            None if band_memos is None else band_memos[i],
-        ))
+        if plan is None:
+            out = sa.dropout(attn_ops.encoder_self_attention(
+                ops, sa.SelfAttention, normed, cu_seqlens.to(device), max_seqlen, bias_tables[i].to(device),
+                None if band_memos is None else band_memos[i],
+            ))
+        else:
+            if device not in plans:
+                plans[device] = plan.on(device, _to_device)
+            side = None if side_tables is None else side_tables[i].to(device)
+            out = sa.dropout(longt5.local_self_attention(
+                ops, self_attention(sa), normed, plans[device], bias_tables[i].to(device), side,
+            ))
         normed, hidden = attn_ops.add_norm(ops, ff.layer_norm, hidden, out)
         del out
         chunk_tokens = ff_chunk_tokens(stack.config.d_ff, _ff_element_size(ff.DenseReluDense, normed),
