@@ -132,9 +132,9 @@ def _engine_here(args: argparse.Namespace, device: str, model_config: dict, kwar
     logger.info("model on %s in %s (%s)", device, str(dtype).replace("torch.", ""), why)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     model, tokenizer, _ = batch_cli.load_model(args.model, device=device, dtype=dtype)
-    if not is_patched(model):
-        patch_model(model)
     try:
+        if not is_patched(model):
+            patch_model(model)  # (a model of another type: its one-line TypeError)
         return OnlineEngine(model, tokenizer, max_batch_tokens=args.batch_tokens, max_batch_rows=args.batch_rows,
                             gpu_memory_utilization=args.gpu_memory_utilization, **kwargs)
     except (TypeError, ValueError) as exc:
