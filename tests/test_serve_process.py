@@ -270,7 +270,7 @@ def test_sigterm_lets_running_streams_finish_then_both_processes_exit(server):
     started = threading.Barrier(4)
 
     def client(k: int) -> None:
-        body = {"prompt": f"summarize: a long answer {k}", "max_tokens": 600, "min_tokens": 600, "stream": True}
+        body = {"prompt": f"summarize: a long answer {k}", "max_tokens": 200, "min_tokens": 200, "stream": True}
         with post(base + "/v1/completions", body) as r:
             first = r.readline()
             started.wait(30)
@@ -285,7 +285,7 @@ def test_sigterm_lets_running_streams_finish_then_both_processes_exit(server):
         t.join(60)
     proc.wait(60)
     assert proc.returncode == 0, proc.stdout.read()
-    assert sorted(got) == [0, 1, 2] and all(len(ids) == 600 and reason == "length" for _, ids, reason in got.values()), \
+    assert sorted(got) == [0, 1, 2] and all(len(ids) == 200 and reason == "length" for _, ids, reason in got.values()), \
         [(len(ids), reason) for _, ids, reason in got.values()]
     wait_until(lambda: not any(alive(pid) for pid in pids), 30, "the engine process and the resource tracker to exit")
     assert engine in pids
@@ -296,23 +296,27 @@ def test_the_engine_process_killed_turns_health_503_and_fails_open_requests(chec
     try:
         wait_up(proc, base)
         answers: dict[str, object] = {}
+        streaming = threading.Event()
 
         def client(stream: bool) -> None:
             body = {"prompt": "summarize: never finished", "max_tokens": 20000, "min_tokens": 20000,
                     "stream": stream}
             try:
-                with post(base + "/v1/completions", body, timeout=30) as r:
-                    answers[f"stream={stream}"] = [line for line in r.read().decode().splitlines() if line]
+                with post(base + "/v1/completions", body, timeout=60) as r:
+                    first = r.readline()  # (a stream's first event: its status is 200 now)
+                    streaming.set()
+                    answers[f"stream={stream}"] = [line for line in (first + r.read()).decode().splitlines() if line]
             except urllib.error.HTTPError as exc:
                 answers[f"stream={stream}"] = exc.code
 
         threads = [threading.Thread(target=client, args=(stream,)) for stream in (False, True)]
         for t in threads:
             t.start()
+        assert streaming.wait(60), "the stream did not start"
         wait_until(lambda: metric(base, "hf_paged_t5_running_requests") == 2, 30, "both requests to run")
         os.kill(engine_pid(proc.pid), signal.SIGKILL)
         for t in threads:
-            t.join(30)
+            t.join(60)
         assert answers["stream=False"] == 500
         streamed = answers["stream=True"]
         assert '"error"' in streamed[-2] and streamed[-1] == "data: [DONE]", streamed[-3:]
