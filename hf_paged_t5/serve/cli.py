@@ -95,6 +95,7 @@ def _serve(args: argparse.Namespace) -> int:
     app = create_app(engine, name, prefix=prefix, max_queue=args.max_queue)
     logger.info("serving %r on http://%s:%d (POST /v1/completions, GET /v1/models /health /metrics)%s",
                 name, args.host, args.port, f", engine in process {engine.pid}" if args.engine_process else "")
+    # (uvicorn's loop and http "auto": uvloop and httptools where they are installed, asyncio and h11 otherwise)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=int(args.drain))
     try:  # SIGTERM / SIGINT: no new connections, open requests answered, then the engine closes

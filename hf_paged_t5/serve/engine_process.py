@@ -26,6 +26,7 @@ import dataclasses
 import logging
 import signal
 import threading
+from types import MappingProxyType
 from typing import Any, Optional
 
 from ..kv.block_manager import PoolExhaustedError
@@ -34,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 # the exception types that cross the boundary as themselves (an error of another type crosses as
 # a RuntimeError naming it); the app answers each with its own status
-CARRIED = {cls.__name__: cls for cls in (ValueError, TypeError, RuntimeError, PoolExhaustedError)}
+CARRIED = MappingProxyType({cls.__name__: cls for cls in (ValueError, TypeError, RuntimeError, PoolExhaustedError)})
 
 
 @dataclasses.dataclass(frozen=True)
