@@ -71,7 +71,9 @@ def checkpoint(tmp_path_factory) -> str:
 def launch(path: str, *options: str) -> tuple[subprocess.Popen, str]:
     """(process, base url) of `serve` over `path`, not waited for."""
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    # one torch thread (the tiny model gains nothing from more): on a loaded CI machine, intra-op
+    # threads waiting for each other at every op made each decode step take a scheduler quantum or more
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "hf_paged_t5", "serve", "--model", path, "--port", str(port),
                              "--device", "cpu", "--drain", "5", *options], env=env, cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
