@@ -1,7 +1,9 @@
 """Serving under an open-loop Poisson load: `python -m hf_paged_t5 serve` against the servers users
 write today, each in its own process, the load from this one.
 
-Systems: (a) `paged-server`: this package's server (continuous batching, streaming); (b)
+Systems: (a) `paged-server`: this package's server (continuous batching, streaming), its engine
+in a process of its own (the default; `paged-server-one-process`, not run unless named in
+--systems: the same with `--no-engine-process`, engine and HTTP server in one process); (b)
 `generate-server`: Starlette around one patched `generate()` per request (`serve_baseline.py
 --patched`); (c) `stock-server`: the same over stock HF. One random-weight checkpoint
 (`tiny.save_demo_checkpoint`, `--shape`), bf16 on a GPU. Requests: token-id prompts of long-tailed
@@ -18,6 +20,7 @@ stays under `--slo` seconds with no errors; its sweep stops at the first rate pa
     python benchmarks/bench_serve.py [--shape t5-large] [--rates 1,2,4,8,16,32,64] [--duration 30]
         [--stock-rates 0.125,0.25,0.5,1] [--warmup 10] [--clients 4]
         [--systems paged-server,generate-server,stock-server] [--quick] [--out DIR]
+    python benchmarks/bench_serve.py --systems paged-server,paged-server-one-process   # the two modes
 
 Needs the serve extra and httpx (`pip install "hf_paged_t5[serve]" httpx`). Writes DIR/serve.json
 (default DIR: benchmarks/results/<date>-<gpu>/, with its env.json).
@@ -43,7 +46,9 @@ import time
 import common  # benchmarks/ is on sys.path
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SYSTEMS = ("paged-server", "generate-server", "stock-server")
+SYSTEMS = ("paged-server", "paged-server-one-process", "generate-server", "stock-server")
+DEFAULT_SYSTEMS = ("paged-server", "generate-server", "stock-server")
+PAGED = {"paged-server": "engine process", "paged-server-one-process": "one process (--no-engine-process)"}
 
 
 def workload(n: int, vocab: int, quick: bool, seed: int = 0) -> list[tuple[list[int], int]]:
@@ -64,9 +69,9 @@ def free_port() -> int:
 
 def start(system: str, checkpoint: str, device: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    if system == "paged-server":
+    if system in PAGED:
         command = [sys.executable, "-m", "hf_paged_t5", "serve", "--model", checkpoint, "--port", str(port),
-                   "--device", device, "--drain", "2"]
+                   "--device", device, "--drain", "2"] + (["--no-engine-process"] if system != "paged-server" else [])
     else:
         command = [sys.executable, str(ROOT / "benchmarks" / "serve_baseline.py"), "--model", checkpoint,
                    "--port", str(port), "--device", device] + (["--patched"] if system == "generate-server" else [])
@@ -174,7 +179,7 @@ def load(clients, k: int, base: str, rate: float, duration: float, stream: bool)
 
 
 def sweep(clients, k: int, system: str, base: str, rates, duration: float, slo: float, warmup: float) -> list[dict]:
-    stream = system == "paged-server"
+    stream = system in PAGED
     if warmup:  # kernel compiles and graph captures of the shapes the load meets, not measured
         load(clients, k, base, min(rates[0], 4.0), warmup, stream)
     rows = []
@@ -217,7 +222,8 @@ def main(argv=None) -> None:
                     help="the stock server's rates (default: 0.125,0.25,0.5,1; quick: as --rates)")
     ap.add_argument("--duration", type=float, default=None, help="seconds of load per rate (default 30; quick 3)")
     ap.add_argument("--slo", type=float, default=2.0, help="p99 end-to-end seconds of a sustained rate (default 2)")
-    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
+    ap.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
+                    help=f"comma-separated, of {', '.join(SYSTEMS)} (default: {','.join(DEFAULT_SYSTEMS)})")
     ap.add_argument("--device", default=None, help="the servers' device (default: cuda if available)")
     ap.add_argument("--warmup", type=float, default=None,
                     help="seconds of unmeasured load before each system's sweep (default 10; quick 2)")
@@ -254,12 +260,16 @@ def main(argv=None) -> None:
             rate_of = {s: sustained(rows, args.slo) for s, rows in results.items()}
             out_ = dict(shape=shape, device=device, slo_s=args.slo, duration_s=duration, warmup_s=warmup,
                         client_processes=workers, rates=rates, stock_rates=stock_rates,
-                        sustained_rate=rate_of, systems=results, server_output_on_errors=logs)
+                        sustained_rate=rate_of, systems=results, server_output_on_errors=logs,
+                        paged_server_modes={s: PAGED[s] for s in results if s in PAGED})
             if "paged-server" in rate_of:
                 for other in ("generate-server", "stock-server"):
                     if other in rate_of:
                         out_[f"sustained_vs_{other}"] = (rate_of["paged-server"] / rate_of[other] if rate_of[other]
                                                          else None)  # None: the other sustains no rate
+                if "paged-server-one-process" in rate_of:
+                    one = rate_of["paged-server-one-process"]
+                    out_["sustained_vs_paged-server-one-process"] = rate_of["paged-server"] / one if one else None
             common.write_json(out / "serve.json", out_)
             return out_
 

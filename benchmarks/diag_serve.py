@@ -1,7 +1,8 @@
 """Where the serve command's time goes under load: the server's threads sampled by py-spy.
 
 Starts `python -m hf_paged_t5 serve` (bench_serve's checkpoint, workload and client processes)
-under `py-spy record --threads`, runs `--warmup` seconds of unmeasured load, then `--duration`
+under `py-spy record --threads --subprocesses` (the HTTP process and the engine process, each
+thread named "http: ..." or "engine: ..."), runs `--warmup` seconds of unmeasured load, then `--duration`
 seconds at `--rate` while reading /metrics every second, and prints: the load's row (as
 bench_serve's), the running requests and rows seen, each thread's share of the samples (a thread
 waiting for the GIL counts as busy; one idle in a wait does not), and per thread the functions
@@ -56,7 +57,11 @@ def summarize(raw: pathlib.Path, top: int) -> dict:
     for line in raw.read_text().splitlines():
         stack, n = line.rsplit(" ", 1)
         frames = stack.split(";")
-        name = frames[0].split(": ", 1)[-1] if ": " in frames[0] else frames[0]
+        process = ""
+        if frames[0].startswith("process ") and len(frames) > 1:  # --subprocesses: the process, then the thread
+            process = "engine: " if "spawn_main" in frames[0] else "http: "
+            frames = frames[1:]
+        name = process + (frames[0].split(": ", 1)[-1] if ": " in frames[0] else frames[0])
         threads[name] += int(n)
         keys = [key(f) for f in frames[1:]]
         for k in set(keys):
@@ -92,7 +97,7 @@ def main(argv=None) -> None:
     popen = subprocess.Popen
 
     def under_spy(command, **kw):  # bench_serve.start's server process, under the sampler
-        return popen([spy, "record", "--threads", "--rate", "200", "--format", "raw", "--output", str(raw),
+        return popen([spy, "record", "--threads", "--subprocesses", "--rate", "200", "--format", "raw", "--output", str(raw),
                       "--"] + command, **kw)
 
     with tempfile.TemporaryDirectory() as folder:

@@ -284,3 +284,22 @@ def test_streamed_text_is_decoded_a_few_tokens_at_a_time_and_equals_the_whole_de
             if text is not None:
                 assert text == real(ids[:k], skip_special_tokens=True)
     assert sum(calls) / len(calls) < 12  # windows of a few tokens, not the whole output (up to 40)
+
+
+def test_engine_errors_cross_the_process_boundary_as_their_own_type():
+    """What the engine process raises reaches the app as the type its status depends on: a prompt the
+    pool cannot hold stays a PoolExhaustedError (400 with the numbers), a bad input a ValueError
+    (400), another error a RuntimeError naming it (500)."""
+    from hf_paged_t5.kv.block_manager import PoolExhaustedError
+    from hf_paged_t5.serve.app import _failure
+    from hf_paged_t5.serve.engine_client import rebuilt
+    from hf_paged_t5.serve.engine_process import carried
+
+    full = rebuilt(carried(PoolExhaustedError("needs 20 KV blocks by itself; the pool has 5")))
+    assert type(full) is PoolExhaustedError
+    assert _failure(full) == ("the prompt does not fit the server's KV pool: needs 20 KV blocks by itself; the pool "
+                              "has 5", "invalid_request_error")
+    assert type(rebuilt(carried(ValueError("input 3: token id 999 ...")))) is ValueError
+    other = rebuilt(carried(KeyError("x")))
+    assert type(other) is RuntimeError and str(other) == "KeyError: 'x'" and _failure(other)[1] == "server_error"
+    assert str(rebuilt(carried(type("CudaError", (RuntimeError,), {})("boom")))) == "CudaError: boom"

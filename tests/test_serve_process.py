@@ -1,8 +1,11 @@
 """`python -m hf_paged_t5 serve` as a real process on loopback, real HTTP (CPU, the embedded tiny
-checkpoint): 32 concurrent clients with mixed lengths and options get patched generate()'s answer
-on each prompt alone, streamed or not; 50 streams cancelled mid-way leave no block in use once the
-server is idle; the official `openai` client round-trips; SIGTERM stops the server cleanly. Every
-wait is bounded in time."""
+checkpoint), its engine in a process of its own (the default): 32 concurrent clients with mixed
+lengths and options get patched generate()'s answer on each prompt alone, streamed or not; 50
+streams cancelled mid-way leave no block in use once the server is idle; a full queue gets 503s,
+bad inputs 4xx; the official `openai` client round-trips; SIGTERM lets the running streams finish,
+then both processes exit 0; the engine process killed turns /health to 503 and fails the open
+requests (no hang); the HTTP process killed takes the engine process with it; one process
+(`--no-engine-process`) answers too. Every wait is bounded in time."""
 
 from __future__ import annotations
 
@@ -57,19 +60,27 @@ def wait_until(condition, seconds: float, what: str) -> None:
         time.sleep(0.05)
 
 
+MAX_QUEUE = 64
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """(base url, reference model, tokenizer): a server process over a saved tiny checkpoint."""
-    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+def checkpoint(tmp_path_factory) -> str:
+    return tiny.save_demo_checkpoint(tmp_path_factory.mktemp("ckpt") / "t5-tiny")
 
-    path = tiny.save_demo_checkpoint(tmp_path_factory.mktemp("ckpt") / "t5-tiny")
+
+def launch(path: str, *options: str) -> tuple[subprocess.Popen, str]:
+    """(process, base url) of `serve` over `path`, not waited for."""
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    # one torch thread (the tiny model gains nothing from more): on a loaded CI machine, intra-op
+    # threads waiting for each other at every op made each decode step take a scheduler quantum or more
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "hf_paged_t5", "serve", "--model", path, "--port", str(port),
-                             "--device", "cpu", "--drain", "5"], env=env, cwd=ROOT,
+                             "--device", "cpu", "--drain", "5", *options], env=env, cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
+    return proc, f"http://127.0.0.1:{port}"
 
+
+def wait_up(proc: subprocess.Popen, base: str) -> None:
     def up() -> bool:
         if proc.poll() is not None:
             pytest.fail(f"the server exited ({proc.returncode}):\n{proc.stdout.read()}")
@@ -78,15 +89,59 @@ def server(tmp_path_factory):
         except OSError:
             return False
 
+    wait_until(up, 120, "the server to start")
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (the engine process, multiprocessing's resource tracker)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == pid:
+                found.append(int(entry))
+    return found
+
+
+def engine_pid(pid: int) -> int:
+    for child in children(pid):
+        with open(f"/proc/{child}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():
+                return child
+    raise AssertionError(f"no engine process under {pid}")
+
+
+def alive(pid: int) -> bool:
     try:
-        wait_until(up, 120, "the server to start")
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForSeq2SeqLM.from_pretrained(path).eval()
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except OSError:
+        return False
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    """(base url, reference model, tokenizer, process): a server process over a saved tiny checkpoint."""
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+    proc, base = launch(checkpoint, "--max-queue", str(MAX_QUEUE), "--drain", "30")  # (the last --drain counts)
+    try:
+        wait_up(proc, base)
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+        model = AutoModelForSeq2SeqLM.from_pretrained(checkpoint).eval()
         yield base, model, tokenizer, proc
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+        stop(proc)
 
 
 def expected(model, tokenizer, text: str, max_tokens: int, min_tokens: int) -> list[int]:
@@ -176,6 +231,17 @@ def test_bad_inputs_get_4xx(server):
         assert "error" in json.loads(info.value.read())
 
 
+def test_a_full_queue_gets_503(server):
+    base, _, _, _ = server
+    prompts = [[5, 6, 7 + i] for i in range(MAX_QUEUE // 16 + 1)]  # 16 completions of each: past the queue's room
+    with pytest.raises(urllib.error.HTTPError) as info:
+        post(base + "/v1/completions", {"prompt": prompts, "n": 16, "max_tokens": 2})
+    assert info.value.code == 503 and info.value.headers["retry-after"]
+    assert json.loads(info.value.read())["error"]["code"] == "queue_full"
+    with post(base + "/v1/completions", {"prompt": prompts[:2], "n": 16, "max_tokens": 2}) as r:
+        assert len(json.loads(r.read())["choices"]) == 32
+
+
 def test_openai_client_round_trips(server):
     openai = pytest.importorskip("openai")
     base, model, tokenizer, _ = server
@@ -198,8 +264,98 @@ def test_openai_client_round_trips(server):
     assert seeded[0] == seeded[1]
 
 
-def test_sigterm_stops_the_server(server):
+def test_sigterm_lets_running_streams_finish_then_both_processes_exit(server):
     base, _, _, proc = server
+    engine = engine_pid(proc.pid)
+    pids = children(proc.pid)
+    got: dict[int, tuple] = {}
+    started = threading.Barrier(4)
+
+    def client(k: int) -> None:
+        body = {"prompt": f"summarize: a long answer {k}", "max_tokens": 200, "min_tokens": 200, "stream": True}
+        with post(base + "/v1/completions", body) as r:
+            first = r.readline()
+            started.wait(30)
+            got[k] = read_stream([first, *r])
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    started.wait(30)  # every stream runs: now the server is told to stop
     proc.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(60)
     proc.wait(60)
     assert proc.returncode == 0, proc.stdout.read()
+    assert sorted(got) == [0, 1, 2] and all(len(ids) == 200 and reason == "length" for _, ids, reason in got.values()), \
+        [(len(ids), reason) for _, ids, reason in got.values()]
+    wait_until(lambda: not any(alive(pid) for pid in pids), 30, "the engine process and the resource tracker to exit")
+    assert engine in pids
+
+
+def test_the_engine_process_killed_turns_health_503_and_fails_open_requests(checkpoint):
+    proc, base = launch(checkpoint)
+    try:
+        wait_up(proc, base)
+        answers: dict[str, object] = {}
+        streaming = threading.Event()
+
+        def client(stream: bool) -> None:
+            body = {"prompt": "summarize: never finished", "max_tokens": 20000, "min_tokens": 20000,
+                    "stream": stream}
+            try:
+                with post(base + "/v1/completions", body, timeout=60) as r:
+                    first = r.readline()  # (a stream's first event: its status is 200 now)
+                    streaming.set()
+                    answers[f"stream={stream}"] = [line for line in (first + r.read()).decode().splitlines() if line]
+            except urllib.error.HTTPError as exc:
+                answers[f"stream={stream}"] = exc.code
+
+        threads = [threading.Thread(target=client, args=(stream,)) for stream in (False, True)]
+        for t in threads:
+            t.start()
+        assert streaming.wait(60), "the stream did not start"
+        wait_until(lambda: metric(base, "hf_paged_t5_running_requests") == 2, 30, "both requests to run")
+        os.kill(engine_pid(proc.pid), signal.SIGKILL)
+        for t in threads:
+            t.join(60)
+        assert answers["stream=False"] == 500
+        streamed = answers["stream=True"]
+        assert '"error"' in streamed[-2] and streamed[-1] == "data: [DONE]", streamed[-3:]
+        with pytest.raises(urllib.error.HTTPError) as info:
+            get(base + "/health")
+        assert info.value.code == 503 and "engine process exited" in info.value.read().decode()
+        with pytest.raises(urllib.error.HTTPError) as info:  # a new request: the engine is gone
+            post(base + "/v1/completions", {"prompt": "x", "max_tokens": 2})
+        assert info.value.code == 503
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        assert proc.returncode == 0, proc.stdout.read()
+    finally:
+        stop(proc)
+
+
+def test_the_http_process_killed_takes_the_engine_process_with_it(checkpoint):
+    proc, base = launch(checkpoint)
+    try:
+        wait_up(proc, base)
+        pids = children(proc.pid)
+        proc.kill()
+        proc.wait(10)
+        wait_until(lambda: not any(alive(pid) for pid in pids), 30, "the engine process to exit")
+    finally:
+        stop(proc)
+
+
+def test_one_process_with_no_engine_process(checkpoint):
+    proc, base = launch(checkpoint, "--no-engine-process")
+    try:
+        wait_up(proc, base)
+        assert children(proc.pid) == []
+        with post(base + "/v1/completions", {"prompt": "summarize: one process", "max_tokens": 5}) as r:
+            assert len(json.loads(r.read())["choices"][0]["token_ids"]) >= 1
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        assert proc.returncode == 0, proc.stdout.read()
+    finally:
+        stop(proc)

@@ -15,7 +15,10 @@ future's request leaves the queue, or, running, gives its blocks back within the
 
 Options are the generator's (`BatchGenerator`'s arguments: one generation config for the engine);
 per request: `BatchRequest`'s max / min new tokens and EOS ids. Weights edited in place after the
-engine starts are not seen by its bias tables (they are checked once, at start).
+engine starts are not seen by its bias tables (they are checked once, at start). `on_step`, if
+given, is called from the engine's thread after each step, once that step's tokens were handed to
+the `on_tokens` callbacks and its futures settled (a server in another process sends one message
+per step from it).
 
 The engine's thread gives up the GIL in every torch call; an event loop in the same process that
 is busy (many streams) holds each of those calls up to Python's switch interval, 5 ms by default.
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import logging
 import threading
 from typing import Any, Callable, Optional
@@ -55,7 +59,7 @@ class OnlineEngine:
 
     def __init__(self, model, tokenizer: Any = None, generation_config=None, max_batch_tokens: Optional[int] = None,
                  max_batch_rows: Optional[int] = None, gpu_memory_utilization: float = 0.9,
-                 **generate_kwargs: Any) -> None:
+                 on_step: Optional[Callable[[], None]] = None, **generate_kwargs: Any) -> None:
         self.generator = BatchGenerator(model, tokenizer, generation_config, max_batch_tokens, max_batch_rows,
                                         gpu_memory_utilization, **generate_kwargs)
         self._cond = threading.Condition()
@@ -66,6 +70,7 @@ class OnlineEngine:
         self._next_index = 0
         self._closing = False
         self._error: Optional[BaseException] = None
+        self._on_step = on_step
         self._run = _OnlineRun(self.generator, self)
         self._thread = threading.Thread(target=self._loop, name="hf_paged_t5-online", daemon=True)
         self._thread.start()
@@ -106,6 +111,28 @@ class OnlineEngine:
         """queued: submitted, not yet admitted; running: admitted, not finished; rows: decoder rows now."""
         with self._cond:
             return dict(queued=len(self._queue), running=len(self._run.running), rows=self._run.live_rows)
+
+    def kv_blocks(self) -> dict[str, int]:
+        """used: KV pool blocks held by requests now; free: blocks free (both 0 before the first step)."""
+        pool = self.generator.runtime.pool
+        if pool is None:
+            return dict(used=0, free=0)
+        free = pool.manager.num_free
+        return dict(used=pool.num_blocks - free - 1, free=free)  # the pool's one scratch block is not a request's
+
+    # what a server reads of the generator it serves
+    @property
+    def tokenizer(self) -> Any:
+        return self.generator.tokenizer
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return tuple(self.generator.eos)
+
+    @property
+    def do_sample(self) -> bool:
+        """Whether the engine samples by default (else greedy or beam search)."""
+        return bool(self.generator.config.do_sample)
 
     def close(self, cancel: bool = False, timeout: Optional[float] = None) -> None:
         """Stop taking requests; finish the queued and running ones (or, `cancel=True`, cancel them;
@@ -185,6 +212,7 @@ class OnlineEngine:
                         future = self._futures.get(request.index)
                         self._forget(request)
                     _settle(future, exc=exc)
+                    self._stepped()
                     continue
                 if finished is None:
                     break
@@ -199,6 +227,7 @@ class OnlineEngine:
                     with self._cond:
                         for request in gone:
                             self._forget(request)
+                self._stepped()
         except BaseException as exc:  # every waiting caller gets the error; the engine stops
             logger.error("hf_paged_t5: the online engine stopped: %r", exc)
             with self._cond:
@@ -209,8 +238,14 @@ class OnlineEngine:
                 self._queue.clear()
             for future in futures:
                 _settle(future, exc=exc)
+            with contextlib.suppress(Exception):  # (a hook that fails now has nothing left to report)
+                self._stepped()
         finally:
             run.close()
+
+    def _stepped(self) -> None:
+        if self._on_step is not None:
+            self._on_step()
 
 
 def _settle(future: Optional[concurrent.futures.Future], result=None, exc: Optional[BaseException] = None) -> None:

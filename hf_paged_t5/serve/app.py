@@ -28,7 +28,7 @@ import threading
 import time
 import uuid
 from types import MappingProxyType
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from starlette.applications import Starlette
 from starlette.requests import Request as HttpRequest
@@ -37,8 +37,10 @@ from starlette.routing import Route
 
 from ..batch.online import OnlineEngine
 from ..batch.requests import BatchRequest
-from ..hf.patch import runtime_stats
 from ..kv.block_manager import PoolExhaustedError
+from .engine_client import EngineClient
+
+Engine = Union[OnlineEngine, EngineClient]  # what `create_app` serves: the engine here, or in its own process
 
 MAX_N = 16  # completions per prompt a request may ask for
 DISCONNECT_CHECK_S = 0.25  # how often a streaming request looks for its client gone
@@ -84,11 +86,9 @@ class Metrics:
             self.latency_counts[bucket] += 1
             self.latency_sum += seconds
 
-    def text(self, engine: OnlineEngine) -> str:
-        stats = engine.stats()
-        pool = runtime_stats(engine.generator.model)
-        total, free = pool["pool_blocks"], pool["pool_blocks_free"]
-        used = total - free - (1 if total else 0)  # the pool's one scratch block is not a request's
+    def text(self, engine: "Engine") -> str:
+        stats, blocks = engine.stats(), engine.kv_blocks()
+        used, free = blocks["used"], blocks["free"]
         lines = [
             "# HELP hf_paged_t5_queue_depth Requests submitted and not yet admitted.",
             "# TYPE hf_paged_t5_queue_depth gauge", f"hf_paged_t5_queue_depth {stats['queued']}",
@@ -197,14 +197,17 @@ def _is_token(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def create_app(engine: OnlineEngine, model_name: str, prefix: str = "", max_queue: Optional[int] = None) -> Starlette:
-    """The Starlette app serving `engine` as `model_name`; `prefix` goes before every text prompt;
-    with `max_queue`, a request that finds that many inputs queued gets a 503."""
+def create_app(engine: Engine, model_name: str, prefix: str = "", max_queue: Optional[int] = None) -> Starlette:
+    """The Starlette app serving `engine` (an `OnlineEngine` in this process, or the `EngineClient`
+    of one in its own) as `model_name`; `prefix` goes before every text prompt; with `max_queue`, a
+    request that finds that many inputs queued gets a 503. It uses of the engine: submit (a future
+    that can be cancelled; the client's also says when the engine took the request), stats,
+    kv_blocks, error, tokenizer, eos_token_ids and do_sample."""
     metrics = Metrics()
-    generator = engine.generator
-    greedy = not generator.config.do_sample
+    tokenizer = engine.tokenizer
+    greedy = not engine.do_sample
     created = int(time.time())
-    eos = set(generator.eos)
+    eos = set(engine.eos_token_ids)
 
     def finish_reason(result, max_tokens: int) -> str:
         """"stop" at an EOS token, "length" at max_tokens (OpenAI's two reasons)."""
@@ -233,7 +236,7 @@ def create_app(engine: OnlineEngine, model_name: str, prefix: str = "", max_queu
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 raise BadRequest(f"the request body is not JSON: {exc}") from exc
             prompts, max_tokens, min_tokens, stream, sampling, n, stops = parse_completion(
-                body, model_name, greedy, generator.tokenizer)
+                body, model_name, greedy, tokenizer)
             if max_queue is not None and engine.stats()["queued"] + n * len(prompts) > max_queue:
                 raise BadRequest(f"the server's queue is full ({max_queue} inputs); retry later", status=503,
                                  code="queue_full")
@@ -248,7 +251,10 @@ def create_app(engine: OnlineEngine, model_name: str, prefix: str = "", max_queu
                         futures.append(engine.submit(BatchRequest(item, max_new_tokens=max_tokens,
                                                                   min_new_tokens=min_tokens or None, **own),
                                                      on_tokens=arrivals.callback(len(futures)) if watch else None))
-            except ValueError as exc:
+                for f in futures:  # an engine in another process checks a request there: its verdict
+                    if getattr(f, "accepted", None) is not None:
+                        await asyncio.wrap_future(f.accepted)
+            except (ValueError, TypeError) as exc:
                 for f in futures:
                     f.cancel()
                 sampled = "sampling" in str(exc) or "seed" in str(exc) or "temperature" in str(exc)
@@ -259,6 +265,10 @@ def create_app(engine: OnlineEngine, model_name: str, prefix: str = "", max_queu
                 for f in futures:
                     f.cancel()
                 raise BadRequest(str(exc), status=503) from exc
+            except asyncio.CancelledError:  # the client went away while the engine took the request
+                for f in futures:
+                    f.cancel()
+                raise
         except BadRequest as exc:
             metrics.record(exc.status, time.perf_counter() - start)
             return exc.response()
@@ -308,7 +318,6 @@ def create_app(engine: OnlineEngine, model_name: str, prefix: str = "", max_queu
         text reaches a stop string ends there (the string left out, OpenAI's "stop") and its
         request is cancelled, its blocks back to the pool. A client gone cancels everything. The
         tokens that arrived while the client was being written to go out as one piece per choice."""
-        tokenizer = generator.tokenizer
         loop = asyncio.get_running_loop()
         waiting = {asyncio.wrap_future(f): i for i, f in enumerate(futures)}
         for w in waiting:
