@@ -45,7 +45,6 @@ def main(argv=None) -> None:
     import torch
 
     import hf_paged_t5 as hp
-    from hf_paged_t5 import replica_compute
     from hf_paged_t5 import tiny
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
@@ -103,7 +102,7 @@ def main(argv=None) -> None:
                                   for i, (ids, n) in enumerate(items)])
         start = time.perf_counter()
         rows = ds.map_batches(
-            TimedReplica, batch_size=args.batch_size, **replica_compute(1, args.replica_batches),
+            TimedReplica, batch_size=args.batch_size, **hp.replica_compute(1, args.replica_batches),
             num_gpus=1 if args.device == "cuda" else 0,
             fn_constructor_kwargs=dict(model=checkpoint, dtype=dtype, device=args.device)).take_all()
         whole_s = time.perf_counter() - start
