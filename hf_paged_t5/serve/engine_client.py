@@ -178,7 +178,7 @@ class EngineClient:
     def __exit__(self, *exc) -> None:
         self.close(cancel=exc[0] is not None)
 
-    # ---- the reader thread ------------------------------------------------------------------------
+    # ---- internals: checks, messages out, and the reader thread's handling of messages in -----------
     def _check_open(self) -> None:
         if self._error is not None:
             raise RuntimeError(f"the engine stopped after an error: {self._error!r}") from self._error
