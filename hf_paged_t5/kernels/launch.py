@@ -102,6 +102,20 @@ def decode_config(batch: int, num_heads: int, head_dim: int, max_keys: int, num_
     return DecodeConfig(block_n=max(16, min(128, 8192 // padded_d)), num_warps=4, num_splits=splits)
 
 
+
+def _check_tiles(config, tiles: tuple[str, ...]) -> None:
+    """A tiled attention config's checks: each of `tiles` a power of two >= 16, num_warps a power
+    of two up to 16, num_stages >= 1."""
+    for name in tiles:
+        value = getattr(config, name)
+        if value < 16 or value & (value - 1):
+            raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+    if config.num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {config.num_warps}")
+    if config.num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1, got {config.num_stages}")
+
+
 @dataclasses.dataclass(frozen=True)
 class PrefillConfig:
     """Launch knobs of `prefill` (see `prefill_config` for the defaults).
@@ -137,14 +151,7 @@ class PrefillConfig:
     band_tiles: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("block_m", "block_n"):
-            value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
-        if self.num_stages < 1:
-            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+        _check_tiles(self, ("block_m", "block_n"))
 
 
 def prefill_config(head_dim: int, dtype: torch.dtype, max_seqlen: int) -> PrefillConfig:
@@ -188,14 +195,7 @@ class LocalConfig:
     num_stages: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("block_m", "block_n", "block_g"):
-            value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
-        if self.num_stages < 1:
-            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+        _check_tiles(self, ("block_m", "block_n", "block_g"))
 
 
 def local_config(head_dim: int, dtype: torch.dtype) -> LocalConfig:
