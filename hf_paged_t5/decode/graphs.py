@@ -21,6 +21,11 @@ from ..kv.pool import KVPool, StepMetadata
 
 logger = logging.getLogger(__name__)
 
+# How a capture treats CUDA calls: "thread_local" forbids unsafe calls in the capturing thread only,
+# so another thread's work on the GPU (a server's request threads building input tensors, a
+# notebook's data loader) neither invalidates a capture nor is refused while one runs.
+CAPTURE_MODE = "thread_local"
+
 
 def bucket(n: int, minimum: int = 1) -> int:
     """Smallest power of two >= max(n, minimum)."""
@@ -133,7 +138,7 @@ class DecodeGraphs:
         slots = cache.begin_step(1)  # may grow the pool (a cache that allocates per step)
         static = self.prepare(step_fn, cache, rows, device, slots)
         static.input_ids[:rows].copy_(input_ids)
-        static.graph.replay()
+        self.replay(static, step_fn)
         return static.logits[:rows].clone()
 
     def prepare(self, step_fn, cache, rows: int, device: torch.device, slots,
@@ -155,8 +160,9 @@ class DecodeGraphs:
             static = self._graphs.get(key)
             if static is None:
                 static = self._capture(step_fn, pool, key, device)
-                self._graphs[key] = static
-                self.captures += 1
+                if static.graph is not None:  # else a failed capture: eager this call, captured again next time
+                    self._graphs[key] = static
+                    self.captures += 1
         else:
             static = self._buffers(pool, key, device)
             static.logits = logits_like.new_empty((key[0], 1, logits_like.shape[-1]))
@@ -230,15 +236,28 @@ class DecodeGraphs:
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for _ in range(2):  # warm up: Triton compiles, cuBLAS picks algorithms, outside the capture
-                step_fn(static_ids, meta_for)
+                warm = step_fn(static_ids, meta_for)
         torch.cuda.current_stream(device).wait_stream(side)
         if self._mempool is None:
             self._mempool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         # captured on the generation stream, not torch.cuda.graph's own: each stream cuBLAS runs on
         # keeps a workspace of its own (32 MiB on an H200)
-        with torch.cuda.graph(graph, pool=self._mempool, stream=side):
-            logits = step_fn(static_ids, meta_for)
+        caller_stream = torch.cuda.current_stream(device)
+        try:
+            with torch.cuda.graph(graph, pool=self._mempool, stream=side, capture_error_mode=CAPTURE_MODE):
+                logits = step_fn(static_ids, meta_for)
+        except RuntimeError as exc:
+            # A capture that fails leaves PyTorch's allocator recording into its pool (and the
+            # capture stream current): later captures take a new pool. This step runs eagerly on
+            # the same buffers (same values).
+            torch.cuda.set_stream(caller_stream)
+            self._mempool = None
+            torch.cuda.synchronize(device)
+            logger.warning("hf_paged_t5: a decode step could not be captured as a CUDA graph (%s); "
+                           "running it eagerly", exc)
+            static.logits = torch.empty_like(warm)
+            return static
         static.graph, static.logits = graph, logits
         return static
 
@@ -264,7 +283,7 @@ def capture_update(update: Callable[[], None], state: list[torch.Tensor], side: 
     graph = torch.cuda.CUDAGraph()
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
-        graph.capture_begin()
+        graph.capture_begin(capture_error_mode=CAPTURE_MODE)
         try:
             update()
         finally:

@@ -14,6 +14,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttenti
 
 from ..model import longt5
 from ..model.bias import is_local, self_attention
+from ..model.encoder_graphs import MAX_GRAPH_TOKENS, weights_signature
 from ..model.stacks import encoder_forward, mask_rows, store_cross
 from .cache import PagedEncoderDecoderCache
 from .policy import cpu_stock_reason
@@ -46,6 +47,13 @@ def _paged_allowed(runtime: PagedRuntime, module: nn.Module, kwargs: dict) -> bo
     if torch.is_grad_enabled() and any(p.requires_grad for p in module.parameters()):
         return False  # the kernels have no backward: keep autograd on stock HF
     return all(p.device.type != "meta" for p in module.parameters())
+
+
+def _graphable(runtime: PagedRuntime, stack: nn.Module, attention: nn.Module, source: torch.Tensor) -> bool:
+    """Whether an encoder call of its own (not inside generate()) may replay a captured graph:
+    CUDA graphs on, a CUDA input of at most `MAX_GRAPH_TOKENS` tokens, T5's full attention."""
+    return (runtime.config.cuda_graphs and source.device.type == "cuda" and not runtime.runner.owned_here()
+            and source.shape[0] * source.shape[1] <= MAX_GRAPH_TOKENS and not is_local(attention))
 
 
 def make_encoder_forward(runtime: PagedRuntime, original):
@@ -84,9 +92,23 @@ def make_encoder_forward(runtime: PagedRuntime, original):
         if not runtime.runner.owned_here():  # a call of its own, not one inside generate()
             runtime.check_weights()
         tables = runtime.bias_tables(self, causal=False)
-        # given input_ids, only the real tokens are embedded (inside encoder_forward)
-        hidden = encoder_forward(self, runtime.ops_for, tables, inputs_embeds, attention_mask, input_ids=input_ids,
-                                 band_memos=runtime.band_memos(self), side_tables=runtime.side_tables(self))
+        band_memos, side_tables = runtime.band_memos(self), runtime.side_tables(self)
+        if lens is not None and min(lens) == source.shape[1]:
+            attention_mask = None  # every position real: the same forward without packing
+        embeds = inputs_embeds is not None
+
+        def run(src):  # given input_ids, only the real tokens are embedded (inside encoder_forward)
+            return encoder_forward(self, runtime.ops_for, tables, src if embeds else None, attention_mask,
+                                   input_ids=None if embeds else src, band_memos=band_memos, side_tables=side_tables)
+
+        hidden = None
+        if attention_mask is None and _graphable(runtime, self, attention, source):
+            signature = weights_signature(self)
+            if all(device == source.device for _, _, device in signature[1]):
+                key = (tuple(source.shape), source.dtype, source.device, embeds)
+                hidden = runtime.encoder_graphs.run(key, signature, run, source)
+        if hidden is None:
+            hidden = run(source)
         # the class T5's stacks return (a caller that compiles generate() sees one type either way)
         out = BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=hidden)
         if return_dict is None:

@@ -18,6 +18,7 @@ from ..decode.runner import DecodeRunner
 from ..kv.pool import KVPool, LayerSpec
 from ..model import bias as bias_mod
 from ..model.attention import OnDevice, backend_ops
+from ..model.encoder_graphs import EncoderGraphs
 from ..model.probe import output_scale
 
 logger = logging.getLogger("hf_paged_t5.hf.patch")
@@ -41,7 +42,13 @@ class PagedRuntime:
         # decode graphs, streams, the lock and owner of paged calls (a generate() nested in one,
         # from a streamer or logits processor, must not wait on the lock nor take its blocks)
         self.runner = DecodeRunner(config, self.ops_for, self.bias_tables, self.output_scale)
-        self.tables = bias_mod.BiasTableCache(on_rebuild=self.runner.graphs.clear)  # captured steps read them
+        # standalone encoder calls of a recurring shape, replayed (model/encoder_graphs.py)
+        self.encoder_graphs = EncoderGraphs()
+        self.tables = bias_mod.BiasTableCache(on_rebuild=self._drop_graphs)  # captured graphs read them
+
+    def _drop_graphs(self) -> None:
+        self.runner.graphs.clear()
+        self.encoder_graphs.clear()
 
     # ---- per-layer resources ------------------------------------------------------------
     def ops_for(self, device: torch.device):

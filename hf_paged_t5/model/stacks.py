@@ -165,16 +165,20 @@ def encoder_forward(
     """
     source = inputs_embeds if inputs_embeds is not None else input_ids
     batch, seq_len = source.shape[:2]
-    if attention_mask is None:
-        attention_mask = torch.ones(batch, seq_len, dtype=torch.long, device=source.device)
-    index, lens, cu_seqlens, max_seqlen = pack_tokens(attention_mask, source.device)
+    if attention_mask is None:  # every position real: nothing to pack, nothing read back (graph-capturable)
+        index, lens, max_seqlen = None, [seq_len] * batch, seq_len
+        cu_seqlens = torch.arange(0, (batch + 1) * seq_len, seq_len, dtype=torch.int32, device=source.device)
+    else:
+        index, lens, cu_seqlens, max_seqlen = pack_tokens(attention_mask, source.device)
     local = is_local(self_attention(stack.block[0].layer[0]))  # LongT5's windowed attention
     plan = longt5.local_plan(stack, lens, cu_seqlens, max_seqlen) if local else None
     plans: dict[torch.device, longt5.LocalPlan] = {}  # the plan on each layer device
     if inputs_embeds is None:
-        hidden = stack.embed_tokens(input_ids.reshape(-1)[index])
+        flat = input_ids.reshape(-1)
+        hidden = stack.embed_tokens(flat if index is None else flat[index])
     else:
-        hidden = inputs_embeds.reshape(batch * seq_len, -1)[index]
+        flat = inputs_embeds.reshape(batch * seq_len, -1)
+        hidden = flat if index is None else flat[index]
     d_model = hidden.shape[-1]
     hidden = stack.dropout(hidden)
     # The residual stream `hidden` and the pending sub-layer output `out` are added inside

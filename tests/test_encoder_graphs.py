@@ -1,0 +1,165 @@
+"""Standalone encoder calls replayed as CUDA graphs (model/encoder_graphs.py): a text encoder
+called the way diffusion pipelines call it. The graph gives the eager patched forward's bits;
+it notices replaced weights, in-place writes and hooks; padded masks stay eager."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from oracle import assert_within_stock_error
+from transformers import T5EncoderModel, UMT5EncoderModel
+
+import hf_paged_t5 as hp
+from hf_paged_t5 import tiny
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+ENCODERS = {"t5v1_1": T5EncoderModel, "umt5": UMT5EncoderModel}
+
+
+def encoder(family="t5v1_1", dtype=torch.float32, **overrides):
+    config = tiny.build_config("t5-small", family=family, vocab_size=1000, **overrides)
+    with torch.device("cuda"):
+        torch.manual_seed(0)
+        model = ENCODERS[family](config)
+    return model.to(dtype).eval()
+
+
+def ids_of(batch, length, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randint(2, 1000, (batch, length), device="cuda", generator=g)
+
+
+def graphs_of(model):
+    return model._hf_paged_t5.encoder_graphs
+
+
+def pipeline_call(model, ids, mask=None):
+    """What diffusers does: `text_encoder(input_ids, attention_mask=...)[0]`, no hidden states."""
+    with torch.no_grad():
+        return model(ids, attention_mask=mask, output_hidden_states=False)[0]
+
+
+@pytest.mark.parametrize("family", ["t5v1_1", "umt5"])
+def test_recurring_shape_is_replayed_with_the_eager_bits(family):
+    model = encoder(family)
+    ids = ids_of(2, 77)
+    stock = pipeline_call(model, ids)
+    with torch.no_grad():
+        ref = encoder(family, torch.float64)(ids)[0]
+    hp.patch_model(model)
+    try:
+        eager = pipeline_call(model, ids)  # first call of the shape: eager
+        assert graphs_of(model).captures == 0
+        captured = pipeline_call(model, ids)  # second: captured, then replayed
+        other = ids_of(2, 77, seed=1)
+        replayed = pipeline_call(model, other)  # same shape, new input: a replay
+        with torch.inference_mode():  # a replay inside inference mode, into the same buffers
+            again = model(ids)[0]
+        assert graphs_of(model).captures == 1 and graphs_of(model).replays == 3
+        hp.unpatch_model(model)
+        stock_other = pipeline_call(model, other)
+        hp.patch_model(model)
+    finally:
+        hp.unpatch_model(model)
+    assert torch.equal(captured, eager) and torch.equal(again, eager)
+    assert_within_stock_error(eager, stock, ref, "last_hidden_state")
+    assert torch.allclose(replayed, stock_other, rtol=1e-4, atol=1e-5)
+
+
+def test_all_ones_mask_is_replayed_padded_mask_stays_eager():
+    model = encoder(dtype=torch.bfloat16)
+    ids = ids_of(2, 64)
+    ones = torch.ones_like(ids)
+    padded = ones.clone()
+    padded[1, 40:] = 0
+    stock_padded = pipeline_call(model, ids, padded)
+    hp.patch_model(model)
+    try:
+        for _ in range(3):
+            full = pipeline_call(model, ids, ones)
+            out = pipeline_call(model, ids, padded)
+        assert graphs_of(model).captures == 1  # the all-ones mask's shape only
+        no_mask = pipeline_call(model, ids)
+    finally:
+        hp.unpatch_model(model)
+    assert torch.equal(full, no_mask)
+    assert torch.count_nonzero(out[1, 40:]) == 0  # padded positions are zeros (docs/usage.md)
+    real = padded.bool()
+    assert torch.allclose(out[real].float(), stock_padded[real].float(), rtol=0.05, atol=0.05)
+
+
+def test_graph_follows_the_weights():
+    """After a shape's graph exists: a replaced weight, an in-place write (also to the bias
+    table's weight) and a hook; each later call still gives stock HF's result."""
+    model = encoder()
+    ids = ids_of(1, 50)
+    ff = model.encoder.block[1].layer[-1].DenseReluDense
+    bias = model.encoder.block[0].layer[0].SelfAttention.relative_attention_bias
+    changes = [
+        lambda: setattr(ff.wo, "weight", torch.nn.Parameter(ff.wo.weight.detach() * 0.5)),
+        lambda: ff.wi_0.weight.mul_(1.5),
+        lambda: bias.weight.add_(0.3),
+    ]
+    for change in changes:
+        hp.patch_model(model)
+        try:
+            for _ in range(3):
+                pipeline_call(model, ids)
+            assert graphs_of(model).captures == 1
+            with torch.no_grad():
+                change()
+            got = [pipeline_call(model, ids) for _ in range(3)]
+        finally:
+            hp.unpatch_model(model)
+        want = pipeline_call(model, ids)
+        for g in got:
+            assert torch.allclose(g, want, rtol=1e-4, atol=1e-5)
+    hp.patch_model(model)
+    seen = []
+    try:
+        for _ in range(3):
+            pipeline_call(model, ids)
+        hook = ff.register_forward_hook(lambda *_: seen.append(1))
+        try:
+            for _ in range(3):
+                pipeline_call(model, ids)
+        finally:
+            hook.remove()
+    finally:
+        hp.unpatch_model(model)
+    assert len(seen) == 3  # the hook ran on every call: eager while it is there
+
+
+def test_capture_while_another_thread_uses_the_gpu():
+    model = encoder(dtype=torch.bfloat16)
+    shapes = [(1, 77), (1, 120), (2, 77), (1, 512)]
+    hp.patch_model(model)
+    stop, errors = threading.Event(), []
+
+    def busy():
+        try:
+            while not stop.is_set():
+                torch.tensor(list(range(256)), device="cuda").sum().item()
+        except Exception as exc:  # noqa: BLE001  (reported in the test's thread)
+            errors.append(exc)
+
+    thread = threading.Thread(target=busy, daemon=True)
+    try:
+        eager = {s: pipeline_call(model, ids_of(*s)) for s in shapes}
+        thread.start()
+        for _ in range(2):
+            for s in shapes:
+                assert torch.equal(pipeline_call(model, ids_of(*s)), eager[s])
+        assert graphs_of(model).captures == len(shapes)
+    finally:
+        stop.set()
+        if thread.is_alive():
+            thread.join(timeout=30)
+        hp.unpatch_model(model)
+    assert not errors, errors
