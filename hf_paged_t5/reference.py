@@ -19,6 +19,7 @@ HF in float64 with no float32 rounding in between); outputs have the query's dty
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -235,6 +236,15 @@ def rms_norm(
     if weight.dtype in (torch.float16, torch.bfloat16):
         normed = normed.to(weight.dtype)
     return weight * normed, total
+
+
+def gated_gelu(gate: torch.Tensor, linear: torch.Tensor) -> torch.Tensor:
+    """`kernels.gated_gelu`: HF's gelu_new of `gate` times `linear`, in float32 (float64 for
+    float64 inputs), rounded once to gate's dtype."""
+    compute = torch.promote_types(gate.dtype, torch.float32)
+    x, y = gate.to(compute), linear.to(compute)
+    gelu = 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+    return (gelu * y).to(gate.dtype)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

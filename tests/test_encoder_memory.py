@@ -22,6 +22,7 @@ from oracle import assert_within_stock_error, compare_with_stock, fp64_twin, sto
 from torch import nn
 
 import hf_paged_t5 as hp
+from hf_paged_t5 import cpu_ops
 from hf_paged_t5.model import stacks
 
 CONFIG = hp.PagedCacheConfig(block_size=8, backend="torch")
@@ -64,11 +65,13 @@ def patched_encoder_output(model, ids, mask, chunk_tokens, monkeypatch):
 
 
 def test_chunk_rule():
-    # A [chunk, d_ff] intermediate of at most FF_CHUNK_BYTES (4 MiB), at least 128 rows, at most 4 chunks.
+    # A [chunk, d_ff] intermediate of at most FF_CHUNK_BYTES (4 MiB), at least 1,024 rows, at most 4 chunks.
     assert stacks.ff_chunk_tokens(2048, 2, 4096) == 1024  # t5-small, bf16, 8 x 512 tokens
-    assert stacks.ff_chunk_tokens(4096, 2, 2048) == 512  # t5-large, bf16
-    assert stacks.ff_chunk_tokens(4096, 4, 1024) == 256  # t5-large, fp32 (or fp16 with `wo` kept fp32)
-    assert stacks.ff_chunk_tokens(65536, 2, 100) == stacks.FF_MIN_CHUNK_TOKENS == 128
+    assert stacks.ff_chunk_tokens(2048, 2, 16384) == 4096  # t5-small, bf16, 32 x 512 tokens: 4 chunks
+    assert stacks.ff_chunk_tokens(4096, 2, 2048) == 1024  # t5-large, bf16: two chunks of the smallest size
+    assert stacks.ff_chunk_tokens(10240, 2, 512) == 1024  # T5 v1.1 XXL, bf16, 1 x 512: one chunk
+    assert stacks.ff_chunk_tokens(1024, 4, 8192) == 2048  # t5-small-like FF, fp32: 4 MiB per chunk
+    assert stacks.ff_chunk_tokens(65536, 2, 100) == stacks.FF_MIN_CHUNK_TOKENS == 1024
     assert stacks.ff_chunk_tokens(4096, 2, 32768) == 8192 == 32768 // stacks.FF_MAX_CHUNKS  # batch 64 x 512
     dense = make_model("t5v1_1").encoder.block[0].layer[-1].DenseReluDense.half()
     assert stacks._ff_element_size(dense, torch.zeros(1, dtype=torch.float16)) == 2
@@ -106,7 +109,7 @@ def test_chunk_output_takes_the_modules_dtype():
     try:
         with torch.no_grad():
             whole = ff.dropout(ff.DenseReluDense(normed))
-            chunked = stacks._chunked_feed_forward(ff, normed, TINY_CHUNK)
+            chunked = stacks._chunked_feed_forward(cpu_ops, ff, normed, TINY_CHUNK)
     finally:
         for h in handles:
             h.remove()

@@ -13,8 +13,9 @@ from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions, Seq2SeqLMOutput
 
 from ..model import longt5
+from ..model import bias as bias_mod
 from ..model.bias import is_local, self_attention
-from ..model.encoder_graphs import MAX_GRAPH_TOKENS, weights_signature
+from ..model.encoder_graphs import MAX_GRAPH_TOKENS
 from ..model.stacks import encoder_forward, mask_rows, store_cross
 from .cache import PagedEncoderDecoderCache
 from .policy import cpu_stock_reason
@@ -49,16 +50,66 @@ def _paged_allowed(runtime: PagedRuntime, module: nn.Module, kwargs: dict) -> bo
     return all(p.device.type != "meta" for p in module.parameters())
 
 
-def _graphable(runtime: PagedRuntime, stack: nn.Module, attention: nn.Module, source: torch.Tensor) -> bool:
-    """Whether an encoder call of its own (not inside generate()) may replay a captured graph:
-    CUDA graphs on, a CUDA input of at most `MAX_GRAPH_TOKENS` tokens, T5's full attention."""
-    return (runtime.config.cuda_graphs and source.device.type == "cuda" and not runtime.runner.owned_here()
-            and source.shape[0] * source.shape[1] <= MAX_GRAPH_TOKENS and not is_local(attention))
+def _graph_key(runtime: PagedRuntime, stack: nn.Module, input_ids, attention_mask, inputs_embeds, kwargs: dict):
+    """The encoder-graph key of a call that may run as a captured graph (`model/encoder_graphs.py`),
+    else None: a call of its own (not inside generate()) without gradients, hooks' outputs or a
+    mask (an all-ones mask is dropped before this), one CUDA input of at most `MAX_GRAPH_TOKENS`
+    tokens, CUDA graphs on, T5's full attention."""
+    if attention_mask is not None or (input_ids is None) == (inputs_embeds is None) or not runtime.config.cuda_graphs:
+        return None
+    source = input_ids if inputs_embeds is None else inputs_embeds
+    if (source.device.type != "cuda" or source.shape[0] * source.shape[1] > MAX_GRAPH_TOKENS or stack.training
+            or torch.is_grad_enabled() or runtime.runner.owned_here() or set(kwargs) - _ENCODER_KWARGS
+            or any(_output_flags(stack, kwargs)) or is_local(self_attention(stack.block[0].layer[0]))):
+        return None
+    return tuple(source.shape), source.dtype, source.device, inputs_embeds is not None
+
+
+def _graph_forward(runtime: PagedRuntime, stack: nn.Module, embeds: bool):
+    """`source -> last_hidden_state` for a capture: the bias tables gathered from the weights inside
+    the graph (a replay sees in-place writes to them with no check), checked once against the
+    tables HF's `compute_bias` gives; None (logged) if they differ."""
+    modules = bias_mod.layer_bias_modules(stack)
+    distinct = {id(m): m for m in modules}
+    buckets = {key: bias_mod.bidirectional_buckets(m) for key, m in distinct.items()}
+    cached = dict(zip((id(m) for m in modules), runtime.bias_tables(stack, causal=False)))
+    if not all(torch.equal(bias_mod.gathered_table(m, buckets[key]), cached[key]) for key, m in distinct.items()):
+        runtime.warn_once("the bias tables looked up from the weights differ from HF's compute_bias: "
+                          "encoder calls are not captured as CUDA graphs", "encoder graphs")
+        return None
+
+    def forward(src):
+        with torch.inference_mode(False):  # tables with a version counter: the prefill keeps its tiles in the memo
+            tables = {key: bias_mod.gathered_table(m, buckets[key]) for key, m in distinct.items()}
+        memos = {key: {"capture_scoped": True} for key in distinct}
+        return encoder_forward(stack, runtime.ops_for, [tables[id(m)] for m in modules], src if embeds else None, None,
+                               input_ids=None if embeds else src, band_memos=[memos[id(m)] for m in modules])
+
+    return forward
+
+
+_ENCODER_KWARGS = frozenset({"output_attentions", "output_hidden_states", "use_cache"})
 
 
 def make_encoder_forward(runtime: PagedRuntime, original):
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, return_dict=None, **kwargs):
-        unknown = set(kwargs) - {"output_attentions", "output_hidden_states", "use_cache"}
+        key = _graph_key(runtime, self, input_ids, attention_mask, inputs_embeds, kwargs)
+        source = input_ids if inputs_embeds is None else inputs_embeds
+        hidden = None if key is None else runtime.encoder_graphs.replay(key, self, source)
+        if hidden is None:
+            hidden = paged(self, input_ids, attention_mask, inputs_embeds, return_dict, kwargs)
+            if not isinstance(hidden, torch.Tensor):
+                return hidden  # stock HF's own output
+        # the class T5's stacks return (a caller that compiles generate() sees one type either way)
+        out = BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=hidden)
+        if return_dict is None:
+            return_dict = getattr(self.config, "return_dict", True)
+        return out if return_dict is not False else (hidden,)
+
+    def paged(self, input_ids, attention_mask, inputs_embeds, return_dict, kwargs):
+        """The last_hidden_state of a call the replay did not serve (eager, or captured now), or
+        stock HF's whole output for a call the paged path does not serve."""
+        unknown = set(kwargs) - _ENCODER_KWARGS
         stock = unknown or not _paged_allowed(runtime, self, kwargs)
         lens = None
         attention = self_attention(self.block[0].layer[0])
@@ -91,29 +142,23 @@ def make_encoder_forward(runtime: PagedRuntime, original):
             raise ValueError(f"empty input: the encoder got inputs of shape {tuple(source.shape[:2])}")
         if not runtime.runner.owned_here():  # a call of its own, not one inside generate()
             runtime.check_weights()
-        tables = runtime.bias_tables(self, causal=False)
-        band_memos, side_tables = runtime.band_memos(self), runtime.side_tables(self)
         if lens is not None and min(lens) == source.shape[1]:
             attention_mask = None  # every position real: the same forward without packing
-        embeds = inputs_embeds is not None
-
-        def run(src):  # given input_ids, only the real tokens are embedded (inside encoder_forward)
-            return encoder_forward(self, runtime.ops_for, tables, src if embeds else None, attention_mask,
-                                   input_ids=None if embeds else src, band_memos=band_memos, side_tables=side_tables)
-
-        hidden = None
-        if attention_mask is None and _graphable(runtime, self, attention, source):
-            signature = weights_signature(self)
-            if all(device == source.device for _, _, device in signature[1]):
-                key = (tuple(source.shape), source.dtype, source.device, embeds)
-                hidden = runtime.encoder_graphs.run(key, signature, run, source)
-        if hidden is None:
-            hidden = run(source)
-        # the class T5's stacks return (a caller that compiles generate() sees one type either way)
-        out = BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=hidden)
-        if return_dict is None:
-            return_dict = getattr(self.config, "return_dict", True)
-        return out if return_dict is not False else (hidden,)
+        key = _graph_key(runtime, self, input_ids, attention_mask, inputs_embeds, kwargs)
+        if key is not None:  # (an all-ones mask reaches its graph here)
+            graphs = runtime.encoder_graphs
+            hidden = graphs.replay(key, self, source)
+            if hidden is None and graphs.would_capture(key):
+                captured = _graph_forward(runtime, self, inputs_embeds is not None)
+                hidden = None if captured is None else graphs.run(key, self, captured, source)
+            elif hidden is None:
+                graphs.seen(key)
+            if hidden is not None:
+                return hidden
+        # given input_ids, only the real tokens are embedded (inside encoder_forward)
+        return encoder_forward(self, runtime.ops_for, runtime.bias_tables(self, causal=False), inputs_embeds,
+                               attention_mask, input_ids=input_ids, band_memos=runtime.band_memos(self),
+                               side_tables=runtime.side_tables(self))
 
     return like(original, forward)
 

@@ -4,6 +4,7 @@
 - `paged_decode`: one query token per row over paged keys, with the causal T5 bias table,
   a dense bias or none; splits long key ranges across programs (flash-decoding).
 - `rms_norm`: T5's layer norm, optionally fused with the residual add.
+- `gated_gelu`: the gated feed-forward's `gelu_tanh(gate) * linear` (T5 v1.1, mT5, UMT5).
 - `gemv`: x @ weight.T for at most a few rows (batch-1 decode projections).
 - `prefill`: varlen flash-attention over packed sequences, bidirectional or causal.
 - `local_prefill`: varlen local (windowed) attention plus optional side keys (LongT5's encoder).
@@ -16,10 +17,11 @@ moving would keep compiling. These arguments are loop bounds and masks, where th
 """
 
 from .decode import paged_decode
+from .gated_gelu import gated_gelu
 from .gemv import gemv, gemv_supports
 from .local import local_prefill
 from .prefill import prefill
 from .rmsnorm import rms_norm
 from .store_kv import store_kv
 
-__all__ = ["gemv", "gemv_supports", "local_prefill", "paged_decode", "prefill", "rms_norm", "store_kv"]
+__all__ = ["gated_gelu", "gemv", "gemv_supports", "local_prefill", "paged_decode", "prefill", "rms_norm", "store_kv"]

@@ -396,8 +396,9 @@ def _cached_band_tiles(bias_table: torch.Tensor, memo: Optional[dict], max_dista
     an encoder that passes the same memo for every layer builds its band tiles once, not once per
     layer (a launch each). Rebuilt when the tile shape or device changes or the table is written in
     place (its version counter moves); never kept while a CUDA graph is being captured (the tiles
-    would live in the graph's pool), nor for a table made under torch.inference_mode (no version
-    counter). Without a memo, built every call."""
+    would live in the graph's pool) unless the memo says `capture_scoped` (made for one capture and
+    dropped with it), nor for a table made under torch.inference_mode (no version counter).
+    Without a memo, built every call."""
     if memo is None or bias_table.is_inference():
         return _band_tiles(bias_table, max_distance, first, count, block_m, block_n)
     key = (bias_table.device, bias_table._version, max_distance, first, count, block_m, block_n)
@@ -405,7 +406,7 @@ def _cached_band_tiles(bias_table: torch.Tensor, memo: Optional[dict], max_dista
     if kept is not None and kept[0] == key:
         return kept[1]
     band = _band_tiles(bias_table, max_distance, first, count, block_m, block_n)
-    if not (bias_table.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if memo.get("capture_scoped") or not (bias_table.is_cuda and torch.cuda.is_current_stream_capturing()):
         memo["band"] = (key, band)
     return band
 

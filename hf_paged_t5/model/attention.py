@@ -91,15 +91,35 @@ def project(ops: ModuleType, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return layer(x)
 
 
+# HF's gated feed-forward classes and its tanh-approximated GELUs (`gelu_new`, `gelu_pytorch_tanh`)
+_GATED_FF = frozenset({"T5DenseGatedActDense", "MT5DenseGatedActDense", "UMT5DenseGatedActDense",
+                       "LongT5DenseGatedActDense"})
+_GELU_TANH = frozenset({"NewGELUActivation", "GELUTanh", "PytorchGELUTanh"})
+
+
+def fused_gated_gelu(ops: ModuleType, dense: nn.Module, dtype: torch.dtype) -> bool:
+    """Whether `gelu_tanh(wi_0(x)) * wi_1(x)` of `dense` runs as the backend's one `gated_gelu`
+    kernel: HF's gated FF with a tanh GELU as they are (no hooks, no dropout), half-precision
+    activations (float32 keeps HF's op-by-op rounding, so fp32 tokens stay HF's bit for bit)."""
+    return (
+        dtype in (torch.float16, torch.bfloat16) and hasattr(ops, "gated_gelu")
+        and type(dense).__name__ in _GATED_FF and type(dense.act).__name__ in _GELU_TANH
+        and not (dense.training and dense.dropout.p) and all(map(_unhooked, (dense, dense.act, dense.dropout)))
+    )
+
+
 def feed_forward(ops: ModuleType, dense: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """HF's T5DenseActDense / T5DenseGatedActDense forward, op for op, with `project` for the Linears.
+    """HF's T5DenseActDense / T5DenseGatedActDense forward, op for op, with `project` for the Linears
+    (the gated GELU as one kernel where `fused_gated_gelu` allows).
 
     x: [..., d_model] (normed); returns [..., d_model]. Any other module runs its own forward.
     """
     names = {cls.__name__ for cls in type(dense).__mro__}
     if hasattr(dense, "_hf_hook") or not names & {"T5DenseActDense", "T5DenseGatedActDense"}:
         return dense(x)
-    if hasattr(dense, "wi_0"):
+    if hasattr(dense, "wi_0") and fused_gated_gelu(ops, dense, x.dtype):
+        h = ops.gated_gelu(gate=project(ops, dense.wi_0, x), linear=project(ops, dense.wi_1, x))
+    elif hasattr(dense, "wi_0"):
         h = dense.act(project(ops, dense.wi_0, x)) * project(ops, dense.wi_1, x)
     else:
         h = dense.act(project(ops, dense.wi, x))

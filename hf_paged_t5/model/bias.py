@@ -55,6 +55,28 @@ def bidirectional_bias_table(attention: nn.Module) -> torch.Tensor:
 
 
 @torch.no_grad()
+def bidirectional_buckets(attention: nn.Module) -> torch.Tensor:
+    """[2D + 1] int64 on the weight's device: the bucket HF's own `compute_bias` looks up for each
+    relative position -D..D (the input its `relative_attention_bias` embedding is called with), so
+    that `gathered_table` rebuilds `bidirectional_bias_table` from the weight in two kernels."""
+    d = table_distance(attention)
+    seen = []
+    handle = attention.relative_attention_bias.register_forward_pre_hook(lambda _module, args: seen.append(args[0]))
+    try:
+        attention.compute_bias(1, 2 * d + 1, past_seen_tokens=d)
+    finally:
+        handle.remove()
+    return seen[-1].reshape(-1)
+
+
+def gathered_table(attention: nn.Module, buckets: torch.Tensor) -> torch.Tensor:
+    """`bidirectional_bias_table(attention)` as a lookup of `bidirectional_buckets` in the weight:
+    no host work, so a captured CUDA graph rebuilds it from the weight at every replay."""
+    weight = attention.relative_attention_bias.weight
+    return weight.detach().index_select(0, buckets).T.to(_table_dtype(weight)).contiguous()
+
+
+@torch.no_grad()
 def local_bias_table(attention: nn.Module) -> torch.Tensor:
     """LongT5 local / transient-global encoder table, float32 [num_heads, 2D + 1], index
     `clamp(k - q, -D, D) + D`, as `bidirectional_bias_table` (float64 for a float64 model)."""

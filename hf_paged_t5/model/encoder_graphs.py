@@ -1,15 +1,17 @@
 """Encoder forwards replayed as CUDA graphs: one per input shape that recurs.
 
 A text encoder in a diffusion pipeline (T5 v1.1 XXL in Flux / SD3 / PixArt, UMT5-XXL in Wan) runs
-one small batch of one shape per image: a few milliseconds of GPU work behind tens of
+one small batch of one shape per image: a few milliseconds of GPU work behind as many
 milliseconds of host-side launches. The second call of a shape captures the whole encoder
-forward (`stacks.encoder_forward`) as a graph; later calls of that shape copy their input into
-the graph's static buffer and replay it. A shape seen once runs eagerly (no capture cost for a
-shape that never comes back).
+forward (`stacks.encoder_forward`, its bias tables gathered from the weights inside the graph) as
+a graph; later calls of that shape copy their input into the graph's static buffer and replay
+it, with no host sync. A shape seen once runs eagerly (no capture cost for a shape that never
+comes back).
 
-What a graph reads by address must not move: the owner passes a `signature` of the weights
-(their storages, dtypes and the hooks on the encoder's modules) with every call, and a changed
-signature drops every graph; so does `clear()` (the owner's bias tables were rebuilt).
+What a graph reads by address must stay where it was: `WeightWatch` notices a replaced weight
+(a new Parameter, `.data =`, `model.to(...)`), a module added or swapped (a LoRA injected) and a
+hook, cheaply enough to run before every replay; a change drops every graph. Writes in place
+need nothing: a replay reads the weights as they are, the bias tables included.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 # Batch x length up to which an encoder forward is replayed as a graph: past it the forward's
-# GPU work dwarfs its launches (t5-large 32 x 512 is GPU-bound), and a graph's memory grows with it.
+# GPU work dwarfs its launches, and a graph's memory grows with it.
 MAX_GRAPH_TOKENS = 8192
 # Shapes whose graphs are kept at once, least recently used dropped first.
 MAX_GRAPHS = 8
@@ -35,12 +37,59 @@ CAPTURE_AFTER = 2
 CAPTURE_MODE = "thread_local"  # another thread's GPU work does not invalidate a capture (decode/graphs.py)
 
 
-def weights_signature(stack: nn.Module) -> tuple:
-    """What an encoder graph depends on besides its input: (whether any module has hooks (a hook
-    runs once at capture, never at replay), each weight's (storage, dtype, device))."""
-    hooked = bool(nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks) or any(
-        m._forward_hooks or m._forward_pre_hooks for m in stack.modules())
-    return hooked, tuple((p.data_ptr(), p.dtype, p.device) for p in stack.parameters())
+class _Registrations:
+    """How many parameters and submodules any module of this process has registered: torch's
+    global registration hooks (installed at the first `WeightWatch`) count them, so a watch knows
+    in O(1) that no weight was replaced nor module swapped since it looked."""
+
+    count = 0
+    _installed = False
+
+    @classmethod
+    def now(cls) -> int:
+        if not cls._installed:
+            nn.modules.module.register_module_parameter_registration_hook(cls._bump)
+            nn.modules.module.register_module_module_registration_hook(cls._bump)
+            cls._installed = True
+        return cls.count
+
+    @classmethod
+    def _bump(cls, *_args) -> None:
+        cls.count += 1
+
+
+def _hooked(modules: list[nn.Module]) -> bool:
+    """Whether calling any of `modules` runs more than its class's forward (hooks of its own or
+    global, accelerate's hook, a replaced forward): that must run on every call, not once at capture."""
+    if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+        return True
+    for m in modules:
+        if m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__ or "_hf_hook" in m.__dict__:
+            return True
+    return False
+
+
+class WeightWatch:
+    """The encoder's modules and weights as they were when looked at: `same(stack)` says whether
+    a graph captured then still reads the right tensors."""
+
+    def __init__(self, stack: nn.Module) -> None:
+        self.registrations = _Registrations.now()
+        self.modules = list(stack.modules())
+        self.params = list(stack.parameters())
+        self.pointers = [p.data_ptr() for p in self.params]
+        self.devices = {p.device for p in self.params}
+
+    def current(self, stack: nn.Module) -> "WeightWatch":
+        """This watch if nothing was registered since, else a new look at `stack`."""
+        return self if self.registrations == _Registrations.now() else WeightWatch(stack)
+
+    def same_weights(self, other: "WeightWatch") -> bool:
+        return (len(self.params) == len(other.params) and all(a is b for a, b in zip(self.params, other.params))
+                and self.pointers == other.pointers)
+
+    def unmoved(self) -> bool:
+        return [p.data_ptr() for p in self.params] == self.pointers
 
 
 @dataclasses.dataclass
@@ -51,13 +100,14 @@ class _Captured:
 
 
 class EncoderGraphs:
-    """Captured encoder forwards of one patched model, keyed by the caller (shape, dtype, device)."""
+    """Captured encoder forwards of one patched model's encoder, keyed by the caller
+    (input shape, dtype, device, kind)."""
 
     def __init__(self) -> None:
         self._graphs: collections.OrderedDict[Hashable, _Captured] = collections.OrderedDict()
         self._seen: collections.Counter = collections.Counter()
         self._failed: set = set()  # keys whose capture failed: eager from then on
-        self._signature: Optional[tuple] = None
+        self._watch: Optional[WeightWatch] = None
         self._mempool = None
         self._lock = threading.Lock()
         self.captures = 0  # encoder graphs captured, ever
@@ -74,21 +124,52 @@ class EncoderGraphs:
         self._failed.clear()
         self._mempool = None
 
-    def run(self, key: Hashable, signature: tuple, forward: Callable[[torch.Tensor], torch.Tensor],
-            source: torch.Tensor) -> Optional[torch.Tensor]:
-        """forward(source) replayed from the graph kept for `key`, captured on this call if the
-        shape recurs; None where the caller runs `forward` eagerly (a shape seen for the first
-        time, hooks on the encoder, another thread replaying, a capture that failed)."""
-        if signature[0] or key in self._failed:
-            return None  # hooked modules: their hooks must run on every call
-        if not self._lock.acquire(blocking=False):
+    def _usable(self, stack: nn.Module, device: torch.device) -> bool:
+        """Whether graphs of `stack` may run now: every graph is dropped first if its weights are
+        not where the graphs read them; then all weights on `device` and no hooks."""
+        old = self._watch
+        watch = old.current(stack) if old is not None else WeightWatch(stack)
+        if not watch.unmoved():  # `.data =` or `.to(...)` moved a weight: look again
+            watch = WeightWatch(stack)
+        if old is not None and watch is not old and not watch.same_weights(old):
+            if self._graphs:
+                logger.info("encoder weights or modules changed: dropping %d encoder graphs", len(self._graphs))
+            self.clear()
+        self._watch = watch
+        return watch.devices == {device} and not _hooked(watch.modules)
+
+    def replay(self, key: Hashable, stack: nn.Module, source: torch.Tensor) -> Optional[torch.Tensor]:
+        """The last_hidden_state of `source` from the graph kept for `key`; None where there is
+        none, the weights moved, a hook is set or another thread is replaying."""
+        if key not in self._graphs or not self._lock.acquire(blocking=False):
             return None
         try:
-            if signature != self._signature:
-                self.clear()
-                self._signature = signature
-            captured = self._graphs.get(key)
-            if captured is None:
+            if not self._usable(stack, source.device) or key not in self._graphs:
+                return None
+            return self._replay(key, source)
+        finally:
+            self._lock.release()
+
+    def seen(self, key: Hashable) -> None:
+        """Count an eager call of `key`'s shape (`would_capture`)."""
+        self._seen[key] += 1
+
+    def would_capture(self, key: Hashable) -> bool:
+        """Whether a call of `key` now would capture its graph: a shape seen `CAPTURE_AFTER - 1`
+        times before, not captured yet, no failed capture."""
+        return key not in self._graphs and key not in self._failed and self._seen[key] + 1 >= CAPTURE_AFTER
+
+    def run(self, key: Hashable, stack: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor],
+            source: torch.Tensor) -> Optional[torch.Tensor]:
+        """forward(source) captured as `key`'s graph (when `would_capture`) and replayed; None where
+        the caller runs its eager forward (a hook, weights on another device, another thread
+        replaying, a capture that failed)."""
+        if key in self._failed or not self._lock.acquire(blocking=False):
+            return None
+        try:
+            if not self._usable(stack, source.device):
+                return None
+            if key not in self._graphs:
                 self._seen[key] += 1
                 if self._seen[key] < CAPTURE_AFTER:
                     return None
@@ -99,17 +180,21 @@ class EncoderGraphs:
                 self._graphs[key] = captured
                 while len(self._graphs) > MAX_GRAPHS:
                     self._graphs.popitem(last=False)
-            self._graphs.move_to_end(key)
-            captured.source.copy_(source)
-            captured.graph.replay()
-            self.replays += 1
-            return captured.out.clone()
+            return self._replay(key, source)
         finally:
             self._lock.release()
 
+    def _replay(self, key: Hashable, source: torch.Tensor) -> torch.Tensor:
+        captured = self._graphs[key]
+        self._graphs.move_to_end(key)
+        captured.source.copy_(source)
+        captured.graph.replay()
+        self.replays += 1
+        return captured.out.clone()
+
     def _capture(self, forward, source: torch.Tensor) -> Optional[_Captured]:
         device = source.device
-        with torch.inference_mode(False), torch.no_grad():  # a buffer later calls may copy into outside inference mode
+        with torch.inference_mode(False), torch.no_grad():  # a buffer later calls copy into outside inference mode
             static = source.clone()
         side = torch.cuda.Stream(device)
         caller = torch.cuda.current_stream(device)

@@ -22,8 +22,10 @@ from ..kv.pool import KVPool, StepMetadata
 # [chunk_tokens, d_ff] intermediate stays under this many bytes; otherwise the FF's two or three
 # full-size intermediates (t5-small at 8 x 512 tokens: 2 x 16 MiB) set the encoder's peak memory.
 FF_CHUNK_BYTES = 4 * 2**20
-# Fewer rows than this would leave the FF's GEMMs too small to run efficiently.
-FF_MIN_CHUNK_TOKENS = 128
+# Fewer rows than this would leave the FF's GEMMs too small to run efficiently (T5 v1.1 XXL's
+# 512 tokens would run as three chunks of 204 rows); 1,024 rows of t5-11b's d_ff (65,536) are
+# 128 MiB in bf16, next to 42 GiB of weights.
+FF_MIN_CHUNK_TOKENS = 1024
 # At most this many chunks per layer: each costs a few launches from the host (measured on an H200:
 # 4 MiB chunks made t5-large at batch 64 x 512 tokens 18% slower per generated token, 64 chunks in
 # each of 24 layers), and a large batch's other activations dwarf the FF's anyway.
@@ -117,8 +119,19 @@ def _ff_element_size(dense: nn.Module, hidden: torch.Tensor) -> int:
     return max([hidden.element_size(), *sizes])
 
 
-def _chunked_feed_forward(ff: nn.Module, normed: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
-    """`ff.dropout(ff.DenseReluDense(normed))`, HF's own modules called on row chunks of `normed`.
+def _dense(ops: ModuleType, dense: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`dense(x)`: HF's module, or its Linears around one `gated_gelu` kernel (`fused_gated_gelu`)."""
+    if not attn_ops.fused_gated_gelu(ops, dense, x.dtype):
+        return dense(x)
+    h = ops.gated_gelu(gate=dense.wi_0(x), linear=dense.wi_1(x))
+    wo = dense.wo.weight
+    if isinstance(wo, torch.Tensor) and h.dtype != wo.dtype and wo.dtype != torch.int8:
+        h = h.to(wo.dtype)  # as HF: `wo` kept in fp32 for some half-precision checkpoints
+    return dense.wo(h)
+
+
+def _chunked_feed_forward(ops: ModuleType, ff: nn.Module, normed: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+    """`ff.dropout(ff.DenseReluDense(normed))`, HF's own modules (`_dense`) called on row chunks of `normed`.
 
     Each row's result depends on that row only, so chunking changes which rows share a GEMM, not
     the formula per row; the BLAS may still sum a row in another order for a GEMM of another
@@ -127,7 +140,7 @@ def _chunked_feed_forward(ff: nn.Module, normed: torch.Tensor, chunk_tokens: int
     normed: [total_tokens, d_model]; returns [total_tokens, d_model] in the module's output dtype
     """
     total_tokens = normed.shape[0]
-    first = ff.dropout(ff.DenseReluDense(normed[:chunk_tokens]))
+    first = ff.dropout(_dense(ops, ff.DenseReluDense, normed[:chunk_tokens]))
     if total_tokens <= chunk_tokens:
         return first
     out = first.new_empty((total_tokens, *first.shape[1:]))
@@ -135,7 +148,7 @@ def _chunked_feed_forward(ff: nn.Module, normed: torch.Tensor, chunk_tokens: int
     del first  # one chunk's output alive at a time
     for start in range(chunk_tokens, total_tokens, chunk_tokens):
         stop = start + chunk_tokens
-        out[start:stop] = ff.dropout(ff.DenseReluDense(normed[start:stop]))
+        out[start:stop] = ff.dropout(_dense(ops, ff.DenseReluDense, normed[start:stop]))
     return out
 
 
@@ -207,7 +220,7 @@ def encoder_forward(
         del out
         chunk_tokens = ff_chunk_tokens(stack.config.d_ff, _ff_element_size(ff.DenseReluDense, normed),
                                        normed.shape[0])
-        out = _chunked_feed_forward(ff, normed, chunk_tokens)
+        out = _chunked_feed_forward(ops, ff, normed, chunk_tokens)
     ops = ops_for(module_device(stack.final_layer_norm))
     hidden, _ = attn_ops.add_norm(ops, stack.final_layer_norm, hidden, out)
     del out
