@@ -50,6 +50,11 @@ def _paged_allowed(runtime: PagedRuntime, module: nn.Module, kwargs: dict) -> bo
     return all(p.device.type != "meta" for p in module.parameters())
 
 
+_ENCODER_KWARGS = frozenset({"output_attentions", "output_hidden_states", "use_cache"})
+# Devices whose encoder calls replay graphs (tests add "cpu" with a stand-in for the capture)
+GRAPH_DEVICE_TYPES = ("cuda",)
+
+
 def _graph_key(runtime: PagedRuntime, stack: nn.Module, input_ids, attention_mask, inputs_embeds, kwargs: dict):
     """The encoder-graph key of a call that may run as a captured graph (`model/encoder_graphs.py`),
     else None: a call of its own (not inside generate()) without gradients, hooks' outputs or a
@@ -58,7 +63,7 @@ def _graph_key(runtime: PagedRuntime, stack: nn.Module, input_ids, attention_mas
     if attention_mask is not None or (input_ids is None) == (inputs_embeds is None) or not runtime.config.cuda_graphs:
         return None
     source = input_ids if inputs_embeds is None else inputs_embeds
-    if (source.device.type != "cuda" or source.shape[0] * source.shape[1] > MAX_GRAPH_TOKENS or stack.training
+    if (source.device.type not in GRAPH_DEVICE_TYPES or source.shape[0] * source.shape[1] > MAX_GRAPH_TOKENS or stack.training
             or torch.is_grad_enabled() or runtime.runner.owned_here() or set(kwargs) - _ENCODER_KWARGS
             or any(_output_flags(stack, kwargs)) or is_local(self_attention(stack.block[0].layer[0]))):
         return None
@@ -88,7 +93,6 @@ def _graph_forward(runtime: PagedRuntime, stack: nn.Module, embeds: bool):
     return forward
 
 
-_ENCODER_KWARGS = frozenset({"output_attentions", "output_hidden_states", "use_cache"})
 
 
 def make_encoder_forward(runtime: PagedRuntime, original):

@@ -118,9 +118,9 @@ class EncoderGraphs:
         return len(self._graphs)
 
     def clear(self) -> None:
-        """Drop every graph (and their memory pool with the last of them)."""
+        """Drop every graph (and their memory pool with the last of them); the shapes seen stay
+        counted (a shape that recurred is captured again at its next call)."""
         self._graphs.clear()
-        self._seen.clear()
         self._failed.clear()
         self._mempool = None
 
@@ -136,7 +136,7 @@ class EncoderGraphs:
                 logger.info("encoder weights or modules changed: dropping %d encoder graphs", len(self._graphs))
             self.clear()
         self._watch = watch
-        return watch.devices == {device} and not _hooked(watch.modules)
+        return watch.devices == {device} and not _hooked(watch.modules[1:])  # the stack's own: our forward, inside its hooks
 
     def replay(self, key: Hashable, stack: nn.Module, source: torch.Tensor) -> Optional[torch.Tensor]:
         """The last_hidden_state of `source` from the graph kept for `key`; None where there is

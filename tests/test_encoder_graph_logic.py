@@ -1,0 +1,146 @@
+"""The bookkeeping of encoder graphs (model/encoder_graphs.py) on the CPU: a stand-in for the CUDA
+capture replays the captured forward eagerly, so what is tested here is everything around a
+graph: which call captures, which replays, that the captured forward (its bias tables gathered
+from the weights) gives the eager forward's bits, and that every change a user can make to the
+weights or modules drops the graphs or keeps the call eager. tests/test_encoder_graphs.py runs
+real graphs on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import T5EncoderModel, UMT5EncoderModel
+
+import hf_paged_t5 as hp
+from hf_paged_t5 import tiny
+from hf_paged_t5.hf import forward as forward_mod
+from hf_paged_t5.model import encoder_graphs
+
+ENCODERS = {"t5v1_1": T5EncoderModel, "umt5": UMT5EncoderModel}
+CPU = hp.PagedCacheConfig(backend="cpu")
+
+
+class _Replayed:
+    """Stands in for a captured graph: replay() runs the captured forward on the static input."""
+
+    def __init__(self, forward, static, out):
+        self.forward, self.static, self.out = forward, static, out
+
+    def replay(self):
+        self.out.copy_(self.forward(self.static))
+
+
+@pytest.fixture(autouse=True)
+def cpu_graphs(monkeypatch):
+    def capture(self, forward, source):
+        static = source.clone()
+        out = forward(static)
+        self.captures += 1
+        return encoder_graphs._Captured(_Replayed(forward, static, out), static, out)
+
+    monkeypatch.setattr(forward_mod, "GRAPH_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(encoder_graphs.EncoderGraphs, "_capture", capture)
+
+
+def encoder(family="t5v1_1"):
+    torch.manual_seed(0)
+    return ENCODERS[family](tiny.build_config("tiny", family=family, num_layers=3)).eval()
+
+
+def ids_of(batch, length, seed=0):
+    return torch.randint(2, 100, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def call(model, ids, mask=None):
+    with torch.no_grad():
+        return model(ids, attention_mask=mask)[0]
+
+
+def eager(model, ids, mask=None):
+    hp.patch_model(model, hp.PagedCacheConfig(backend="cpu", cuda_graphs=False))
+    try:
+        return call(model, ids, mask)
+    finally:
+        hp.unpatch_model(model)
+
+
+def graphs_of(model):
+    return model._hf_paged_t5.encoder_graphs
+
+
+@pytest.mark.parametrize("family", ["t5v1_1", "umt5"])
+def test_second_call_captures_later_calls_replay(family):
+    model = encoder(family)
+    ids, other = ids_of(2, 20), ids_of(2, 20, seed=1)
+    want, want_other = eager(model, ids), eager(model, other)
+    hp.patch_model(model, CPU)
+    try:
+        outs = [call(model, ids)]
+        assert graphs_of(model).captures == 0  # a shape seen once runs eagerly
+        outs += [call(model, ids), call(model, other), call(model, ids)]
+        assert (graphs_of(model).captures, graphs_of(model).replays) == (1, 3)
+        with torch.enable_grad():  # gradients on: never a graph (stock HF, for autograd)
+            assert model(ids)[0].requires_grad
+        assert graphs_of(model).replays == 3
+    finally:
+        hp.unpatch_model(model)
+    assert all(torch.equal(o, w) for o, w in zip(outs, [want, want, want_other, want]))
+
+
+@pytest.mark.parametrize("family", ["t5v1_1", "umt5"])
+def test_every_change_to_the_weights_is_seen(family):
+    model = encoder(family)
+    ids = ids_of(1, 24)
+    ff = model.encoder.block[1].layer[-1].DenseReluDense
+    bias = model.encoder.block[-1 if family == "umt5" else 0].layer[0].SelfAttention.relative_attention_bias
+    changes = {  # what: (change, whether the graphs must be dropped and captured again)
+        "new Parameter": (lambda: setattr(ff.wo, "weight", torch.nn.Parameter(ff.wo.weight.detach() * 0.5)), True),
+        ".data =": (lambda: setattr(ff.wi_1.weight, "data", ff.wi_1.weight.data * 1.25), True),
+        "in place": (lambda: ff.wi_0.weight.mul_(1.5), False),
+        "bias in place": (lambda: bias.weight.data.add_(0.3), False),
+        "module swapped": (lambda: setattr(ff, "wo", torch.nn.Linear(ff.wo.in_features, ff.wo.out_features,
+                                                                     bias=False)), True),
+    }
+    for what, (change, recaptured) in changes.items():
+        hp.patch_model(model, CPU)
+        try:
+            for _ in range(2):
+                call(model, ids)
+            with torch.no_grad():
+                change()
+            got = [call(model, ids) for _ in range(3)]
+            replays, captures = graphs_of(model).replays, graphs_of(model).captures
+        finally:
+            hp.unpatch_model(model)
+        want = eager(model, ids)
+        assert all(torch.equal(g, want) for g in got), what
+        # in place: the same graph replays all three; else dropped, the next call captures again
+        assert (captures, replays) == ((2, 4) if recaptured else (1, 4)), what
+
+
+def test_hooks_keep_calls_eager_and_masks():
+    model = encoder()
+    ids = ids_of(2, 16)
+    ones, padded = torch.ones_like(ids), torch.ones_like(ids)
+    padded[1, 10:] = 0
+    want_padded = eager(model, ids, padded)
+    hp.patch_model(model, CPU)
+    seen = []
+    try:
+        for _ in range(3):
+            full = call(model, ids, ones)  # an all-ones mask: the unmasked graph
+            out = call(model, ids, padded)  # a padded mask: eager
+        assert (graphs_of(model).captures, graphs_of(model).replays) == (1, 2)
+        hook = model.encoder.block[0].layer[-1].DenseReluDense.register_forward_hook(lambda *_: seen.append(1))
+        try:
+            for _ in range(2):
+                hooked = call(model, ids)
+        finally:
+            hook.remove()
+        assert graphs_of(model).replays == 2 and len(seen) == 2  # the hook ran on both calls
+        call(model, ids)
+        assert graphs_of(model).replays == 3  # hook gone: replayed again
+    finally:
+        hp.unpatch_model(model)
+    assert torch.equal(full, eager(model, ids)) and torch.equal(hooked, full)
+    assert torch.equal(out, want_padded)
