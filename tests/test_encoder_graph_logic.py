@@ -36,7 +36,7 @@ def cpu_graphs(monkeypatch):
         static = source.clone()
         out = forward(static)
         self.captures += 1
-        return encoder_graphs._Captured(_Replayed(forward, static, out), static, out)
+        return encoder_graphs._Captured(_Replayed(forward, static, out), static, out, forward)
 
     monkeypatch.setattr(forward_mod, "GRAPH_DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setattr(encoder_graphs.EncoderGraphs, "_capture", capture)

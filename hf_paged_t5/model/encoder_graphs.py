@@ -97,6 +97,7 @@ class _Captured:
     graph: torch.cuda.CUDAGraph
     source: torch.Tensor  # static input (input_ids or inputs_embeds)
     out: torch.Tensor  # static last_hidden_state
+    forward: Callable  # the captured function: what it holds (bucket indices) the graph reads
 
 
 class EncoderGraphs:
@@ -217,4 +218,4 @@ class EncoderGraphs:
             return None
         self.captures += 1
         logger.info("captured an encoder CUDA graph for input %s", tuple(source.shape))
-        return _Captured(graph, static, out)
+        return _Captured(graph, static, out, forward)
