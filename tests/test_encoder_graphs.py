@@ -110,9 +110,8 @@ def test_graph_follows_the_weights(family):
     model = encoder(family)
     ids = ids_of(1, 50)
     ff = model.encoder.block[1].layer[-1].DenseReluDense
-    bias = model.encoder.block[-1].layer[0].SelfAttention.relative_attention_bias  # UMT5: a layer's own
-    if family == "t5v1_1":
-        bias = model.encoder.block[0].layer[0].SelfAttention.relative_attention_bias
+    # UMT5: the last layer's own table; T5: layer 0's, shared by every layer
+    bias = model.encoder.block[-1 if family == "umt5" else 0].layer[0].SelfAttention.relative_attention_bias
     changes = {
         "new Parameter": lambda: setattr(ff.wo, "weight", torch.nn.Parameter(ff.wo.weight.detach() * 0.5)),
         ".data =": lambda: setattr(ff.wi_1.weight, "data", ff.wi_1.weight.data * 1.25),
