@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 
 import torch
 from torch import nn
@@ -20,6 +21,8 @@ from ..model.stacks import encoder_forward, mask_rows, store_cross
 from .cache import PagedEncoderDecoderCache
 from .policy import cpu_stock_reason
 from .runtime import PagedRuntime
+
+logger = logging.getLogger("hf_paged_t5.hf.patch")
 
 
 def like(original, fn):
@@ -79,8 +82,10 @@ def _graph_forward(runtime: PagedRuntime, stack: nn.Module, embeds: bool):
     buckets = {key: bias_mod.bidirectional_buckets(m) for key, m in distinct.items()}
     cached = dict(zip((id(m) for m in modules), runtime.bias_tables(stack, causal=False)))
     if not all(torch.equal(bias_mod.gathered_table(m, buckets[key]), cached[key]) for key, m in distinct.items()):
-        runtime.warn_once("the bias tables looked up from the weights differ from HF's compute_bias: "
-                          "encoder calls are not captured as CUDA graphs", "encoder graphs")
+        reason = "the encoder's bias tables looked up from its weights differ from HF's compute_bias"
+        if reason not in runtime.warned:
+            runtime.warned.add(reason)
+            logger.warning("hf_paged_t5: encoder calls run eagerly, not as CUDA graphs: %s", reason)
         return None
 
     def forward(src):
@@ -91,8 +96,6 @@ def _graph_forward(runtime: PagedRuntime, stack: nn.Module, embeds: bool):
                                input_ids=None if embeds else src, band_memos=[memos[id(m)] for m in modules])
 
     return forward
-
-
 
 
 def make_encoder_forward(runtime: PagedRuntime, original):
