@@ -22,8 +22,9 @@ from ..kv.pool import KVPool, StepMetadata
 logger = logging.getLogger(__name__)
 
 # How a capture treats CUDA calls: "thread_local" forbids unsafe calls in the capturing thread only,
-# so another thread's work on the GPU (a server's request threads building input tensors, a
-# notebook's data loader) neither invalidates a capture nor is refused while one runs.
+# so another thread's ordinary work on the GPU (a server's request threads building input tensors,
+# a notebook's data loader) neither invalidates a capture nor is refused while one runs; CUDA still
+# refuses a device-wide synchronize during any capture (README, Limits).
 CAPTURE_MODE = "thread_local"
 
 
