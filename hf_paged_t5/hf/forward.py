@@ -155,11 +155,11 @@ def make_encoder_forward(runtime: PagedRuntime, original):
         if key is not None:  # (an all-ones mask reaches its graph here)
             graphs = runtime.encoder_graphs
             hidden = graphs.replay(key, self, source)
-            if hidden is None and graphs.would_capture(key):
-                captured = _graph_forward(runtime, self, inputs_embeds is not None)
-                hidden = None if captured is None else graphs.run(key, self, captured, source)
-            elif hidden is None:
+            if hidden is None:
                 graphs.seen(key)
+                if graphs.would_capture(key):
+                    captured = _graph_forward(runtime, self, inputs_embeds is not None)
+                    hidden = None if captured is None else graphs.capture(key, self, captured, source)
             if hidden is not None:
                 return hidden
         # given input_ids, only the real tokens are embedded (inside encoder_forward)

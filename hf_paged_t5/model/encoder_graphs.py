@@ -152,35 +152,31 @@ class EncoderGraphs:
             self._lock.release()
 
     def seen(self, key: Hashable) -> None:
-        """Count an eager call of `key`'s shape (`would_capture`)."""
+        """Count a call of `key`'s shape that no graph served (`would_capture`)."""
         self._seen[key] += 1
 
     def would_capture(self, key: Hashable) -> bool:
-        """Whether a call of `key` now would capture its graph: a shape seen `CAPTURE_AFTER - 1`
-        times before, not captured yet, no failed capture."""
-        return key not in self._graphs and key not in self._failed and self._seen[key] + 1 >= CAPTURE_AFTER
+        """Whether `key`'s graph is due: its shape seen `CAPTURE_AFTER` times, not captured yet,
+        no failed capture."""
+        return key not in self._graphs and key not in self._failed and self._seen[key] >= CAPTURE_AFTER
 
-    def run(self, key: Hashable, stack: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor],
-            source: torch.Tensor) -> Optional[torch.Tensor]:
-        """forward(source) captured as `key`'s graph (when `would_capture`) and replayed; None where
-        the caller runs its eager forward (a hook, weights on another device, another thread
-        replaying, a capture that failed)."""
-        if key in self._failed or not self._lock.acquire(blocking=False):
+    def capture(self, key: Hashable, stack: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor],
+                source: torch.Tensor) -> Optional[torch.Tensor]:
+        """forward(source) captured as `key`'s graph and replayed; None where the caller runs its
+        eager forward (a hook, weights on another device, another thread replaying, a capture
+        that failed)."""
+        if not self._lock.acquire(blocking=False):
             return None
         try:
             if not self._usable(stack, source.device):
                 return None
-            if key not in self._graphs:
-                self._seen[key] += 1
-                if self._seen[key] < CAPTURE_AFTER:
-                    return None
-                captured = self._capture(forward, source)
-                if captured is None:
-                    self._failed.add(key)
-                    return None
-                self._graphs[key] = captured
-                while len(self._graphs) > MAX_GRAPHS:
-                    self._graphs.popitem(last=False)
+            captured = self._capture(forward, source)
+            if captured is None:
+                self._failed.add(key)
+                return None
+            self._graphs[key] = captured
+            while len(self._graphs) > MAX_GRAPHS:
+                self._graphs.popitem(last=False)
             return self._replay(key, source)
         finally:
             self._lock.release()
