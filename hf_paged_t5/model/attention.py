@@ -123,11 +123,16 @@ def feed_forward(ops: ModuleType, dense: nn.Module, x: torch.Tensor) -> torch.Te
         h = dense.act(project(ops, dense.wi_0, x)) * project(ops, dense.wi_1, x)
     else:
         h = dense.act(project(ops, dense.wi, x))
-    h = dense.dropout(h)
+    return project(ops, dense.wo, to_wo_dtype(dense, dense.dropout(h)))
+
+
+def to_wo_dtype(dense: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """`h` in the dtype of `dense.wo`'s weight, as HF's FF casts it (HF keeps `wo` in fp32 for some
+    half-precision checkpoints; int8 weights are left to their module)."""
     wo = dense.wo.weight
     if isinstance(wo, torch.Tensor) and h.dtype != wo.dtype and wo.dtype != torch.int8:
-        h = h.to(wo.dtype)  # HF keeps `wo` in fp32 for some half-precision checkpoints
-    return project(ops, dense.wo, h)
+        return h.to(wo.dtype)
+    return h
 
 
 def _heads(x: torch.Tensor, attn: nn.Module) -> torch.Tensor:

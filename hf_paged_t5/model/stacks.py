@@ -124,10 +124,7 @@ def _dense(ops: ModuleType, dense: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if not attn_ops.fused_gated_gelu(ops, dense, x.dtype):
         return dense(x)
     h = ops.gated_gelu(gate=dense.wi_0(x), linear=dense.wi_1(x))
-    wo = dense.wo.weight
-    if isinstance(wo, torch.Tensor) and h.dtype != wo.dtype and wo.dtype != torch.int8:
-        h = h.to(wo.dtype)  # as HF: `wo` kept in fp32 for some half-precision checkpoints
-    return dense.wo(h)
+    return dense.wo(attn_ops.to_wo_dtype(dense, h))
 
 
 def _chunked_feed_forward(ops: ModuleType, ff: nn.Module, normed: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
