@@ -1,6 +1,7 @@
 """Where a cold first generate() spends its seconds, and whether its Triton compiles run in parallel.
 
     python benchmarks/diag_cold.py [--shape t5-large] [--src-len 300] [--new-tokens 64] [--out DIR]
+    python benchmarks/diag_cold.py --encoder t5-v1_1-xxl [--encoder-layers 4] [--src-len 512] [--stock]
 
 Runs itself in a fresh process with an empty TRITON_CACHE_DIR. There it builds the random-weight
 model (bf16, not timed), patches it and times three calls: the first generate() (1 row), a first
@@ -11,7 +12,13 @@ the decode steps). Then it compiles every kernel of those calls again into new e
 folders: one after another, then all at once on a thread pool, then on a process pool (each
 worker recompiles from the kernel's specialization data, as `JITFunction.preload` does), to
 measure how much of the compile time parallel compilation can hide. Writes DIR/cold_diag.json
-(default DIR: benchmarks/results/<date>-<gpu>/, with its env.json) and prints a table.
+(`cold_diag-<encoder>[-stock].json`; default DIR: benchmarks/results/<date>-<gpu>/, with its env.json) and prints a table.
+
+`--encoder NAME` (a model of `bench_encoder.py`, bf16, its first `--encoder-layers` layers: the
+kernels and their specializations do not depend on the layer count) times three calls of the
+patched text encoder at 1 x `--src-len` instead: the first (compiles), the second (the graph
+capture), the third (a replay). `--stock` times the same three calls of the unpatched encoder in
+its own fresh process: the first-call costs (CUDA and cuBLAS start-up) that any encoder pays.
 """
 
 from __future__ import annotations
@@ -102,25 +109,42 @@ def worker(args) -> dict:
 
     torch.cuda.CUDAGraph.capture_begin, torch.cuda.CUDAGraph.capture_end = capture_begin, capture_end
 
-    model = tiny.build_model(args.shape, dtype=torch.bfloat16, device="cuda")
+    if args.encoder:
+        import bench_encoder
+
+        family, shape, overrides, cls = bench_encoder.MODELS[args.encoder]
+        config = tiny.build_config(shape, family=family, **dict(overrides, num_layers=args.encoder_layers))
+        with torch.device("cuda"):
+            model = cls(config).to(torch.bfloat16).eval()
+    else:
+        model = tiny.build_model(args.shape, dtype=torch.bfloat16, device="cuda")
     torch.cuda.synchronize()
     start = time.perf_counter()
-    hp.patch_model(model)
+    if not args.stock:
+        hp.patch_model(model)
     patch_s = time.perf_counter() - start
     rows, profile = [], None
-    calls = [("first generate(), batch 1", 1, 1), (f"first call at batch {args.new_batch}", args.new_batch, 1),
-             (f"first beam call, {args.beams} beams", 1, args.beams)]
+    if args.encoder:
+        calls = [("first encoder call", 1, 0), ("second (graph capture)", 1, 0), ("third (replay)", 1, 0)]
+    else:
+        calls = [("first generate(), batch 1", 1, 1), (f"first call at batch {args.new_batch}", args.new_batch, 1),
+                 (f"first beam call, {args.beams} beams", 1, args.beams)]
     with torch.inference_mode():
         for label, batch, beams in calls:
             ids, mask = common.random_inputs(batch, args.src_len, "cuda", model.config.vocab_size)
+            if args.encoder:
+                mask = None  # as Flux and SD3 call it
             first_compile, first_capture = len(compiles), len(captures)
             torch.cuda.synchronize()
             profiler = cProfile.Profile() if args.profile and not rows else None
             start = time.perf_counter()
             if profiler is not None:
                 profiler.enable()
-            model.generate(input_ids=ids, attention_mask=mask, num_beams=beams, do_sample=False,
-                           max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)
+            if args.encoder:
+                model(ids)
+            else:
+                model.generate(input_ids=ids, attention_mask=mask, num_beams=beams, do_sample=False,
+                               max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)
             torch.cuda.synchronize()
             seconds = time.perf_counter() - start
             if profiler is not None:
@@ -194,7 +218,7 @@ def worker(args) -> dict:
             attempt(name, fn)
     else:
         replay["note"] = "this Triton's post-compile hook gives no specialization data: no replay"
-    return dict(first_call_profile=profile, shape=args.shape, src_len=args.src_len, new_tokens=args.new_tokens, patch_model_s=patch_s,
+    return dict(first_call_profile=profile, shape=args.encoder or args.shape, stock=args.stock, src_len=args.src_len, new_tokens=args.new_tokens, patch_model_s=patch_s,
                 rows=rows, compiles_total=len(compiles), compile_s_total=total, kernels_replayed=len(kernels),
                 replay=replay, cpu_count=os.cpu_count(), triton=triton.__version__)
 
@@ -206,6 +230,9 @@ def main(argv=None) -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--new-batch", type=int, default=16)
     ap.add_argument("--beams", type=int, default=4)
+    ap.add_argument("--encoder", default=None, help="a text encoder of bench_encoder.py instead of generate()")
+    ap.add_argument("--encoder-layers", type=int, default=4)
+    ap.add_argument("--stock", action="store_true", help="time the unpatched model's first calls")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="profile the first generate() (cProfile) and keep its N costliest functions")
     ap.add_argument("--out", default=None)
@@ -224,18 +251,21 @@ def main(argv=None) -> None:
                                                        os.environ.get("PYTHONPATH")]))}
     argv = [sys.executable, __file__, "--worker", "--shape", args.shape, "--src-len", str(args.src_len),
             "--new-tokens", str(args.new_tokens), "--new-batch", str(args.new_batch), "--beams", str(args.beams),
-            "--profile", str(args.profile)]
+            "--profile", str(args.profile), "--encoder-layers", str(args.encoder_layers)]
+    argv += ["--encoder", args.encoder] if args.encoder else []
+    argv += ["--stock"] if args.stock else []
     proc = subprocess.run(argv, capture_output=True, text=True, cwd=common.REPO, env=env, check=False)
     lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
     if proc.returncode != 0 or not lines:
         raise SystemExit(f"the worker failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
     report = json.loads(lines[-1][len(RESULT_PREFIX):])
-    common.write_json(out / "cold_diag.json", report)
+    name = "cold_diag" + (f"-{args.encoder}" if args.encoder else "") + ("-stock" if args.stock else "")
+    common.write_json(out / f"{name}.json", report)
     common.print_table(
         ["call", "seconds", "compiles", "compile s", "graphs", "capture s", "rest s"],
         ([r["call"], f"{r['seconds']:.3f}", r["compiles"], f"{r['compile_s']:.3f}", r["graphs"],
           f"{r['capture_s']:.3f}", f"{r['rest_s']:.3f}"] for r in report["rows"]),
-        title=f"{args.shape}, bf16, fresh process, empty Triton cache (patch_model {report['patch_model_s']:.3f} s)")
+        title=f"{args.encoder or args.shape}{' (stock)' if args.stock else ''}, bf16, fresh process, empty Triton cache (patch_model {report['patch_model_s']:.3f} s)")
     for r in report["rows"]:
         print(r["call"], {k: round(v, 3) for k, v in r["compile_s_by_kernel"].items()})
     print("replay of", report["kernels_replayed"], "kernels:", report["replay"])
