@@ -177,3 +177,51 @@ def test_capture_while_another_thread_uses_the_gpu():
             thread.join(timeout=30)
         hp.unpatch_model(model)
     assert not errors, errors
+
+
+_COLD_SCRIPT = r"""
+import json, threading, torch, triton.compiler
+from transformers import T5EncoderModel
+import hf_paged_t5 as hp
+from hf_paged_t5 import tiny
+
+threads = []
+real = triton.compiler.compile
+def compile(*a, **kw):
+    threads.append(threading.current_thread().name)
+    return real(*a, **kw)
+triton.compiler.compile = compile
+config = tiny.build_config("t5-small", family="t5v1_1", vocab_size=1000)
+with torch.device("cuda"):
+    torch.manual_seed(0)
+    models = [T5EncoderModel(config).to(torch.bfloat16).eval() for _ in range(2)]
+ids = torch.randint(2, 1000, (2, 77), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
+cold = hp.patch_model(models[0])
+with torch.inference_mode():
+    first = cold(ids)[0].clone()
+    first_threads = list(threads)
+    warm = hp.patch_model(models[1])  # kernels compiled now: its own pass compiles nothing
+    print(json.dumps(dict(first_threads=first_threads, later=threads[len(first_threads):],
+                          equal=bool(torch.equal(first, warm(ids)[0])),
+                          kinds=[str(k[1]) for k in cold._hf_paged_t5.compiled_ahead])))
+"""
+
+
+def test_a_cold_first_call_compiles_its_kernels_on_the_pool_and_gives_the_same_bits(tmp_path):
+    """A fresh process with an empty Triton cache: every compile of the first encoder call runs on
+    the compile pool (none on the caller's thread), and the output is the one a second model gets
+    once the kernels are compiled."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    proc = subprocess.run([sys.executable, "-c", _COLD_SCRIPT], capture_output=True, text=True, env=env,
+                          timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["first_threads"], "the cold call compiled nothing: the Triton cache was not empty"
+    assert all(name.startswith("hf_paged_t5-compile") for name in report["first_threads"]), report
+    assert report["later"] == [] and report["equal"], report
+    assert report["kinds"] == ["('encoder', True)"]

@@ -162,10 +162,13 @@ def make_encoder_forward(runtime: PagedRuntime, original):
                     hidden = None if captured is None else graphs.capture(key, self, captured, source)
             if hidden is not None:
                 return hidden
+        tables, sides = runtime.bias_tables(self, causal=False), runtime.side_tables(self)
+        # a cold process: this kind of call's kernels compiled at once first (no memos: no tiles kept)
+        runtime.compile_ahead(source.device, ("encoder", attention_mask is None), lambda: encoder_forward(
+            self, runtime.ops_for, tables, inputs_embeds, attention_mask, input_ids=input_ids, side_tables=sides))
         # given input_ids, only the real tokens are embedded (inside encoder_forward)
-        return encoder_forward(self, runtime.ops_for, runtime.bias_tables(self, causal=False), inputs_embeds,
-                               attention_mask, input_ids=input_ids, band_memos=runtime.band_memos(self),
-                               side_tables=runtime.side_tables(self))
+        return encoder_forward(self, runtime.ops_for, tables, inputs_embeds, attention_mask, input_ids=input_ids,
+                               band_memos=runtime.band_memos(self), side_tables=sides)
 
     return like(original, forward)
 

@@ -24,6 +24,15 @@ from ..model.probe import output_scale
 logger = logging.getLogger("hf_paged_t5.hf.patch")
 
 
+def _compile_ahead_on(device: torch.device, config: PagedCacheConfig):
+    """`kernels.ahead.compile_ahead` where it can run (the Triton backend on a CUDA device), else None."""
+    if device.type != "cuda" or config.resolve_backend(device) != "triton":
+        return None
+    from ..kernels import ahead  # Triton: imported where the Triton backend runs
+
+    return ahead.compile_ahead if ahead.available(device) else None
+
+
 class PagedRuntime:
     """Everything `patch_model` attaches to one model: config, pool, bias tables, originals."""
 
@@ -45,10 +54,29 @@ class PagedRuntime:
         # standalone encoder calls of a recurring shape, replayed (model/encoder_graphs.py)
         self.encoder_graphs = EncoderGraphs()
         self.tables = bias_mod.BiasTableCache(on_rebuild=self._drop_graphs)  # captured graphs read them
+        self.compiled_ahead: set = set()  # the kinds of call `compile_ahead` ran for, with their device
 
     def _drop_graphs(self) -> None:
         self.runner.graphs.clear()
         self.encoder_graphs.clear()
+
+    def compile_ahead(self, device: torch.device, kind, forward) -> None:
+        """The first call of a `kind` on a CUDA device: `forward()` once inside
+        `kernels.ahead.compile_ahead` (its kernels compiled at once, none run; its output dropped),
+        so the real call that follows finds them compiled. A failure there is the real call's to
+        raise: it is logged at debug level and the real call runs as it would have."""
+        key = (device, kind)
+        if key in self.compiled_ahead:
+            return
+        self.compiled_ahead.add(key)
+        compile_ahead = _compile_ahead_on(device, self.config)
+        if compile_ahead is None:
+            return
+        try:
+            with torch.no_grad(), compile_ahead(device):
+                forward()
+        except Exception as exc:  # noqa: BLE001 - the real call runs next and raises its own error
+            logger.debug("hf_paged_t5: compiling ahead for %s failed (%s: %s)", kind, type(exc).__name__, exc)
 
     # ---- per-layer resources ------------------------------------------------------------
     def ops_for(self, device: torch.device):

@@ -1,0 +1,132 @@
+"""Compile ahead: a cold process compiles the kernels of a call at once, not one after another.
+
+Triton compiles a kernel the first time it is launched with a new specialization, and the
+launch waits for it: a cold T5 v1.1 XXL encoder call compiles five kernels in a row (2.7 s on
+an H200, 1.5 s of it the prefill kernel), builds a C launcher for each, builds Triton's CUDA
+driver module and hashes Triton's own sources for the cache key (0.8 s) first.
+
+`compile_ahead(device)` is a context in which every launch of this package's kernels, from this
+thread, is compiled on a thread pool (Triton's `AsyncCompileMode`) and not run; leaving it waits
+for them all, each with its launcher built and its binary loaded in the pool's thread. A caller
+runs a forward once inside it (its outputs are garbage: no kernel ran), then for real. Before the
+first compile, Triton's source hash runs on a thread while this one builds the driver module and
+starts CUDA's and cuBLAS's handles with one small GEMM.
+
+Where this Triton lacks `AsyncCompileMode`, on the CPU and under TRITON_INTERPRET=1, `available`
+is False and callers skip the pass. Compile errors inside the pass are dropped: the real call
+compiles that kernel again and raises what it raises.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import contextvars
+import os
+import sys
+import threading
+import types
+from typing import Iterator
+
+import torch
+import triton
+
+from ._checks import interpreting
+
+try:  # triton >= 3.5
+    from triton.runtime.jit import JITFunction
+    from triton import AsyncCompileMode
+except ImportError:  # pragma: no cover - an older Triton: no pass
+    JITFunction = AsyncCompileMode = None
+
+_COMPILE_ONLY = contextvars.ContextVar("hf_paged_t5_compile_only", default=False)
+_KERNEL_MODULES = ("decode", "gated_gelu", "gemv", "local", "prefill", "rmsnorm", "store_kv")
+_lock = threading.Lock()
+_active = 0  # passes in progress (any thread): the launch overrides stay installed while > 0
+_started = False  # Triton's one-time set-up done in this process
+
+
+def available(device: torch.device) -> bool:
+    """Whether `compile_ahead` can compile on `device` (a CUDA device, a Triton that allows it)."""
+    return AsyncCompileMode is not None and device.type == "cuda" and not interpreting()
+
+
+def _kernels() -> list:
+    """This package's JITFunctions (launched ones and the device functions they call)."""
+    found = []
+    for name in _KERNEL_MODULES:
+        module = sys.modules.get(f"{__package__}.{name}")
+        for value in vars(module).values() if module is not None else ():
+            if isinstance(value, JITFunction) and value.module.startswith(__package__):
+                found.append(value)
+    return found
+
+
+def _run(self, *args, grid, warmup, **kwargs):
+    """`JITFunction.run` that only compiles inside this thread's pass."""
+    return JITFunction.run(self, *args, grid=grid, warmup=warmup or _COMPILE_ONLY.get(), **kwargs)
+
+
+class _CompileAndLoad(concurrent.futures.ThreadPoolExecutor):
+    """A pool whose compiles also build the kernel's launcher (a C compile) and load its binary."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="hf_paged_t5-compile")
+        self._device = device
+
+    def submit(self, fn, /, *args, **kwargs):
+        def compile_and_load():
+            with torch.cuda.device(self._device):
+                kernel = fn(*args, **kwargs)
+                init = getattr(kernel, "_init_handles", None)
+                if init is not None:
+                    init()
+            return kernel
+
+        return super().submit(compile_and_load)
+
+
+def _start_triton(device: torch.device) -> None:
+    """Triton's one-time work of a process, overlapped: its source hash on a thread; here its
+    CUDA driver module, then CUDA's and cuBLAS's handles (one small GEMM)."""
+    global _started
+    if _started:
+        return
+    from triton.runtime.cache import triton_key
+
+    hashing = threading.Thread(target=triton_key, name="hf_paged_t5-triton-key", daemon=True)
+    hashing.start()
+    try:
+        with torch.cuda.device(device):
+            triton.runtime.driver.active.get_current_device()
+            a = torch.ones(16, 16, device=device, dtype=torch.bfloat16)
+            a @ a
+    finally:
+        hashing.join()  # before any compile: lru_cache would hash again on this thread
+    _started = True
+
+
+@contextlib.contextmanager
+def compile_ahead(device: torch.device) -> Iterator[None]:
+    """Within: this thread's launches of this package's kernels compile on a pool, none runs."""
+    global _active
+    _start_triton(device)
+    pool = _CompileAndLoad(device)
+    kernels = _kernels()
+    with _lock:
+        if _active == 0:
+            for kernel in kernels:
+                kernel.run = types.MethodType(_run, kernel)
+        _active += 1
+    token = _COMPILE_ONLY.set(True)
+    try:
+        with AsyncCompileMode(pool, ignore_errors=True):
+            yield
+    finally:
+        _COMPILE_ONLY.reset(token)
+        with _lock:
+            _active -= 1
+            if _active == 0:
+                for kernel in kernels:
+                    kernel.__dict__.pop("run", None)
+        pool.shutdown(wait=True)

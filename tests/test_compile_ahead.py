@@ -1,0 +1,127 @@
+"""Compiling a cold call's kernels at once (kernels/ahead.py) on the CPU: when the pass runs (the
+first call of each kind per model and device), that the real call's output is untouched by it,
+that a pass that fails leaves the real call as it was, and the launch overrides: compile-only in
+the pass's own thread, normal launches everywhere else, removed when the last pass ends.
+tests/test_gpu_e2e.py compiles real kernels ahead on a GPU."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import pytest
+import torch
+from transformers import T5EncoderModel
+from triton.runtime.jit import JITFunction
+
+import hf_paged_t5 as hp
+from hf_paged_t5 import tiny
+from hf_paged_t5.hf import runtime as runtime_mod
+from hf_paged_t5.kernels import ahead
+
+CPU = hp.PagedCacheConfig(backend="cpu", cuda_graphs=False)
+
+
+def encoder():
+    torch.manual_seed(0)
+    return T5EncoderModel(tiny.build_config("tiny", family="t5v1_1", num_layers=2)).eval()
+
+
+@pytest.fixture
+def passes(monkeypatch):
+    """Records each pass's device; the pass itself is a plain context on the CPU."""
+    seen = []
+
+    @contextlib.contextmanager
+    def fake(device):
+        seen.append(device)
+        yield
+
+    monkeypatch.setattr(runtime_mod, "_compile_ahead_on", lambda device, config: fake)
+    return seen
+
+
+def test_first_call_of_each_kind_compiles_ahead_once_and_output_is_unchanged(passes):
+    ids = torch.randint(2, 100, (2, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 5:] = 0
+    with torch.no_grad():
+        plain = hp.patch_model(encoder(), CPU)
+        plain._hf_paged_t5.compiled_ahead.update({(ids.device, ("encoder", True)), (ids.device, ("encoder", False))})
+        want, want_masked = plain(ids)[0], plain(ids, attention_mask=mask)[0]
+        model = hp.patch_model(encoder(), CPU)
+        got = model(ids)[0]
+        assert len(passes) == 1
+        assert torch.equal(got, want) and torch.equal(model(ids)[0], want)
+        assert len(passes) == 1  # the same kind again: no pass
+        assert torch.equal(model(ids, attention_mask=mask)[0], want_masked)
+        assert len(passes) == 2  # a masked call is a kind of its own
+    assert model._hf_paged_t5.compiled_ahead == {(ids.device, ("encoder", True)), (ids.device, ("encoder", False))}
+
+
+def test_a_pass_that_fails_leaves_the_real_call_as_it_was(monkeypatch):
+    @contextlib.contextmanager
+    def failing(device):
+        yield
+        raise RuntimeError("a compile that could not be done")
+
+    monkeypatch.setattr(runtime_mod, "_compile_ahead_on", lambda device, config: failing)
+    ids = torch.randint(2, 100, (1, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hp.unpatch_model(hp.patch_model(encoder(), CPU))(ids)[0]
+        model = hp.patch_model(encoder(), CPU)
+        assert torch.allclose(model(ids)[0], want, atol=1e-5, rtol=1e-5)
+
+
+def test_no_pass_off_cuda():
+    assert runtime_mod._compile_ahead_on(torch.device("cpu"), CPU) is None
+    assert not ahead.available(torch.device("cpu"))
+
+
+def _kernel_source(x_ptr, n):
+    pass
+
+
+@pytest.fixture
+def kernel(monkeypatch):
+    """One JITFunction standing for the package's kernels, and its runs recorded (no GPU)."""
+    jit = JITFunction(_kernel_source)
+    runs = []
+    monkeypatch.setattr(JITFunction, "run", lambda self, *args, grid, warmup, **kw: runs.append(warmup))
+    monkeypatch.setattr(ahead, "_kernels", lambda: [jit])
+    monkeypatch.setattr(ahead, "_start_triton", lambda device: None)
+    return jit, runs
+
+
+def test_launches_compile_only_in_the_passs_own_thread(kernel):
+    jit, runs = kernel
+    jit[(1,)](None, 4)
+    assert runs == [False]
+    with ahead.compile_ahead(torch.device("cpu")):
+        jit[(1,)](None, 4)
+        other = threading.Thread(target=lambda: jit[(1,)](None, 4))
+        other.start()
+        other.join()
+    assert runs == [False, True, False]
+    assert "run" not in jit.__dict__  # the override is gone with the pass
+    jit[(1,)](None, 4)
+    assert runs[-1] is False
+
+
+def test_overrides_stay_while_any_pass_runs(kernel):
+    jit, _ = kernel
+    entered, release = threading.Event(), threading.Event()
+
+    def second():
+        with ahead.compile_ahead(torch.device("cpu")):
+            entered.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=second)
+    with ahead.compile_ahead(torch.device("cpu")):
+        thread.start()
+        assert entered.wait(10)
+    assert "run" in jit.__dict__  # the other thread's pass still runs
+    release.set()
+    thread.join(10)
+    assert "run" not in jit.__dict__
