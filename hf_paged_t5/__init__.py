@@ -9,6 +9,7 @@ model and generation code, which `import hf_paged_t5` alone does not need to pay
 import importlib
 from types import MappingProxyType
 
+from . import triton_start
 from .hf import pipeline_hook
 
 # public name -> the module that defines it
@@ -51,7 +52,9 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *_EXPORTS})
 
 
-# The one import-time action, by design: transformers 5 removed the summarization / translation /
+# The import-time actions, by design: transformers 5 removed the summarization / translation /
 # text2text pipelines, and importing hf_paged_t5 brings them back, as soon as transformers'
-# pipelines module is imported (now, if it already is).
+# pipelines module is imported (now, if it already is); and where torch is already imported and
+# sees a GPU, Triton's one-time start-up begins on a thread (triton_start.py).
 pipeline_hook.install()
+triton_start.start()

@@ -192,9 +192,11 @@ def compile(*a, **kw):
     return real(*a, **kw)
 triton.compiler.compile = compile
 config = tiny.build_config("t5-small", family="t5v1_1", vocab_size=1000)
-with torch.device("cuda"):
-    torch.manual_seed(0)
-    models = [T5EncoderModel(config).to(torch.bfloat16).eval() for _ in range(2)]
+def build():
+    with torch.device("cuda"):
+        torch.manual_seed(0)
+        return T5EncoderModel(config).to(torch.bfloat16).eval()
+models = [build(), build()]
 ids = torch.randint(2, 1000, (2, 77), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
 cold = hp.patch_model(models[0])
 with torch.inference_mode():

@@ -127,3 +127,30 @@ print("triton loaded:", "triton" in sys.modules)
     assert "same: True" in out and "triton loaded: False" in out, out
     assert "running this generate() on stock HF" not in out, out
     assert "pipeline: SummarizationPipeline" in out, out
+
+
+def test_triton_start_up_begins_only_where_torch_is_imported_and_sees_a_gpu():
+    """`triton_start`: nothing at import without torch or with HF_PAGED_T5_EARLY_TRITON=0; with torch
+    on a machine without a GPU the thread ends at once, importing no Triton."""
+    out = run_python("""
+        import sys
+        import hf_paged_t5
+        print("without torch:", hf_paged_t5.triton_start._thread)
+    """)
+    assert "without torch: None" in out
+    out = run_python("""
+        import os, sys
+        os.environ["HF_PAGED_T5_EARLY_TRITON"] = "0"
+        import torch, hf_paged_t5
+        print("turned off:", hf_paged_t5.triton_start._thread)
+    """)
+    assert "turned off: None" in out
+    if torch.cuda.is_available():
+        pytest.skip("the no-GPU half needs a machine without a GPU")
+    out = run_python("""
+        import sys
+        import torch, hf_paged_t5
+        hf_paged_t5.triton_start.wait()
+        print("thread:", hf_paged_t5.triton_start._thread is not None, "triton:", "triton" in sys.modules)
+    """)
+    assert "thread: True triton: False" in out

@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 from torch import nn
 
+from .. import triton_start
 from ..config import PagedCacheConfig
 from ..model.bias import SELF_ATTENTION_NAMES
 from .forward import make_encoder_forward, make_forward
@@ -63,6 +64,7 @@ def patch_model(model: nn.Module, config: Optional[PagedCacheConfig] = None) -> 
         raise TypeError(f"config must be a PagedCacheConfig, got {type(config).__name__}")
     if getattr(model, _ATTR, None) is not None:
         unpatch_model(model)
+    triton_start.start()  # (a process that imported torch after hf_paged_t5)
     runtime = PagedRuntime(model, config)
     encoder = model.encoder if hasattr(model, "encoder") else model.get_encoder()
     if _paged_encoder(encoder):

@@ -10,7 +10,8 @@ thread, is compiled on a thread pool (Triton's `AsyncCompileMode`) and not run; 
 for them all, each with its launcher built and its binary loaded in the pool's thread. A caller
 runs a forward once inside it (its outputs are garbage: no kernel ran), then for real. Before the
 first compile, Triton's source hash runs on a thread while this one builds the driver module and
-starts CUDA's and cuBLAS's handles with one small GEMM.
+starts CUDA's and cuBLAS's handles with one small GEMM (both already done where `triton_start`
+began them early).
 
 Where this Triton lacks `AsyncCompileMode`, on the CPU and under TRITON_INTERPRET=1, `available`
 is False and callers skip the pass. Compile errors inside the pass are dropped: the real call
@@ -94,6 +95,9 @@ def _start_triton(device: torch.device) -> None:
         return
     from triton.runtime.cache import triton_key
 
+    from .. import triton_start
+
+    triton_start.wait()  # begun at import or patch_model: done, or the rest of it is waited for here
     hashing = threading.Thread(target=triton_key, name="hf_paged_t5-triton-key", daemon=True)
     hashing.start()
     try:

@@ -1,0 +1,54 @@
+"""Triton's one-time start-up of a process, begun on a thread as soon as it can be useful.
+
+Before its first compile in a process, Triton hashes its own sources and libraries for the cache
+key (0.8 s on an H200 machine) and builds its CUDA driver module with the C compiler (0.55 s with
+an empty cache). `start()` does both on a daemon thread when torch is already imported and sees a
+GPU, so they overlap what a user does next (loading the checkpoint, moving it to the GPU);
+`import hf_paged_t5` calls it, and so does `patch_model`. A process that imports hf_paged_t5 before
+torch (the CLI), runs without a GPU or under TRITON_INTERPRET=1 starts nothing at import.
+`HF_PAGED_T5_EARLY_TRITON=0` turns it off. `wait()` returns once it is done (the first compile
+ahead, `kernels/ahead.py`, waits for it: two threads would hash twice).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from typing import Optional
+
+_thread: Optional[threading.Thread] = None
+_lock = threading.Lock()
+
+
+def _work() -> None:
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return
+        import triton
+        from triton.runtime.cache import triton_key
+
+        triton_key()  # lru-cached for the process
+        triton.runtime.driver.active.get_current_device()  # builds and loads the driver module
+    except Exception:  # noqa: BLE001 - start-up work only: the first compile does it again and raises
+        return
+
+
+def start() -> None:
+    """Begin Triton's start-up on a thread (once per process; see the module's docs for when)."""
+    global _thread
+    if _thread is not None or "torch" not in sys.modules or os.environ.get("TRITON_INTERPRET") == "1" \
+            or os.environ.get("HF_PAGED_T5_EARLY_TRITON", "1") == "0":
+        return
+    with _lock:
+        if _thread is None:
+            _thread = threading.Thread(target=_work, name="hf_paged_t5-triton-start", daemon=True)
+            _thread.start()
+
+
+def wait() -> None:
+    """Return once the thread `start()` began (if any) is done."""
+    if _thread is not None:
+        _thread.join()
