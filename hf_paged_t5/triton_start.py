@@ -7,7 +7,7 @@ GPU, so they overlap what a user does next (loading the checkpoint, moving it to
 `import hf_paged_t5` calls it, and so does `patch_model`. A process that imports hf_paged_t5 before
 torch (the CLI), runs without a GPU or under TRITON_INTERPRET=1 starts nothing at import.
 `HF_PAGED_T5_EARLY_TRITON=0` turns it off. `wait()` returns once it is done (the first compile
-ahead, `kernels/ahead.py`, waits for it: two threads would hash twice).
+ahead, `kernels/ahead.py`, is entered after it: two threads would hash twice).
 """
 
 from __future__ import annotations
@@ -17,8 +17,11 @@ import sys
 import threading
 from typing import Optional
 
-_thread: Optional[threading.Thread] = None
-_lock = threading.Lock()
+class _Start:
+    """The process's one start-up thread (Triton's start-up is the process's, not a model's)."""
+
+    thread: Optional[threading.Thread] = None
+    lock = threading.Lock()
 
 
 def _work() -> None:
@@ -38,17 +41,21 @@ def _work() -> None:
 
 def start() -> None:
     """Begin Triton's start-up on a thread (once per process; see the module's docs for when)."""
-    global _thread
-    if _thread is not None or "torch" not in sys.modules or os.environ.get("TRITON_INTERPRET") == "1" \
+    if _Start.thread is not None or "torch" not in sys.modules or os.environ.get("TRITON_INTERPRET") == "1" \
             or os.environ.get("HF_PAGED_T5_EARLY_TRITON", "1") == "0":
         return
-    with _lock:
-        if _thread is None:
-            _thread = threading.Thread(target=_work, name="hf_paged_t5-triton-start", daemon=True)
-            _thread.start()
+    with _Start.lock:
+        if _Start.thread is None:
+            _Start.thread = threading.Thread(target=_work, name="hf_paged_t5-triton-start", daemon=True)
+            _Start.thread.start()
 
 
 def wait() -> None:
     """Return once the thread `start()` began (if any) is done."""
-    if _thread is not None:
-        _thread.join()
+    if _Start.thread is not None:
+        _Start.thread.join()
+
+
+def started() -> bool:
+    """Whether `start()` began the thread in this process."""
+    return _Start.thread is not None

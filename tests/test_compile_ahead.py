@@ -37,7 +37,7 @@ def passes(monkeypatch):
         seen.append(device)
         yield
 
-    monkeypatch.setattr(runtime_mod, "_compile_ahead_on", lambda device, config: fake)
+    monkeypatch.setattr(runtime_mod, "compile_ahead_for", lambda device, backend: fake)
     return seen
 
 
@@ -65,7 +65,7 @@ def test_a_pass_that_fails_leaves_the_real_call_as_it_was(monkeypatch):
         yield
         raise RuntimeError("a compile that could not be done")
 
-    monkeypatch.setattr(runtime_mod, "_compile_ahead_on", lambda device, config: failing)
+    monkeypatch.setattr(runtime_mod, "compile_ahead_for", lambda device, backend: failing)
     ids = torch.randint(2, 100, (1, 7), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = hp.unpatch_model(hp.patch_model(encoder(), CPU))(ids)[0]
@@ -74,7 +74,7 @@ def test_a_pass_that_fails_leaves_the_real_call_as_it_was(monkeypatch):
 
 
 def test_no_pass_off_cuda():
-    assert runtime_mod._compile_ahead_on(torch.device("cpu"), CPU) is None
+    assert runtime_mod.compile_ahead_for(torch.device("cpu"), "cpu") is None
     assert not ahead.available(torch.device("cpu"))
 
 

@@ -24,7 +24,7 @@ ALLOWED = {
     "kernels": {"kernels"},
     "model": {"model", "kv", "kernels", "reference", "cpu_ops", "config"},
     "decode": {"decode", "model", "kv", "cpu_ops", "config"},
-    "hf": {"hf", "decode", "model", "kv", "config"},
+    "hf": {"hf", "decode", "model", "kv", "config", "triton_start"},
     "batch": {"batch", "hf", "decode", "model", "kv", "config", "demo"},
     "serve": {"serve", "batch", "hf", "kv"},
 }

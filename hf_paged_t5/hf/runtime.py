@@ -13,24 +13,16 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from .. import triton_start
 from ..config import PagedCacheConfig
 from ..decode.runner import DecodeRunner
 from ..kv.pool import KVPool, LayerSpec
 from ..model import bias as bias_mod
-from ..model.attention import OnDevice, backend_ops
+from ..model.attention import OnDevice, backend_ops, compile_ahead_for
 from ..model.encoder_graphs import EncoderGraphs
 from ..model.probe import output_scale
 
 logger = logging.getLogger("hf_paged_t5.hf.patch")
-
-
-def _compile_ahead_on(device: torch.device, config: PagedCacheConfig):
-    """`kernels.ahead.compile_ahead` where it can run (the Triton backend on a CUDA device), else None."""
-    if device.type != "cuda" or config.resolve_backend(device) != "triton":
-        return None
-    from ..kernels import ahead  # Triton: imported where the Triton backend runs
-
-    return ahead.compile_ahead if ahead.available(device) else None
 
 
 class PagedRuntime:
@@ -69,9 +61,10 @@ class PagedRuntime:
         if key in self.compiled_ahead:
             return
         self.compiled_ahead.add(key)
-        compile_ahead = _compile_ahead_on(device, self.config)
+        compile_ahead = compile_ahead_for(device, self.config.resolve_backend(device))
         if compile_ahead is None:
             return
+        triton_start.wait()  # Triton's start-up, begun on a thread at import: hashed once, not twice
         try:
             with torch.no_grad(), compile_ahead(device):
                 forward()

@@ -10,8 +10,8 @@ thread, is compiled on a thread pool (Triton's `AsyncCompileMode`) and not run; 
 for them all, each with its launcher built and its binary loaded in the pool's thread. A caller
 runs a forward once inside it (its outputs are garbage: no kernel ran), then for real. Before the
 first compile, Triton's source hash runs on a thread while this one builds the driver module and
-starts CUDA's and cuBLAS's handles with one small GEMM (both already done where `triton_start`
-began them early).
+starts CUDA's and cuBLAS's handles with one small GEMM (quick where `triton_start` began them
+early; its caller waits for that thread first).
 
 Where this Triton lacks `AsyncCompileMode`, on the CPU and under TRITON_INTERPRET=1, `available`
 is False and callers skip the pass. Compile errors inside the pass are dropped: the real call
@@ -42,9 +42,15 @@ except ImportError:  # pragma: no cover - an older Triton: no pass
 
 _COMPILE_ONLY = contextvars.ContextVar("hf_paged_t5_compile_only", default=False)
 _KERNEL_MODULES = ("decode", "gated_gelu", "gemv", "local", "prefill", "rmsnorm", "store_kv")
-_lock = threading.Lock()
-_active = 0  # passes in progress (any thread): the launch overrides stay installed while > 0
-_started = False  # Triton's one-time set-up done in this process
+
+
+class _Process:
+    """What every pass of the process shares: the kernels' launch overrides (installed while any
+    pass runs, in any thread) and Triton's one-time start-up (both are the process's)."""
+
+    lock = threading.Lock()
+    active = 0  # passes in progress
+    started = False
 
 
 def available(device: torch.device) -> bool:
@@ -90,14 +96,10 @@ class _CompileAndLoad(concurrent.futures.ThreadPoolExecutor):
 def _start_triton(device: torch.device) -> None:
     """Triton's one-time work of a process, overlapped: its source hash on a thread; here its
     CUDA driver module, then CUDA's and cuBLAS's handles (one small GEMM)."""
-    global _started
-    if _started:
+    if _Process.started:
         return
     from triton.runtime.cache import triton_key
 
-    from .. import triton_start
-
-    triton_start.wait()  # begun at import or patch_model: done, or the rest of it is waited for here
     hashing = threading.Thread(target=triton_key, name="hf_paged_t5-triton-key", daemon=True)
     hashing.start()
     try:
@@ -107,30 +109,29 @@ def _start_triton(device: torch.device) -> None:
             a @ a
     finally:
         hashing.join()  # before any compile: lru_cache would hash again on this thread
-    _started = True
+    _Process.started = True
 
 
 @contextlib.contextmanager
 def compile_ahead(device: torch.device) -> Iterator[None]:
     """Within: this thread's launches of this package's kernels compile on a pool, none runs."""
-    global _active
     _start_triton(device)
     pool = _CompileAndLoad(device)
     kernels = _kernels()
-    with _lock:
-        if _active == 0:
+    with _Process.lock:
+        if _Process.active == 0:
             for kernel in kernels:
                 kernel.run = types.MethodType(_run, kernel)
-        _active += 1
+        _Process.active += 1
     token = _COMPILE_ONLY.set(True)
     try:
         with AsyncCompileMode(pool, ignore_errors=True):
             yield
     finally:
         _COMPILE_ONLY.reset(token)
-        with _lock:
-            _active -= 1
-            if _active == 0:
+        with _Process.lock:
+            _Process.active -= 1
+            if _Process.active == 0:
                 for kernel in kernels:
                     kernel.__dict__.pop("run", None)
         pool.shutdown(wait=True)

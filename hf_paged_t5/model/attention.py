@@ -32,6 +32,16 @@ def backend_ops(name: str) -> ModuleType:
     return kernels
 
 
+def compile_ahead_for(device: torch.device, backend: str):
+    """`kernels.ahead.compile_ahead` where it can run (the "triton" backend on a CUDA device,
+    a Triton that allows it), else None."""
+    if device.type != "cuda" or backend != "triton":
+        return None
+    from ..kernels import ahead
+
+    return ahead.compile_ahead if ahead.available(device) else None
+
+
 class OnDevice:
     """A kernel namespace whose calls run with `device` as the current CUDA device.
 
