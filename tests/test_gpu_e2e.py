@@ -336,3 +336,52 @@ def test_failed_capture_runs_eagerly_and_later_captures_work(monkeypatch, caplog
     assert failed and len(warned) == 1
     assert kept >= 1  # the second call captured its step
     assert torch.equal(first, ref) and torch.equal(second, ref)
+
+
+_COLD_GENERATE = r"""
+import json, threading, torch, triton.compiler
+from transformers import T5Config, T5ForConditionalGeneration
+import hf_paged_t5 as hp
+from hf_paged_t5.tiny import SHAPES
+
+compiles = []
+real = triton.compiler.compile
+def compile(src, *a, **kw):
+    fn = getattr(src, "fn", None)
+    compiles.append((threading.current_thread().name, getattr(getattr(fn, "fn", fn), "__name__", "?")))
+    return real(src, *a, **kw)
+triton.compiler.compile = compile
+
+def build():
+    cfg = T5Config(decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, **dict(SHAPES["t5-small"]))
+    with torch.device("cuda"):
+        torch.manual_seed(0)
+        return T5ForConditionalGeneration(cfg).to(torch.bfloat16).eval()
+
+ids = torch.randint(2, 32000, (2, 60), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
+kw = dict(input_ids=ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+cold = hp.patch_model(build()).generate(**kw)
+first = list(compiles)
+warm = hp.patch_model(build()).generate(**kw)
+print(json.dumps(dict(first=first, later=compiles[len(first):], equal=bool(torch.equal(cold, warm)))))
+"""
+
+
+def test_a_cold_first_generate_compiles_its_step_kernels_on_the_pool(tmp_path):
+    """A fresh process, empty Triton cache: the decode step's kernels (attention over the cache,
+    the GEMVs) compile on the compile pool, ahead of the first graph capture; the tokens are those
+    of a second model once everything is compiled."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    proc = subprocess.run([sys.executable, "-c", _COLD_GENERATE], capture_output=True, text=True, env=env,
+                          timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    step = [(thread, name) for thread, name in report["first"] if name in ("_paged_decode_kernel", "_gemv_kernel")]
+    assert step, report
+    assert all(thread.startswith("hf_paged_t5-compile") for thread, _ in step), report
+    assert report["later"] == [] and report["equal"], report

@@ -18,6 +18,7 @@ from torch import nn
 
 from .late_flag import LateFlag
 from ..kv.pool import KVPool, StepMetadata
+from ..model.attention import compile_ahead_for
 
 logger = logging.getLogger(__name__)
 
@@ -236,6 +237,7 @@ class DecodeGraphs:
         side = self.streams.generation(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
+            _compile_step_ahead(step_fn, static_ids, meta_for, device)
             for _ in range(2):  # warm up: Triton compiles, cuBLAS picks algorithms, outside the capture
                 warm = step_fn(static_ids, meta_for)
         torch.cuda.current_stream(device).wait_stream(side)
@@ -261,6 +263,21 @@ class DecodeGraphs:
             return static
         static.graph, static.logits = graph, logits
         return static
+
+
+def _compile_step_ahead(step_fn, static_ids: torch.Tensor, meta_for, device) -> None:
+    """The step once with its kernels compiled at once on a pool and none run (`kernels/ahead.py`):
+    a cold process's first capture at a shape compiles them together, not one after another.
+    Nothing is written (no kernel runs; the static rows point at the scratch block anyway) and the
+    output is dropped; a failure is the warm-up's to raise, so it is only logged here."""
+    compile_ahead = compile_ahead_for(torch.device(device), "triton")  # graphs run the Triton backend
+    if compile_ahead is None:
+        return
+    try:
+        with compile_ahead(torch.device(device)):
+            step_fn(static_ids, meta_for)
+    except Exception as exc:  # noqa: BLE001 - the warm-up that follows runs the same step and raises
+        logger.debug("hf_paged_t5: compiling a decode step ahead failed (%s: %s)", type(exc).__name__, exc)
 
 
 def capture_update(update: Callable[[], None], state: list[torch.Tensor], side: torch.cuda.Stream,
