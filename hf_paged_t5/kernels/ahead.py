@@ -75,15 +75,18 @@ def _run(self, *args, grid, warmup, **kwargs):
 
 
 class _CompileAndLoad(concurrent.futures.ThreadPoolExecutor):
-    """A pool whose compiles also build the kernel's launcher (a C compile) and load its binary."""
+    """A pool whose compiles also build the kernel's launcher (a C compile) and load its binary,
+    on the device that was current where the launch was (a layer of a device map makes its own
+    device current around its launches: `model.attention.OnDevice`)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self) -> None:
         super().__init__(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="hf_paged_t5-compile")
-        self._device = device
 
     def submit(self, fn, /, *args, **kwargs):
+        device = torch.cuda.current_device()  # the launching thread's: Triton keyed the compile on it
+
         def compile_and_load():
-            with torch.cuda.device(self._device):
+            with torch.cuda.device(device):
                 kernel = fn(*args, **kwargs)
                 init = getattr(kernel, "_init_handles", None)
                 if init is not None:
@@ -105,7 +108,7 @@ def _start_triton(device: torch.device) -> None:
     try:
         with torch.cuda.device(device):
             triton.runtime.driver.active.get_current_device()
-            a = torch.ones(16, 16, device=device, dtype=torch.bfloat16)
+            a = torch.ones(16, 16, device=device)
             a @ a
     finally:
         hashing.join()  # before any compile: lru_cache would hash again on this thread
@@ -116,7 +119,7 @@ def _start_triton(device: torch.device) -> None:
 def compile_ahead(device: torch.device) -> Iterator[None]:
     """Within: this thread's launches of this package's kernels compile on a pool, none runs."""
     _start_triton(device)
-    pool = _CompileAndLoad(device)
+    pool = _CompileAndLoad()
     kernels = _kernels()
     with _Process.lock:
         if _Process.active == 0:

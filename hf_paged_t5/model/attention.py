@@ -34,8 +34,8 @@ def backend_ops(name: str) -> ModuleType:
 
 def compile_ahead_for(device: torch.device, backend: str):
     """`kernels.ahead.compile_ahead` where it can run (the "triton" backend on a CUDA device,
-    a Triton that allows it), else None."""
-    if device.type != "cuda" or backend != "triton":
+    a Triton that allows it, not inside a caller's CUDA graph capture), else None."""
+    if device.type != "cuda" or backend != "triton" or torch.cuda.is_current_stream_capturing():
         return None
     from ..kernels import ahead
 
