@@ -3,9 +3,10 @@
 Before its first compile in a process, Triton hashes its own sources and libraries for the cache
 key (0.8 s on an H200 machine) and builds its CUDA driver module with the C compiler (0.55 s with
 an empty cache). `start()` does both on a daemon thread when torch is already imported and sees a
-GPU, so they overlap what a user does next (loading the checkpoint, moving it to the GPU);
-`import hf_paged_t5` calls it, and so does `patch_model`. A process that imports hf_paged_t5 before
-torch (the CLI), runs without a GPU or under TRITON_INTERPRET=1 starts nothing at import.
+GPU (`torch.cuda.is_available()`, which starts CUDA's driver but makes no context), so they
+overlap what a user does next (loading the checkpoint, moving it to the GPU); `import hf_paged_t5`
+calls it, and so does `patch_model`. A process that imports hf_paged_t5 before torch (the CLI),
+runs without a GPU or under TRITON_INTERPRET=1 starts nothing at import.
 `HF_PAGED_T5_EARLY_TRITON=0` turns it off. `wait()` returns once it is done (the first compile
 ahead, `kernels/ahead.py`, is entered after it: two threads would hash twice).
 """
@@ -16,6 +17,7 @@ import os
 import sys
 import threading
 from typing import Optional
+
 
 class _Start:
     """The process's one start-up thread (Triton's start-up is the process's, not a model's)."""
@@ -34,7 +36,7 @@ def _work() -> None:
         from triton.runtime.cache import triton_key
 
         triton_key()  # lru-cached for the process
-        triton.runtime.driver.active.get_current_device()  # builds and loads the driver module
+        triton.runtime.driver.active  # builds and loads the driver module (no CUDA context is made)
     except Exception:  # noqa: BLE001 - start-up work only: the first compile does it again and raises
         return
 
