@@ -129,18 +129,52 @@ def test_hooks_keep_calls_eager_and_masks():
     try:
         for _ in range(3):
             full = call(model, ids, ones)  # an all-ones mask: the unmasked graph
-            out = call(model, ids, padded)  # a padded mask: eager
-        assert (graphs_of(model).captures, graphs_of(model).replays) == (1, 2)
+            out = call(model, ids, padded)  # a padded mask: a graph of its own
+        assert (graphs_of(model).captures, graphs_of(model).replays) == (2, 4)
         hook = model.encoder.block[0].layer[-1].DenseReluDense.register_forward_hook(lambda *_: seen.append(1))
         try:
             for _ in range(2):
                 hooked = call(model, ids)
+                hooked_padded = call(model, ids, padded)
         finally:
             hook.remove()
-        assert graphs_of(model).replays == 2 and len(seen) == 2  # the hook ran on both calls
+        assert graphs_of(model).replays == 4 and len(seen) == 4  # the hook ran on every call
         call(model, ids)
-        assert graphs_of(model).replays == 3  # hook gone: replayed again
+        assert graphs_of(model).replays == 5  # hook gone: replayed again
     finally:
         hp.unpatch_model(model)
     assert torch.equal(full, eager(model, ids)) and torch.equal(hooked, full)
-    assert torch.equal(out, want_padded)
+    assert torch.equal(out, want_padded) and torch.equal(hooked_padded, want_padded)
+
+
+def test_a_padded_batch_replays_only_for_its_own_mask():
+    """The graph of a padded call packs that mask's positions: the same mask with other tokens
+    replays it (the eager bits, zeros where padded), another mask of the shape (right or left
+    padded) is counted and captured on its own; each output is the eager one."""
+    model = encoder()
+    masks = [torch.ones(3, 12, dtype=torch.long) for _ in range(3)]
+    masks[0][1, 7:] = 0
+    masks[1][1, 8:] = 0  # one token more in row 1
+    masks[2][2, :5] = 0  # left padding
+    feeds = [(ids_of(3, 12, seed=s), m) for s in range(3) for m in masks]
+    want = [eager(model, i, m) for i, m in feeds]
+    hp.patch_model(model, CPU)
+    try:
+        got = [call(model, i, m) for _ in range(2) for i, m in feeds]
+        graphs = graphs_of(model)
+        assert (graphs.captures, graphs.replays) == (3, 3 * 6 - 3)  # each mask: eager once, captured at its second
+    finally:
+        hp.unpatch_model(model)
+    assert all(torch.equal(g, w) for g, w in zip(got, want + want))
+    assert all(float(g[1, 7:].abs().max()) == 0.0 for g in got[0:9:3])  # padded positions are zeros
+
+
+def test_counted_keys_stay_bounded(monkeypatch):
+    """A stream of masks that never recur does not grow the count without bound."""
+    monkeypatch.setattr(encoder_graphs, "MAX_SEEN", 4)
+    graphs = encoder_graphs.EncoderGraphs()
+    for k in range(10):
+        graphs.seen(("shape", k))
+        assert len(graphs._seen) <= 4
+    graphs.seen(("shape", 9))
+    assert graphs._seen[("shape", 9)] == 2

@@ -1,6 +1,7 @@
 """Standalone encoder calls replayed as CUDA graphs (model/encoder_graphs.py): a text encoder
 called the way diffusion pipelines call it. The graph gives the eager patched forward's bits;
-it notices replaced weights, in-place writes and hooks; padded masks stay eager."""
+it notices replaced weights, in-place writes and hooks; a padded mask that recurs has a graph of
+its own."""
 
 from __future__ import annotations
 
@@ -81,25 +82,34 @@ def test_recurring_shape_is_replayed_with_the_eager_bits(family, dtype):
         assert_within_stock_error(want, stock, ref, "last_hidden_state")
 
 
-def test_all_ones_mask_is_replayed_padded_mask_stays_eager():
+def test_masks_that_recur_are_replayed_with_the_eager_bits():
+    """An all-ones mask replays the unmasked graph; a padded mask (PixArt's right padding, a
+    left-padded row) that recurs replays a graph of its own, with the eager bits and zeros at
+    padded positions; another mask of the same shape is not served by it."""
     model = encoder(dtype=torch.bfloat16)
-    ids = ids_of(2, 64)
+    ids, other = ids_of(2, 64), ids_of(2, 64, seed=1)
     ones = torch.ones_like(ids)
-    padded = ones.clone()
+    padded, left = ones.clone(), ones.clone()
     padded[1, 40:] = 0
-    want_padded = eager_patched(model, ids, padded)
+    left[0, :9] = 0
+    want = {name: (eager_patched(model, ids, m), eager_patched(model, other, m))
+            for name, m in (("padded", padded), ("left", left))}
     hp.patch_model(model)
     try:
         for _ in range(3):
             full = pipeline_call(model, ids, ones)
-            out = pipeline_call(model, ids, padded)
-        assert graphs_of(model).captures == 1  # the all-ones mask's shape only
+            got = {name: (pipeline_call(model, ids, m), pipeline_call(model, other, m))
+                   for name, m in (("padded", padded), ("left", left))}
+        assert graphs_of(model).captures == 3  # the all-ones mask's shape, and each padded mask
+        assert graphs_of(model).replays == 2 + 2 * 5
         no_mask = pipeline_call(model, ids)
     finally:
         hp.unpatch_model(model)
     assert torch.equal(full, no_mask)
-    assert torch.count_nonzero(out[1, 40:]) == 0  # padded positions are zeros (docs/usage.md)
-    assert torch.equal(out, want_padded)  # the masked call's eager path, untouched by the graphs
+    assert torch.count_nonzero(got["padded"][0][1, 40:]) == 0  # padded positions are zeros (docs/usage.md)
+    assert torch.count_nonzero(got["left"][1][0, :9]) == 0
+    for name in want:
+        assert all(torch.equal(g, w) for g, w in zip(got[name], want[name])), name
 
 
 @pytest.mark.parametrize("family", ["t5v1_1", "umt5"])

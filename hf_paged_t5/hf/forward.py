@@ -17,7 +17,7 @@ from ..model import longt5
 from ..model import bias as bias_mod
 from ..model.bias import is_local, self_attention
 from ..model.encoder_graphs import MAX_GRAPH_TOKENS
-from ..model.stacks import encoder_forward, mask_rows, store_cross
+from ..model.stacks import encoder_forward, mask_rows, pack_tokens, store_cross
 from .cache import PagedEncoderDecoderCache
 from .policy import cpu_stock_reason
 from .runtime import PagedRuntime
@@ -58,25 +58,28 @@ _ENCODER_KWARGS = frozenset({"output_attentions", "output_hidden_states", "use_c
 GRAPH_DEVICE_TYPES = ("cuda",)
 
 
-def _graph_key(runtime: PagedRuntime, stack: nn.Module, input_ids, attention_mask, inputs_embeds, kwargs: dict):
+def _graph_key(runtime: PagedRuntime, stack: nn.Module, input_ids, inputs_embeds, kwargs: dict, mask=None):
     """The encoder-graph key of a call that may run as a captured graph (`model/encoder_graphs.py`),
-    else None: a call of its own (not inside generate()) without gradients, hooks' outputs or a
-    mask (an all-ones mask is dropped before this), one CUDA input of at most `MAX_GRAPH_TOKENS`
-    tokens, CUDA graphs on, T5's full attention."""
-    if attention_mask is not None or (input_ids is None) == (inputs_embeds is None) or not runtime.config.cuda_graphs:
+    else None: a call of its own (not inside generate()) without gradients or hooks' outputs, one
+    CUDA input of at most `MAX_GRAPH_TOKENS` tokens, CUDA graphs on, T5's full attention. A padded
+    call's key holds its mask's bits (`mask`, read back once: the graph packs exactly those
+    positions); an all-ones mask is dropped before this."""
+    if (input_ids is None) == (inputs_embeds is None) or not runtime.config.cuda_graphs:
         return None
     source = input_ids if inputs_embeds is None else inputs_embeds
     if (source.device.type not in GRAPH_DEVICE_TYPES or source.shape[0] * source.shape[1] > MAX_GRAPH_TOKENS or stack.training
             or torch.is_grad_enabled() or runtime.runner.owned_here() or set(kwargs) - _ENCODER_KWARGS
             or any(_output_flags(stack, kwargs)) or is_local(self_attention(stack.block[0].layer[0]))):
         return None
-    return tuple(source.shape), source.dtype, source.device, inputs_embeds is not None
+    bits = None if mask is None else mask.bool().cpu().numpy().tobytes()
+    return tuple(source.shape), source.dtype, source.device, inputs_embeds is not None, bits
 
 
-def _graph_forward(runtime: PagedRuntime, stack: nn.Module, embeds: bool):
+def _graph_forward(runtime: PagedRuntime, stack: nn.Module, embeds: bool, mask=None, device=None):
     """`source -> last_hidden_state` for a capture: the bias tables gathered from the weights inside
     the graph (a replay sees in-place writes to them with no check), checked once against the
-    tables HF's `compute_bias` gives; None (logged) if they differ."""
+    tables HF's `compute_bias` gives; None (logged) if they differ. With a padded call's `mask`,
+    its packing (which positions are real) is made once here and read by every replay."""
     modules = bias_mod.layer_bias_modules(stack)
     distinct = {id(m): m for m in modules}
     buckets = {key: bias_mod.bidirectional_buckets(m) for key, m in distinct.items()}
@@ -88,19 +91,23 @@ def _graph_forward(runtime: PagedRuntime, stack: nn.Module, embeds: bool):
             logger.warning("hf_paged_t5: encoder calls run eagerly, not as CUDA graphs: %s", reason)
         return None
 
+    packing = None if mask is None else pack_tokens(mask, device)
+
     def forward(src):
         with torch.inference_mode(False):  # tables with a version counter: the prefill keeps its tiles in the memo
             tables = {key: bias_mod.gathered_table(m, buckets[key]) for key, m in distinct.items()}
         memos = {key: {"capture_scoped": True} for key in distinct}
         return encoder_forward(stack, runtime.ops_for, [tables[id(m)] for m in modules], src if embeds else None, None,
-                               input_ids=None if embeds else src, band_memos=[memos[id(m)] for m in modules])
+                               input_ids=None if embeds else src, band_memos=[memos[id(m)] for m in modules],
+                               packing=packing)
 
     return forward
 
 
 def make_encoder_forward(runtime: PagedRuntime, original):
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, return_dict=None, **kwargs):
-        key = _graph_key(runtime, self, input_ids, attention_mask, inputs_embeds, kwargs)
+        # a padded call's key needs its mask read back: that one is looked up after the mask's checks
+        key = None if attention_mask is not None else _graph_key(runtime, self, input_ids, inputs_embeds, kwargs)
         source = input_ids if inputs_embeds is None else inputs_embeds
         hidden = None if key is None else runtime.encoder_graphs.replay(key, self, source)
         if hidden is None:
@@ -151,14 +158,14 @@ def make_encoder_forward(runtime: PagedRuntime, original):
             runtime.check_weights()
         if lens is not None and min(lens) == source.shape[1]:
             attention_mask = None  # every position real: the same forward without packing
-        key = _graph_key(runtime, self, input_ids, attention_mask, inputs_embeds, kwargs)
-        if key is not None:  # (an all-ones mask reaches its graph here)
+        key = _graph_key(runtime, self, input_ids, inputs_embeds, kwargs, attention_mask)
+        if key is not None:  # (an all-ones mask, and a padded call whose mask recurs, reach their graph here)
             graphs = runtime.encoder_graphs
             hidden = graphs.replay(key, self, source)
             if hidden is None:
                 graphs.seen(key)
                 if graphs.would_capture(key):
-                    captured = _graph_forward(runtime, self, inputs_embeds is not None)
+                    captured = _graph_forward(runtime, self, inputs_embeds is not None, attention_mask, source.device)
                     hidden = None if captured is None else graphs.capture(key, self, captured, source)
             if hidden is not None:
                 return hidden

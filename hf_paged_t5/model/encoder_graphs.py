@@ -6,7 +6,9 @@ milliseconds of host-side launches. The second call of a shape captures the whol
 forward (`stacks.encoder_forward`, its bias tables gathered from the weights inside the graph) as
 a graph; later calls of that shape copy their input into the graph's static buffer and replay
 it, with no host sync. A shape seen once runs eagerly (no capture cost for a shape that never
-comes back).
+comes back). A padded batch is keyed by its mask's bits as well (read back once per call, as the
+eager packed path reads it): a mask that recurs (a pipeline's empty negative prompt, one prompt
+for many images) replays a graph that packs exactly its real positions.
 
 What a graph reads by address must stay where it was: `WeightWatch` notices a replaced weight
 (a new Parameter, `.data =`, `model.to(...)`), a module added or swapped (a LoRA injected) and a
@@ -34,6 +36,9 @@ MAX_GRAPH_TOKENS = 8192
 MAX_GRAPHS = 8
 # Calls of a shape before it is captured (the first runs eagerly, the second captures).
 CAPTURE_AFTER = 2
+# Keys counted at most (a padded call's key holds its mask: a stream of new masks must not grow
+# the count without bound); past it the count starts again.
+MAX_SEEN = 1024
 CAPTURE_MODE = "thread_local"  # another thread's GPU work does not invalidate a capture (decode/graphs.py)
 
 
@@ -153,6 +158,8 @@ class EncoderGraphs:
 
     def seen(self, key: Hashable) -> None:
         """Count a call of `key`'s shape that no graph served (`would_capture`)."""
+        if key not in self._seen and len(self._seen) >= MAX_SEEN:
+            self._seen.clear()
         self._seen[key] += 1
 
     def would_capture(self, key: Hashable) -> bool:

@@ -159,6 +159,7 @@ def encoder_forward(
     packed: bool = False,
     band_memos: Optional[list[dict]] = None,
     side_tables: Optional[list[torch.Tensor]] = None,
+    packing: Optional[tuple] = None,
 ) -> torch.Tensor:
     """T5 (or LongT5) encoder over the real tokens only (varlen); padded positions of the output are 0.
 
@@ -171,11 +172,15 @@ def encoder_forward(
     side_tables[i] its side table (transient-global) or side_tables None; the rows of
     attention_mask must be right-padded for transient-global attention (`longt5.unserved_reason`)
     packed: return the real tokens only, [total_tokens, d_model] row by row (no padded copy)
+    packing: `pack_tokens` of the call's mask, made before (a captured graph's: nothing is read
+        back here, so the forward is graph-capturable); then attention_mask is not read
     returns: last_hidden_state [batch, seq_len, d_model] (or packed, above)
     """
     source = inputs_embeds if inputs_embeds is not None else input_ids
     batch, seq_len = source.shape[:2]
-    if attention_mask is None:  # every position real: nothing to pack, nothing read back (graph-capturable)
+    if packing is not None:
+        index, lens, cu_seqlens, max_seqlen = packing
+    elif attention_mask is None:  # every position real: nothing to pack, nothing read back (graph-capturable)
         index, lens, max_seqlen = None, [seq_len] * batch, seq_len
         cu_seqlens = torch.arange(0, (batch + 1) * seq_len, seq_len, dtype=torch.int32, device=source.device)
     else:
