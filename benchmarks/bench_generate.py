@@ -11,6 +11,12 @@ stream its graphs are captured on) and none an earlier case left.
     python benchmarks/bench_generate.py [--out DIR] [--models t5-small,t5-base,t5-large,flan-t5-xl] [--parity t5-small,t5-large]
         [--quick] [--repeats 3]
 
+Where `ctranslate2` is importable, CTranslate2 is a row too: the same weights saved and
+converted with its own converter (bf16), `Translator.translate_batch` on the same token ids as
+strings, exactly 128 new tokens (`min_decoding_length` = `max_decoding_length`), the same beams.
+The JSON also holds `kernels_per_decoder_layer` (CUDA kernels of one graphed step, from a profile,
+over the decoder's layers) and the floor per row.
+
 Writes DIR/generate.json (default DIR: benchmarks/results/<date>-<gpu>/, with its env.json).
 """
 
@@ -18,7 +24,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import pathlib
 import time
+from typing import Optional
 
 import torch
 
@@ -84,12 +92,96 @@ def floor_ms(model, batch, beams, src_len, new, kernels, gbps, launch) -> dict:
     return dict(floor_ms=bytes_ms + kernels * launch * 1e-3, floor_bytes_ms=bytes_ms, kernels_per_step=kernels)
 
 
+def ct2_translator(model, folder: str, device: str, compute_type: str):
+    """(ctranslate2.Translator of `model`, its vocabulary: token of each id), or None where
+    ctranslate2 is not importable. The model is saved with the package's local tokenizer (whose
+    pad / EOS / unk ids are T5's 0 / 1 / 2) and converted as CTranslate2's own converter does;
+    ids past the tokenizer's vocabulary become CTranslate2's `<extra_id_N>` tokens."""
+    try:
+        import ctranslate2
+        from ctranslate2.converters import TransformersConverter
+    except ImportError:
+        return None
+    import json
+    import pathlib
+
+    from hf_paged_t5 import tiny
+
+    source = pathlib.Path(folder) / "hf"
+    model.save_pretrained(source)
+    tiny.build_tokenizer().save_pretrained(source)
+    converted = pathlib.Path(folder) / "ct2"
+    TransformersConverter(str(source)).convert(str(converted), quantization=compute_type, force=True)
+    vocabulary = json.loads((converted / "shared_vocabulary.json").read_text())
+    return ctranslate2.Translator(str(converted), device=device, compute_type=compute_type), vocabulary
+
+
+def ct2_case(translator, vocabulary, ids, new: int, beams: int) -> list[list[int]]:
+    """One `translate_batch` of the rows of `ids` (their tokens as strings), exactly `new` tokens
+    each (min and max decoding length), `beams` beams; the ids of the best hypothesis per row."""
+    index = {token: i for i, token in enumerate(vocabulary)}
+    source = [[vocabulary[i] for i in row] for row in ids.tolist()]
+    results = translator.translate_batch(source, beam_size=beams, num_hypotheses=1, min_decoding_length=new,
+                                         max_decoding_length=new)
+    return [[index[t] for t in r.hypotheses[0]] for r in results]
+
+
+def ct2_rows(model, src_len: int, new: int, cases, repeats: int) -> Optional[dict]:
+    """ms per step of CTranslate2 (bf16, on the GPU) for each (batch, beams) case, with the same
+    inputs as the other systems (median of `repeats` calls after two), or None without ctranslate2."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="ct2-") as folder:
+        made = ct2_translator(model, folder, "cuda", "bfloat16")
+        if made is None:
+            return None
+        translator, vocabulary = made
+        out = {}
+        for batch, beams in cases:
+            ids, _ = common.random_inputs(batch, src_len)
+            try:
+                for _ in range(2):
+                    ct2_case(translator, vocabulary, ids, new, beams)
+                runs = []
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    ct2_case(translator, vocabulary, ids, new, beams)
+                    runs.append(time.perf_counter() - start)
+                out[(batch, beams)] = common.median(runs) / new * 1e3
+            except Exception as exc:  # a case CTranslate2 fails (e.g. out of memory) is reported, not fatal
+                out[(batch, beams)] = repr(exc)[:200]
+            print(f"ctranslate2 b{batch} beams{beams}: {out[(batch, beams)]}", flush=True)
+        translator.unload_model()  # its GPU memory back before the patched runs size their pool
+    return out
+
+
+def ct2_facts(rows) -> Optional[dict]:
+    """CTranslate2's version and the cuBLAS files it ran on (its 4.8.5 wheel asks for
+    libcublas.so.12; a machine with CUDA 13 alone answers with libcublas.so.13 linked under that
+    name in the wheel's ctranslate2.libs/, a benchmark-only shim, which these paths show)."""
+    if not any(r.get("ctranslate2_ms_per_step") is not None or r.get("ctranslate2_error") for r in rows):
+        return None
+    import ctranslate2
+
+    return dict(version=ctranslate2.__version__, compute_type="bfloat16", cublas=cublas_loaded())
+
+
+def cublas_loaded() -> list[str]:
+    """The cuBLAS libraries this process has mapped (where CTranslate2 found its cuBLAS)."""
+    try:
+        lines = pathlib.Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return []
+    return sorted({line.split()[-1] for line in lines if "libcublas" in line})
+
+
 def weights_gib(model) -> float:
     return sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
 
 
 def bench_model(name, src_len, new, cases, rows, gbps, launch, repeats):
     results = {}
+    ct2 = None
     for attn in ("eager", "sdpa"):
         model = common.make_model(name, attn, torch.bfloat16)
         for batch, beams in cases:
@@ -102,6 +194,9 @@ def bench_model(name, src_len, new, cases, rows, gbps, launch, repeats):
                   flush=True)
         if attn == "sdpa":
             wgib = weights_gib(model)
+            ct2 = ct2_rows(model, src_len, new, cases, repeats)
+            gc.collect()
+            torch.cuda.empty_cache()
             for batch, beams in cases:
                 if hp.is_patched(model):
                     hp.unpatch_model(model)  # the previous case's runtime (pool, graphs) goes before timed()
@@ -120,9 +215,16 @@ def bench_model(name, src_len, new, cases, rows, gbps, launch, repeats):
                     bf16_tokens_agree=None if ref_tokens is None else float((ref_tokens == r["tokens"]).float().mean()),
                     floor_ms_per_step=r["floor_ms"], floor_bytes_ms=r["floor_bytes_ms"],
                     kernels_per_step=r["kernels_per_step"],
+                    kernels_per_decoder_layer=r["kernels_per_step"] / model.config.num_decoder_layers,
+                    ctranslate2_ms_per_step=None if ct2 is None or isinstance(ct2[(batch, beams)], str)
+                    else ct2[(batch, beams)],
+                    ctranslate2_error=ct2[(batch, beams)] if ct2 is not None and isinstance(ct2[(batch, beams)], str)
+                    else None,
                     mem_vs_hf=None if hf[1].get("peak_gib") is None
                     else (r["peak_gib"] - wgib) / (hf[1]["peak_gib"] - wgib),  # (peak - weights) vs HF sdpa's
                 ))
+                if rows[-1]["ctranslate2_ms_per_step"] is not None:
+                    rows[-1]["speedup_vs_ctranslate2"] = rows[-1]["ctranslate2_ms_per_step"] / r["ms_per_step"]
                 print(f"{name} paged b{batch} beams{beams}: {r['ms_per_step']:.3f} ms/step "
                       f"({best / r['ms_per_step']:.1f}x)", flush=True)
         del model
@@ -176,17 +278,20 @@ def main(argv=None) -> None:
     for name in args.models.split(","):
         bench_model(name, SRC_LEN, new, CASES, rows, gbps, launch, repeats)
     report = dict(gpu=torch.cuda.get_device_name(), repeats=repeats, copy_gbps=gbps, graph_launch_us=launch,
-                  fp32_tokens_identical=all(parity.values()) if parity else None, fp32_parity=parity, rows=rows)
+                  fp32_tokens_identical=all(parity.values()) if parity else None, fp32_parity=parity, rows=rows,
+                  kernels_per_decoder_layer=max((r["kernels_per_decoder_layer"] for r in rows), default=None),
+                  ctranslate2=ct2_facts(rows))
     common.write_json(out / "generate.json", report)
     fmt = common.fmt
     common.print_table(
-        ["model", "batch", "beams", "HF eager ms", "HF sdpa ms", "paged ms", "speedup", "HF peak GiB",
-         "paged peak GiB", "weights GiB", "mem/HF", "floor ms", "kernels"],
+        ["model", "batch", "beams", "HF eager ms", "HF sdpa ms", "CT2 ms", "paged ms", "speedup", "vs CT2",
+         "HF peak GiB", "paged peak GiB", "weights GiB", "mem/HF", "floor ms", "kernels/layer"],
         ([r["model"], r["batch"], r["beams"], fmt(r["hf_eager_ms_per_step"], ".2f"),
-          fmt(r["hf_sdpa_ms_per_step"], ".2f"),
-          fmt(r["paged_ms_per_step"], ".3f"), fmt(r["speedup_vs_best_hf"], ".1f") + "x", fmt(r["hf_peak_gib"], ".2f"),
+          fmt(r["hf_sdpa_ms_per_step"], ".2f"), fmt(r["ctranslate2_ms_per_step"], ".3f"),
+          fmt(r["paged_ms_per_step"], ".3f"), fmt(r["speedup_vs_best_hf"], ".1f") + "x",
+          fmt(r.get("speedup_vs_ctranslate2"), ".2f"), fmt(r["hf_peak_gib"], ".2f"),
           fmt(r["paged_peak_gib"], ".2f"), fmt(r["weights_gib"], ".2f"), fmt(r["mem_vs_hf"], ".2f"),
-          fmt(r["floor_ms_per_step"], ".3f"), r["kernels_per_step"]] for r in rows),
+          fmt(r["floor_ms_per_step"], ".3f"), fmt(r["kernels_per_decoder_layer"], ".1f")] for r in rows),
         title=f"ms per decode step, {SRC_LEN}-token inputs, {new} new tokens, bf16, median of {repeats} calls")
     print(f"fp32 greedy tokens identical to HF: {report['fp32_tokens_identical']} {parity}")
 

@@ -140,3 +140,21 @@ def test_only_common_reads_private_state():
             if (imports and not public.fullmatch(code)) or private.search(code):
                 offenders.append(f"{path.name}:{number}: {code}")
     assert offenders == []
+
+
+def test_the_ctranslate2_row_decodes_what_hf_does(tmp_path):
+    """bench_generate's CTranslate2 row (where ctranslate2 is installed): the tiny model converted
+    by CTranslate2's own converter gives HF's greedy tokens on the same ids (fp32, CPU), so the
+    row times the same work."""
+    pytest.importorskip("ctranslate2")
+    import bench_generate
+
+    from hf_paged_t5 import tiny
+
+    model = tiny.build_model("tiny", dtype=torch.float32)
+    translator, vocabulary = bench_generate.ct2_translator(model, str(tmp_path), "cpu", "float32")
+    ids = torch.randint(2, model.config.vocab_size, (3, 14), generator=torch.Generator().manual_seed(0))
+    got = bench_generate.ct2_case(translator, vocabulary, ids, 7, 1)
+    with torch.no_grad():
+        want = model.generate(input_ids=ids, max_new_tokens=7, min_new_tokens=7, do_sample=False)
+    assert got == want[:, 1:].tolist()
