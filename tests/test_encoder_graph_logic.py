@@ -163,6 +163,8 @@ def test_a_padded_batch_replays_only_for_its_own_mask():
         got = [call(model, i, m) for _ in range(2) for i, m in feeds]
         graphs = graphs_of(model)
         assert (graphs.captures, graphs.replays) == (3, 3 * 6 - 3)  # each mask: eager once, captured at its second
+        stats = hp.runtime_stats(model)
+        assert (stats["encoder_graphs"], stats["encoder_graphs_captured"], stats["encoder_replays"]) == (3, 3, 15)
     finally:
         hp.unpatch_model(model)
     assert all(torch.equal(g, w) for g, w in zip(got, want + want))

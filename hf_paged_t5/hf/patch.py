@@ -141,15 +141,20 @@ def runtime_stats(model: nn.Module) -> dict[str, int]:
     graphs_captured: CUDA graphs captured so far (decode steps and kept loop updates), ever;
     decode_graphs: captured decode steps kept now (one per batch / table-width bucket);
     pool_blocks / pool_blocks_free: KV pool blocks allocated / free now (0 before the first paged call;
-        an idle pool holds its scratch block).
+        an idle pool holds its scratch block);
+    encoder_graphs: standalone encoder forwards kept as graphs now (one per shape, or per padded
+        mask, that recurred); encoder_graphs_captured / encoder_replays: captured / replayed, ever.
     """
     runtime = getattr(model, _ATTR, None)
     if runtime is None:
         raise ValueError("this model is not patched by hf_paged_t5; call patch_model(model) first")
-    graphs, pool = runtime.runner.graphs, runtime.pool
+    graphs, pool, encoder = runtime.runner.graphs, runtime.pool, runtime.encoder_graphs
     return {
         "graphs_captured": graphs.captures,
         "decode_graphs": graphs.num_steps,
         "pool_blocks": pool.num_blocks if pool is not None else 0,
         "pool_blocks_free": pool.manager.num_free if pool is not None else 0,
+        "encoder_graphs": encoder.num_graphs,
+        "encoder_graphs_captured": encoder.captures,
+        "encoder_replays": encoder.replays,
     }
