@@ -116,14 +116,16 @@ def ct2_translator(model, folder: str, device: str, compute_type: str):
     return ctranslate2.Translator(str(converted), device=device, compute_type=compute_type), vocabulary
 
 
-def ct2_case(translator, vocabulary, ids, new: int, beams: int) -> list[list[int]]:
-    """One `translate_batch` of the rows of `ids` (their tokens as strings), exactly `new` tokens
-    each (min and max decoding length), `beams` beams; the ids of the best hypothesis per row."""
-    index = {token: i for i, token in enumerate(vocabulary)}
-    source = [[vocabulary[i] for i in row] for row in ids.tolist()]
-    results = translator.translate_batch(source, beam_size=beams, num_hypotheses=1, min_decoding_length=new,
-                                         max_decoding_length=new)
-    return [[index[t] for t in r.hypotheses[0]] for r in results]
+def ct2_tokens(vocabulary, ids) -> list[list[str]]:
+    """The rows of `ids` as CTranslate2's token strings."""
+    return [[vocabulary[i] for i in row] for row in ids.tolist()]
+
+
+def ct2_case(translator, source: list[list[str]], new: int, beams: int):
+    """One `translate_batch` of `source`, exactly `new` tokens per row (min and max decoding
+    length), `beams` beams, the best hypothesis only."""
+    return translator.translate_batch(source, beam_size=beams, num_hypotheses=1, min_decoding_length=new,
+                                      max_decoding_length=new)
 
 
 def ct2_rows(model, src_len: int, new: int, cases, repeats: int) -> Optional[dict]:
@@ -138,14 +140,14 @@ def ct2_rows(model, src_len: int, new: int, cases, repeats: int) -> Optional[dic
         translator, vocabulary = made
         out = {}
         for batch, beams in cases:
-            ids, _ = common.random_inputs(batch, src_len)
+            source = ct2_tokens(vocabulary, common.random_inputs(batch, src_len)[0])  # the others' ids
             try:
                 for _ in range(2):
-                    ct2_case(translator, vocabulary, ids, new, beams)
+                    ct2_case(translator, source, new, beams)
                 runs = []
                 for _ in range(repeats):
                     start = time.perf_counter()
-                    ct2_case(translator, vocabulary, ids, new, beams)
+                    ct2_case(translator, source, new, beams)
                     runs.append(time.perf_counter() - start)
                 out[(batch, beams)] = common.median(runs) / new * 1e3
             except Exception as exc:  # a case CTranslate2 fails (e.g. out of memory) is reported, not fatal

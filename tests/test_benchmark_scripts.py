@@ -154,7 +154,8 @@ def test_the_ctranslate2_row_decodes_what_hf_does(tmp_path):
     model = tiny.build_model("tiny", dtype=torch.float32)
     translator, vocabulary = bench_generate.ct2_translator(model, str(tmp_path), "cpu", "float32")
     ids = torch.randint(2, model.config.vocab_size, (3, 14), generator=torch.Generator().manual_seed(0))
-    got = bench_generate.ct2_case(translator, vocabulary, ids, 7, 1)
+    results = bench_generate.ct2_case(translator, bench_generate.ct2_tokens(vocabulary, ids), 7, 1)
     with torch.no_grad():
         want = model.generate(input_ids=ids, max_new_tokens=7, min_new_tokens=7, do_sample=False)
-    assert got == want[:, 1:].tolist()
+    index = {token: i for i, token in enumerate(vocabulary)}
+    assert [[index[t] for t in r.hypotheses[0]] for r in results] == want[:, 1:].tolist()
