@@ -129,8 +129,9 @@ def ct2_case(translator, source: list[list[str]], new: int, beams: int):
 
 
 def ct2_rows(model, src_len: int, new: int, cases, repeats: int) -> Optional[dict]:
-    """ms per step of CTranslate2 (bf16, on the GPU) for each (batch, beams) case, with the same
-    inputs as the other systems (median of `repeats` calls after two), or None without ctranslate2."""
+    """{(batch, beams): {"ms_per_step": ...} or {"error": ...}} of CTranslate2 (bf16, on the GPU),
+    with the same inputs as the other systems (median of `repeats` calls after two), or None
+    without ctranslate2."""
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="ct2-") as folder:
@@ -149,9 +150,9 @@ def ct2_rows(model, src_len: int, new: int, cases, repeats: int) -> Optional[dic
                     start = time.perf_counter()
                     ct2_case(translator, source, new, beams)
                     runs.append(time.perf_counter() - start)
-                out[(batch, beams)] = common.median(runs) / new * 1e3
+                out[(batch, beams)] = dict(ms_per_step=common.median(runs) / new * 1e3)
             except Exception as exc:  # a case CTranslate2 fails (e.g. out of memory) is reported, not fatal
-                out[(batch, beams)] = repr(exc)[:200]
+                out[(batch, beams)] = dict(error=repr(exc)[:200])
             print(f"ctranslate2 b{batch} beams{beams}: {out[(batch, beams)]}", flush=True)
         translator.unload_model()  # its GPU memory back before the patched runs size their pool
     return out
@@ -218,10 +219,8 @@ def bench_model(name, src_len, new, cases, rows, gbps, launch, repeats):
                     floor_ms_per_step=r["floor_ms"], floor_bytes_ms=r["floor_bytes_ms"],
                     kernels_per_step=r["kernels_per_step"],
                     kernels_per_decoder_layer=r["kernels_per_step"] / model.config.num_decoder_layers,
-                    ctranslate2_ms_per_step=None if ct2 is None or isinstance(ct2[(batch, beams)], str)
-                    else ct2[(batch, beams)],
-                    ctranslate2_error=ct2[(batch, beams)] if ct2 is not None and isinstance(ct2[(batch, beams)], str)
-                    else None,
+                    ctranslate2_ms_per_step=(ct2 or {}).get((batch, beams), {}).get("ms_per_step"),
+                    ctranslate2_error=(ct2 or {}).get((batch, beams), {}).get("error"),
                     mem_vs_hf=None if hf[1].get("peak_gib") is None
                     else (r["peak_gib"] - wgib) / (hf[1]["peak_gib"] - wgib),  # (peak - weights) vs HF sdpa's
                 ))

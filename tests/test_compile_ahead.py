@@ -16,7 +16,7 @@ from triton.runtime.jit import JITFunction
 
 import hf_paged_t5 as hp
 from hf_paged_t5 import tiny
-from hf_paged_t5.hf import runtime as runtime_mod
+from hf_paged_t5.model import attention as attention_mod
 from hf_paged_t5.kernels import ahead
 
 CPU = hp.PagedCacheConfig(backend="cpu", cuda_graphs=False)
@@ -37,7 +37,7 @@ def passes(monkeypatch):
         seen.append(device)
         yield
 
-    monkeypatch.setattr(runtime_mod, "compile_ahead_for", lambda device, backend: fake)
+    monkeypatch.setattr(attention_mod, "compile_ahead_for", lambda device, backend: fake)
     return seen
 
 
@@ -65,7 +65,7 @@ def test_a_pass_that_fails_leaves_the_real_call_as_it_was(monkeypatch):
         yield
         raise RuntimeError("a compile that could not be done")
 
-    monkeypatch.setattr(runtime_mod, "compile_ahead_for", lambda device, backend: failing)
+    monkeypatch.setattr(attention_mod, "compile_ahead_for", lambda device, backend: failing)
     ids = torch.randint(2, 100, (1, 7), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = hp.unpatch_model(hp.patch_model(encoder(), CPU))(ids)[0]
@@ -74,7 +74,7 @@ def test_a_pass_that_fails_leaves_the_real_call_as_it_was(monkeypatch):
 
 
 def test_no_pass_off_cuda():
-    assert runtime_mod.compile_ahead_for(torch.device("cpu"), "cpu") is None
+    assert attention_mod.compile_ahead_for(torch.device("cpu"), "cpu") is None
     assert not ahead.available(torch.device("cpu"))
 
 

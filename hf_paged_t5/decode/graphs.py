@@ -18,7 +18,7 @@ from torch import nn
 
 from .late_flag import LateFlag
 from ..kv.pool import KVPool, StepMetadata
-from ..model.attention import compile_ahead_for
+from ..model.attention import run_compiled_ahead
 
 logger = logging.getLogger(__name__)
 
@@ -270,14 +270,8 @@ def _compile_step_ahead(step_fn, static_ids: torch.Tensor, meta_for, device) -> 
     a cold process's first capture at a shape compiles them together, not one after another.
     Nothing is written (no kernel runs; the static rows point at the scratch block anyway) and the
     output is dropped; a failure is the warm-up's to raise, so it is only logged here."""
-    compile_ahead = compile_ahead_for(torch.device(device), "triton")  # graphs run the Triton backend
-    if compile_ahead is None:
-        return
-    try:
-        with compile_ahead(torch.device(device)):
-            step_fn(static_ids, meta_for)
-    except Exception as exc:  # noqa: BLE001 - the warm-up that follows runs the same step and raises
-        logger.debug("hf_paged_t5: compiling a decode step ahead failed (%s: %s)", type(exc).__name__, exc)
+    # graphs run the Triton backend
+    run_compiled_ahead(torch.device(device), "triton", lambda: step_fn(static_ids, meta_for), "a decode step")
 
 
 def capture_update(update: Callable[[], None], state: list[torch.Tensor], side: torch.cuda.Stream,

@@ -18,7 +18,7 @@ from ..config import PagedCacheConfig
 from ..decode.runner import DecodeRunner
 from ..kv.pool import KVPool, LayerSpec
 from ..model import bias as bias_mod
-from ..model.attention import OnDevice, backend_ops, compile_ahead_for
+from ..model.attention import OnDevice, backend_ops, run_compiled_ahead
 from ..model.encoder_graphs import EncoderGraphs
 from ..model.probe import output_scale
 
@@ -61,15 +61,8 @@ class PagedRuntime:
         if key in self.compiled_ahead:
             return
         self.compiled_ahead.add(key)
-        compile_ahead = compile_ahead_for(device, self.config.resolve_backend(device))
-        if compile_ahead is None:
-            return
-        triton_start.wait()  # Triton's start-up, begun on a thread at import: hashed once, not twice
-        try:
-            with torch.no_grad(), compile_ahead(device):
-                forward()
-        except Exception as exc:  # noqa: BLE001 - the real call runs next and raises its own error
-            logger.debug("hf_paged_t5: compiling ahead for %s failed (%s: %s)", kind, type(exc).__name__, exc)
+        # (after Triton's start-up, begun on a thread at import: its sources hashed once, not twice)
+        run_compiled_ahead(device, self.config.resolve_backend(device), forward, str(kind), before=triton_start.wait)
 
     # ---- per-layer resources ------------------------------------------------------------
     def ops_for(self, device: torch.device):

@@ -8,13 +8,16 @@ backend namespace (`hf_paged_t5.reference` or `hf_paged_t5.kernels`) with `store
 
 from __future__ import annotations
 
+import logging
 from types import ModuleType
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
 
 from ..kv.pool import StepMetadata
+
+logger = logging.getLogger(__name__)
 
 
 def backend_ops(name: str) -> ModuleType:
@@ -40,6 +43,23 @@ def compile_ahead_for(device: torch.device, backend: str):
     from ..kernels import ahead
 
     return ahead.compile_ahead if ahead.available(device) else None
+
+
+def run_compiled_ahead(device: torch.device, backend: str, forward: Callable[[], object], what: str,
+                       before: Optional[Callable[[], None]] = None) -> None:
+    """`forward()` once inside `compile_ahead_for`'s context, where there is one (its kernels
+    compiled at once, none run, its output dropped), after `before()`; else nothing. A failure is
+    the real call's to raise (it runs next, the same work): here it is only logged."""
+    compile_ahead = compile_ahead_for(device, backend)
+    if compile_ahead is None:
+        return
+    if before is not None:
+        before()
+    try:
+        with torch.no_grad(), compile_ahead(device):
+            forward()
+    except Exception as exc:  # noqa: BLE001 - the real call that follows raises its own error
+        logger.debug("hf_paged_t5: compiling ahead for %s failed (%s: %s)", what, type(exc).__name__, exc)
 
 
 class OnDevice:
