@@ -255,3 +255,38 @@ def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def gemv_supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """The torch backend leaves every projection to the model's own Linear layers."""
     return False
+
+
+def fused_linear(
+    x: torch.Tensor,
+    weights,
+    norm_weight: Optional[torch.Tensor] = None,
+    eps: float = 0.0,
+    residual: Optional[torch.Tensor] = None,
+    activation: Optional[str] = None,
+    key_cache: Optional[torch.Tensor] = None,
+    value_cache: Optional[torch.Tensor] = None,
+    slot_mapping: Optional[torch.Tensor] = None,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """`kernels.fused_linear` as the ops HF runs one after another: the layer norm, each Linear
+    rounded to x's dtype, then the residual add, ReLU, gated GELU or K/V store. `pdl` is the
+    kernel's launch mode and changes nothing here.
+
+    x: [..., K]; weights: 1-3 [N, K]; returns [..., N] (q when K/V are stored)
+    """
+    if norm_weight is not None:
+        x = rms_norm(x, norm_weight, eps)[0]
+    ys = [x @ w.T for w in weights]
+    if residual is not None:
+        return residual + ys[0]
+    if activation == "relu":
+        return torch.relu(ys[0])
+    if activation == "gelu_tanh":
+        return gated_gelu(ys[0], ys[1])
+    if key_cache is not None:
+        num_heads, head_dim = key_cache.shape[2:]
+        k, v = (y.reshape(-1, num_heads, head_dim) for y in ys[1:])
+        keep = slot_mapping >= 0  # a negative slot stores nothing, as in the kernel
+        store_kv(k[keep], v[keep], key_cache, value_cache, slot_mapping[keep])
+    return ys[0]

@@ -121,7 +121,8 @@ class DecodeRunner:
             state = DecodeState()
 
         def step(input_ids, meta_for):
-            hidden = decoder_layers(model.decoder, ops_for, tables, pool, meta_for, input_ids, state)
+            hidden = decoder_layers(model.decoder, ops_for, tables, pool, meta_for, input_ids, state,
+                                    fused=config.fused_decode)
             if scale is not None:
                 hidden = hidden * scale
             head_device = module_device(model.lm_head)

@@ -183,6 +183,7 @@ def _paged_decode_kernel(
     FUSED_COMBINE: tl.constexpr,
     PREFETCH: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # Heads vary fastest over the grid: programs running side by side read neighbouring
     # head slices of the same slots, so together they stream whole blocks.
@@ -195,6 +196,11 @@ def _paged_decode_kernel(
     # Clamping to the table's capacity keeps a bad seq_len from reading past the row.
     seq_len = tl.minimum(tl.load(seq_lens_ptr + row), max_keys)
     q_pos = seq_len - 1
+    if PDL:
+        # seq_lens and tables come from the step's inputs (copied before its first kernel); the
+        # query and the newest keys come from the kernels just before this one.
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     start = split * keys_per_split
     end = tl.minimum(seq_len, start + keys_per_split)
 
@@ -271,9 +277,13 @@ def _combine_splits_kernel(
     stride_out_head,
     SPLITS_P2: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     _merge_splits(
         part_ptr, out_ptr, row, head, tl.num_programs(1), num_splits, head_dim,
         stride_out_batch, stride_out_head, SPLITS_P2, BLOCK_D,
@@ -292,6 +302,7 @@ def paged_decode(
     max_seq_len: Optional[int] = None,
     num_splits: Optional[int] = None,
     config: Optional[DecodeConfig] = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Attention of one query token per row over that row's paged keys.
 
@@ -307,6 +318,7 @@ def paged_decode(
         only sizes the key splits. Without it the bound is max_blocks * block_size.
     num_splits: optional override of the number of key splits (testing, tuning).
     config: optional override of every launch knob (tuning); `num_splits` still wins if given.
+    pdl: launch as a programmatic dependent launch (`launch.pdl_available`); ignored under the interpreter
     returns: [batch, num_heads, head_dim], query's dtype
     """
     max_distance = check_decode_args(query, key_cache, value_cache, block_table, seq_lens, bias_table, dense_bias)
@@ -339,6 +351,8 @@ def paged_decode(
     else:
         bias_mode, bias, bias_strides, dense_len = _NO_BIAS, query, [0, 0, 0], 0
 
+    pdl = pdl and not interpreting()
+    launch = {"launch_pdl": True} if pdl else {}
     part = ticket = out  # unused placeholders when there is one split
     fused = splits > 1 and config.fused_combine
     if splits > 1:
@@ -358,13 +372,13 @@ def paged_decode(
         BIAS_MODE=bias_mode, BLOCK_SIZE=block_size, BLOCK_N=config.block_n, BLOCK_D=padded_d, SPLIT=splits > 1,
         SPLITS_P2=triton.next_power_of_2(splits) if fused else 1, FUSED_COMBINE=fused,
         PREFETCH=_PREFETCH[config.prefetch],
-        NUM_STAGES=config.num_stages, num_warps=config.num_warps,
+        NUM_STAGES=config.num_stages, PDL=pdl, num_warps=config.num_warps, **launch,
     )  # fmt: skip
     if splits > 1 and not fused:
         _combine_splits_kernel[(batch, num_heads)](
             part, out,
             head_dim, splits, out.stride(0), out.stride(1),
-            SPLITS_P2=triton.next_power_of_2(splits), BLOCK_D=padded_d,
-            num_warps=4,
+            SPLITS_P2=triton.next_power_of_2(splits), BLOCK_D=padded_d, PDL=pdl,
+            num_warps=4, **launch,
         )  # fmt: skip
     return out

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from types import MappingProxyType
 import dataclasses
+import os
 
 import torch
 import triton
+import triton.language as tl
 
-from ._checks import block_d
+from ._checks import block_d, interpreting
 
 # A split shorter than this costs more (partials, the combine launch) than it wins in parallelism.
 _MIN_KEYS_PER_SPLIT = 512
@@ -23,6 +25,18 @@ _MAX_SPLITS = 128
 _PROGRAMS_PER_SM = 4
 # DecodeConfig.prefetch -> the kernel's PREFETCH.
 _PREFETCH = MappingProxyType({"tile": 0, "table": 1, "async": 2})
+
+
+def pdl_available(device: torch.device) -> bool:
+    """Whether kernels on `device` may be launched as programmatic dependent launches (PDL): each
+    then starts while the kernel before it finishes and waits for its results in-kernel
+    (`gdc_wait`). Needs a CUDA GPU of compute capability 9.0 or later (Hopper) and a Triton with
+    grid-dependency control; HF_PAGED_T5_PDL=0 turns it off (A/B measurements)."""
+    return (
+        device.type == "cuda" and not interpreting() and os.environ.get("HF_PAGED_T5_PDL", "1") != "0"
+        and hasattr(getattr(tl, "extra", None), "cuda") and hasattr(tl.extra.cuda, "gdc_wait")
+        and torch.cuda.get_device_capability(device)[0] >= 9
+    )
 
 
 def _num_sms(device: torch.device) -> int:

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import check_device, check_float
+from ._checks import check_device, check_float, interpreting
 
 
 @triton.jit
@@ -25,10 +25,15 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     HALF_WEIGHT: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < d_model
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)  # a weight: no earlier kernel writes it
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     x = tl.load(x_ptr + row * stride_x_row + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_residual_row + cols, mask=mask, other=0.0)
@@ -38,7 +43,6 @@ def _rms_norm_kernel(
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / d_model
     normed = xf * tl.math.rsqrt(var + eps)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     if HALF_WEIGHT:
         normed = normed.to(weight_ptr.dtype.element_ty)
     out = w.to(tl.float32) * normed.to(tl.float32)
@@ -50,10 +54,12 @@ def rms_norm(
     weight: torch.Tensor,
     eps: float,
     residual: Optional[torch.Tensor] = None,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """T5 layer norm of `hidden (+ residual)`.
 
     hidden: [..., d_model]; residual: same shape and dtype, or None; weight: [d_model]
+    pdl: launch as a programmatic dependent launch (`launch.pdl_available`); ignored under the interpreter
     returns: (normed [..., d_model] in HF's output dtype, the sum hidden + residual (or hidden))
     """
     check_float("hidden", hidden, hidden.dim())
@@ -78,6 +84,8 @@ def rms_norm(
         r, total = x, x
     if x.shape[0] == 0:
         return out.reshape(hidden.shape), total.reshape(hidden.shape)
+    pdl = pdl and not interpreting()
+    launch = {"launch_pdl": True} if pdl else {}
     _rms_norm_kernel[(x.shape[0],)](
         x, r, total, weight, out,
         x.stride(0), r.stride(0), total.stride(0), out.stride(0),
@@ -85,5 +93,6 @@ def rms_norm(
         HAS_RESIDUAL=residual is not None,
         HALF_WEIGHT=half_weight,
         BLOCK=triton.next_power_of_2(d_model),
+        PDL=pdl, **launch,
     )
     return out.reshape(hidden.shape), total.reshape(hidden.shape)

@@ -91,7 +91,7 @@ class OnDevice:
         return fn
 
 
-def _unhooked(module: nn.Module) -> bool:
+def unhooked(module: nn.Module) -> bool:
     """Whether calling `module` runs its class's forward and nothing else: no accelerate hook, no
     forward hook or pre-hook of its own or global (a user's, a quantizer's), no replaced forward."""
     return (
@@ -101,22 +101,27 @@ def _unhooked(module: nn.Module) -> bool:
     )
 
 
-def _plain_linear(layer: nn.Module) -> bool:
+def plain_linear(layer: nn.Module) -> bool:
     """A bias-free `nn.Linear` whose call is exactly `x @ weight.T`."""
-    return type(layer) is nn.Linear and layer.bias is None and _unhooked(layer)
+    return type(layer) is nn.Linear and layer.bias is None and unhooked(layer)
 
 
 # HF's T5-family RMSNorm classes: `weight * x / sqrt(mean(x^2) + variance_epsilon)`, in HF's dtype order
 _RMS_NORMS = frozenset({"T5LayerNorm", "MT5LayerNorm", "UMT5LayerNorm"})
 
 
+def plain_rms_norm(norm: nn.Module) -> bool:
+    """One of HF's T5-family RMSNorms as it is (not apex's fused norm, not hooked)."""
+    return type(norm).__name__ in _RMS_NORMS and unhooked(norm)
+
+
 def project(ops: ModuleType, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """`layer(x)`, on the backend's few-row GEMV kernel when it serves this product.
 
-    Only a plain linear layer qualifies (`_plain_linear`): a LoRA, quantized or hooked layer runs
+    Only a plain linear layer qualifies (`plain_linear`): a LoRA, quantized or hooked layer runs
     its own forward, so its adapter, dequantization or hook applies as in stock HF.
     """
-    if _plain_linear(layer) and ops.gemv_supports(x, layer.weight):
+    if plain_linear(layer) and ops.gemv_supports(x, layer.weight):
         return ops.gemv(x, layer.weight)
     return layer(x)
 
@@ -128,13 +133,14 @@ _GELU_TANH = frozenset({"NewGELUActivation", "GELUTanh", "PytorchGELUTanh"})
 
 
 def fused_gated_gelu(ops: ModuleType, dense: nn.Module, dtype: torch.dtype) -> bool:
-    """Whether `gelu_tanh(wi_0(x)) * wi_1(x)` of `dense` runs as the backend's one `gated_gelu`
-    kernel: HF's gated FF with a tanh GELU as they are (no hooks, no dropout), half-precision
-    activations (float32 keeps HF's op-by-op rounding, so fp32 tokens stay HF's bit for bit)."""
+    """Whether `gelu_tanh(wi_0(x)) * wi_1(x)` of `dense` runs as one kernel (the backend's
+    `gated_gelu`; `ops` None: any backend's): HF's gated FF with a tanh GELU as they are (no hooks,
+    no dropout), half-precision activations (float32 keeps HF's op-by-op rounding, so fp32 tokens
+    stay HF's bit for bit)."""
     return (
-        dtype in (torch.float16, torch.bfloat16) and hasattr(ops, "gated_gelu")
+        dtype in (torch.float16, torch.bfloat16) and (ops is None or hasattr(ops, "gated_gelu"))
         and type(dense).__name__ in _GATED_FF and type(dense.act).__name__ in _GELU_TANH
-        and not (dense.training and dense.dropout.p) and all(map(_unhooked, (dense, dense.act, dense.dropout)))
+        and not (dense.training and dense.dropout.p) and all(map(unhooked, (dense, dense.act, dense.dropout)))
     )
 
 
@@ -289,7 +295,7 @@ def add_norm(
     One fused kernel where HF's order allows it (no fp16 clamp, one device, one dtype). A norm
     that is not HF's own T5 RMSNorm as it is (apex's fused norm, a hooked one) runs its own forward.
     """
-    if type(layer_norm).__name__ not in _RMS_NORMS or not _unhooked(layer_norm):
+    if not plain_rms_norm(layer_norm):
         total = hidden if out is None else clamp_fp16(hidden + out)
         total = total.to(layer_norm.weight.device)
         return layer_norm(total), total

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from . import attention as attn_ops
-from . import longt5
+from . import fused_layer, longt5
 from .bias import is_local, self_attention
 from ..kv.pool import KVPool, StepMetadata
 
@@ -287,12 +287,19 @@ def decoder_layers(
     meta_for: Callable[[torch.device], StepMetadata],
     input_ids: torch.Tensor,
     state=None,
+    fused: bool = False,
 ) -> torch.Tensor:
     """The decoder stack over prepared step metadata; no host sync (CUDA-graph capturable).
 
     input_ids: [rows, num_new]; returns [rows, num_new, d_model]
     state: the call's `cpu_ops.DecodeState` when every decoder layer runs the CPU backend, else None
+    fused: run the step as `fused_layer.decoder_layers` where that serves it
     """
+    if fused and state is None:
+        device = module_device(decoder.embed_tokens)
+        ops = ops_for(device)
+        if fused_layer.serves(decoder, ops, pool, input_ids):
+            return fused_layer.decoder_layers(decoder, ops, bias_tables, pool, meta_for(device), input_ids)
     hidden = decoder.dropout(decoder.embed_tokens(input_ids))
     out = None  # pending sub-layer output, added inside the next layer norm (see encoder_forward)
     for i, block in enumerate(decoder.block):

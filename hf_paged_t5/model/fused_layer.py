@@ -1,0 +1,143 @@
+"""A decode step's decoder layers as a few fused kernels each (few rows, bfloat16).
+
+`stacks.decoder_layers` runs each layer op by op: three norms, seven projections, the K/V store,
+the residual adds and the activation, ~17 kernels per layer. Where every layer is HF's own
+modules as they are (`serves`), this runs each layer as
+
+    norm + q/k/v + K/V store | self-attention | o + residual
+    norm + q                 | cross-attention | o + residual
+    norm + wi (+ activation) | wo + residual
+
+(`kernels.fused_linear` and `kernels.paged_decode`; 8 launches, 9 with a split cross-attention),
+each launched as a programmatic dependent launch where the GPU allows it (`pdl_available`). The
+arithmetic is HF's at every point where HF rounds (`fused_linear`'s docstring); the order of a
+dot product's sums is the GEMV's, as on the unfused path.
+
+bfloat16 only: float16 clamps the residual stream after every sub-layer by a test over the whole
+tensor (`attention.clamp_fp16`), and float32 keeps cuBLAS so its tokens stay HF's bit for bit.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Callable
+
+import torch
+from torch import nn
+
+from . import attention as attn_ops
+from ..kv.pool import KVPool, StepMetadata
+
+
+def _inactive(dropout: nn.Module) -> bool:
+    return type(dropout) is nn.Dropout and attn_ops.unhooked(dropout) and not (dropout.training and dropout.p)
+
+
+def _norm_ok(norm: nn.Module, dtype: torch.dtype) -> bool:
+    return attn_ops.plain_rms_norm(norm) and norm.weight.dtype == dtype
+
+
+def _attention_ok(attn: nn.Module, names: tuple[str, ...], dtype: torch.dtype) -> bool:
+    return all(attn_ops.plain_linear(getattr(attn, n)) and getattr(attn, n).weight.dtype == dtype for n in names)
+
+
+def _feed_forward_ok(ff: nn.Module, dtype: torch.dtype) -> bool:
+    dense = ff.DenseReluDense
+    if not (_norm_ok(ff.layer_norm, dtype) and _inactive(ff.dropout) and attn_ops.unhooked(dense)):
+        return False
+    if hasattr(dense, "wi_0"):
+        linears = (dense.wi_0, dense.wi_1, dense.wo)
+        if not attn_ops.fused_gated_gelu(None, dense, dtype):
+            return False
+    else:
+        linears = (dense.wi, dense.wo)
+        names = {cls.__name__ for cls in type(dense).__mro__}
+        if "T5DenseActDense" not in names or type(dense.act) is not nn.ReLU or not _inactive(dense.dropout):
+            return False
+    return all(attn_ops.plain_linear(lin) and lin.weight.dtype == dtype for lin in linears)
+
+
+def serves(decoder: nn.Module, ops: ModuleType, pool: KVPool, input_ids: torch.Tensor) -> bool:
+    """Whether `decoder_layers` serves this step: the backend has `fused_linear`, one new token per
+    row and at most its MAX_ROWS rows, a bfloat16 decoder on one device with a bfloat16 pool, and
+    in every layer HF's own norms, plain bias-free Linears, a ReLU or gated tanh-GELU feed-forward
+    and no active dropout or hook (anything else runs `stacks.decoder_layers` op by op)."""
+    if not hasattr(ops, "fused_linear") or input_ids.dim() != 2 or input_ids.shape[1] != 1:
+        return False
+    if not _inactive(decoder.dropout):
+        return False
+    dtype, device = decoder.embed_tokens.weight.dtype, decoder.embed_tokens.weight.device
+    # [rows, d_model] activations and a weight, as shapes only (no memory)
+    probe = torch.empty((input_ids.shape[0], decoder.config.d_model), dtype=dtype, device="meta")
+    if dtype != torch.bfloat16 or not ops.fused_linear_supports(probe, [torch.empty_like(probe[:1])]):
+        return False
+    for i, block in enumerate(decoder.block):
+        sa, ca, ff = block.layer[0], block.layer[1], block.layer[-1]
+        if (
+            len(block.layer) != 3 or pool.key_caches[i].dtype != dtype or pool.key_caches[i].device != device
+            or any(p.device != device for p in block.parameters())
+            or not (_norm_ok(sa.layer_norm, dtype) and _norm_ok(ca.layer_norm, dtype))
+            or not (_inactive(sa.dropout) and _inactive(ca.dropout))
+            or not _attention_ok(sa.SelfAttention, ("q", "k", "v", "o"), dtype)
+            or not _attention_ok(ca.EncDecAttention, ("q", "o"), dtype)
+            or not _feed_forward_ok(ff, dtype)
+        ):
+            return False
+    return True
+
+
+def decoder_layers(
+    decoder: nn.Module,
+    ops: ModuleType,
+    bias_tables: list[torch.Tensor],
+    pool: KVPool,
+    meta: StepMetadata,
+    input_ids: torch.Tensor,
+) -> torch.Tensor:
+    """`stacks.decoder_layers` for a step that `serves` accepts; no host sync (graph capturable).
+
+    input_ids: [rows, 1]; returns [rows, 1, d_model]
+    """
+    device = decoder.embed_tokens.weight.device
+    pdl = ops.pdl_available(device)
+    hidden = decoder.dropout(decoder.embed_tokens(input_ids)).reshape(input_ids.shape[0], -1)  # [rows, d_model]
+    for i, block in enumerate(decoder.block):
+        hidden = _layer(ops, block, hidden, pool.key_caches[i], pool.value_caches[i], meta, bias_tables[i], pdl)
+    norm = decoder.final_layer_norm
+    hidden = ops.rms_norm(hidden=hidden, weight=norm.weight, eps=norm.variance_epsilon, pdl=pdl)[0]
+    return decoder.dropout(hidden).unsqueeze(1)
+
+
+def _layer(ops: ModuleType, block: nn.Module, hidden: torch.Tensor, key_cache: torch.Tensor,
+           value_cache: torch.Tensor, meta: StepMetadata, bias_table: torch.Tensor, pdl: bool) -> torch.Tensor:
+    """One decoder layer over hidden [rows, d_model] (the residual stream, complete): returns the next."""
+    sa, ca, ff = block.layer[0], block.layer[1], block.layer[-1]
+    rows = hidden.shape[0]
+    attn = sa.SelfAttention
+    q = ops.fused_linear(
+        x=hidden, weights=(attn.q.weight, attn.k.weight, attn.v.weight), norm_weight=sa.layer_norm.weight,
+        eps=sa.layer_norm.variance_epsilon, key_cache=key_cache, value_cache=value_cache,
+        slot_mapping=meta.slot_mapping, pdl=pdl,
+    )
+    heads = key_cache.shape[2:]
+    out = ops.paged_decode(
+        query=q.view(rows, *heads), key_cache=key_cache, value_cache=value_cache, block_table=meta.self_block_table,
+        seq_lens=meta.self_seq_lens, scale=1.0, bias_table=bias_table, pdl=pdl,
+    )
+    hidden = ops.fused_linear(x=out.view(rows, -1), weights=(attn.o.weight,), residual=hidden, pdl=pdl)
+    cross = ca.EncDecAttention
+    q = ops.fused_linear(x=hidden, weights=(cross.q.weight,), norm_weight=ca.layer_norm.weight,
+                         eps=ca.layer_norm.variance_epsilon, pdl=pdl)
+    out = ops.paged_decode(
+        query=q.view(rows, *heads), key_cache=key_cache, value_cache=value_cache, block_table=meta.cross_block_table,
+        seq_lens=meta.cross_seq_lens, scale=1.0, pdl=pdl,
+    )
+    hidden = ops.fused_linear(x=out.view(rows, -1), weights=(cross.o.weight,), residual=hidden, pdl=pdl)
+    dense, norm = ff.DenseReluDense, ff.layer_norm
+    if hasattr(dense, "wi_0"):
+        h = ops.fused_linear(x=hidden, weights=(dense.wi_0.weight, dense.wi_1.weight), norm_weight=norm.weight,
+                             eps=norm.variance_epsilon, activation="gelu_tanh", pdl=pdl)
+    else:
+        h = ops.fused_linear(x=hidden, weights=(dense.wi.weight,), norm_weight=norm.weight,
+                             eps=norm.variance_epsilon, activation="relu", pdl=pdl)
+    return ops.fused_linear(x=h, weights=(dense.wo.weight,), residual=hidden, pdl=pdl)
