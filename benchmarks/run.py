@@ -42,6 +42,7 @@ class Suite:
 
 SUITES = {s.name: s for s in (
     Suite("generate", "bench_generate.py", "generate(): HF eager / sdpa vs patched, ms per step, memory (GPU)"),
+    Suite("fusion", "ab_fusion.py", "the fused decode layer vs one kernel per op: ms per step, kernels per layer (GPU)"),
     Suite("batch", "bench_batch.py", "BatchGenerator vs static batches vs HF, tokens/s (GPU; --quick --device cpu)"),
     Suite("kernels", "bench_kernels.py", "Triton kernels vs HF eager math and SDPA (GPU; --quick on CPU)"),
     Suite("cold", "bench_cold.py", "first calls in fresh processes, empty Triton cache, stock vs patched"),

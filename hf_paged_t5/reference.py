@@ -290,3 +290,8 @@ def fused_linear(
         keep = slot_mapping >= 0  # a negative slot stores nothing, as in the kernel
         store_kv(k[keep], v[keep], key_cache, value_cache, slot_mapping[keep])
     return ys[0]
+
+
+def fused_linear_supports(x: torch.Tensor, weights) -> bool:
+    """The torch backend runs each decoder layer op by op with the model's own modules."""
+    return False

@@ -25,6 +25,7 @@ bit-comparable with stock HF.
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Optional, Sequence
 
 import torch
@@ -36,7 +37,7 @@ from .gemv import MAX_ROWS, gemv_config
 
 # EPILOGUE values.
 _PLAIN, _RESIDUAL, _RELU, _GATED_GELU, _STORE_KV = 0, 1, 2, 3, 4
-_ACTIVATIONS = {None: _PLAIN, "relu": _RELU, "gelu_tanh": _GATED_GELU}
+_ACTIVATIONS = MappingProxyType({None: _PLAIN, "relu": _RELU, "gelu_tanh": _GATED_GELU})
 SQRT_2_OVER_PI = 0.7978845608028654
 
 
