@@ -38,7 +38,7 @@ from .gemv import MAX_ROWS, gemv_config
 # EPILOGUE values.
 _PLAIN, _RESIDUAL, _RELU, _GATED_GELU, _STORE_KV = 0, 1, 2, 3, 4
 _ACTIVATIONS = MappingProxyType({None: _PLAIN, "relu": _RELU, "gelu_tanh": _GATED_GELU})
-SQRT_2_OVER_PI = 0.7978845608028654
+SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 
 
 @triton.jit
@@ -121,20 +121,18 @@ def _fused_linear_kernel(
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
         mask_k = k < K
+        if k0 > 0:  # the first tile came before the wait
+            w_mask = mask_n[:, None] & mask_k[None, :]
+            w = tl.load(w_rows + k[None, :], mask=w_mask, other=0.0)
+            if EPILOGUE == 3:
+                w1 = tl.load(w1_rows + k[None, :], mask=w_mask, other=0.0)
         xf = tl.load(x_rows + k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
         if NORM:
             g = tl.load(norm_weight_ptr + k, mask=mask_k, other=0.0).to(tl.float32)
             xf = _round(g[None, :] * _round(xf * inv_rms[:, None], x_ptr), x_ptr)
-        # The next tile's weights are requested before this one is used.
-        k_next = k + BLOCK_K
-        next_mask = mask_n[:, None] & (k_next < K)[None, :]
-        w_next = tl.load(w_rows + k_next[None, :], mask=next_mask, other=0.0)
         acc += tl.sum(xf[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-        w = w_next
         if EPILOGUE == 3:
-            w1_next = tl.load(w1_rows + k_next[None, :], mask=next_mask, other=0.0)
             acc1 += tl.sum(xf[:, None, :] * w1.to(tl.float32)[None, :, :], axis=2)
-            w1 = w1_next
 
     # HF rounds each Linear's output to the activations' dtype before anything else touches it.
     y = _round(acc, out_ptr)
@@ -284,6 +282,10 @@ def fused_linear(
     values = value_cache if value_cache is not None else cache
     slots = slot_mapping if slot_mapping is not None else out
     block_n, block_k, num_warps = gemv_config(rows, N, K)
+    block_m = triton.next_power_of_2(rows)
+    # Each program holds BLOCK_M x BLOCK_N x BLOCK_K products per weight: past 8 x 1024 per two
+    # warps the norm's extra registers spill (ptxas, sm_90), where the plain GEMV's do not.
+    block_n = min(block_n, max(1, 8 // (block_m * (2 if epilogue == _GATED_GELU else 1))))
     if interpreting():
         block_n = 16  # the interpreter's cost is per program: fewer, wider ones on the CPU
     segments = 3 if epilogue == _STORE_KV else 1
@@ -294,7 +296,7 @@ def fused_linear(
         x2.stride(0), w0.stride(0), residual2.stride(0), out.stride(0),
         cache.stride(0), cache.stride(1), cache.stride(2),
         NORM=norm_weight is not None, EPILOGUE=epilogue, CACHE_BLOCK=cache.shape[1],
-        BLOCK_M=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl,
         num_warps=num_warps, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return out.reshape(*x.shape[:-1], N)
