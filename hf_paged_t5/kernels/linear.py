@@ -39,6 +39,10 @@ from .gemv import MAX_ROWS, gemv_config
 _PLAIN, _RESIDUAL, _RELU, _GATED_GELU, _STORE_KV = 0, 1, 2, 3, 4
 _ACTIVATIONS = MappingProxyType({None: _PLAIN, "relu": _RELU, "gelu_tanh": _GATED_GELU})
 SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
+# Past this many weight elements, a step of 2-4 rows ran slower fused than on cuBLAS's GEMMs with
+# the op-by-op kernels (H200, benchmarks/ab_fusion.py: flan-t5-xl's 10.5M-element FF weights at 4
+# rows, 2.77 vs 2.28 ms per step replay; t5-large's 4.2M, 1.28 vs 1.43).
+MULTI_ROW_ELEMENTS = 1 << 22
 
 
 @triton.jit
@@ -161,13 +165,15 @@ def _fused_linear_kernel(
 
 
 def fused_linear_supports(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> bool:
-    """Whether `fused_linear` serves these operands: at most MAX_ROWS rows of x, half precision,
-    row-major weights of one shape and x's dtype and device. (A decode step picks it for every
-    layer or none: `model/fused_layer.py`.)"""
+    """Whether `fused_linear` serves these operands: at most MAX_ROWS rows of x (more than one
+    only for weights of at most MULTI_ROW_ELEMENTS elements), half precision, row-major weights
+    of one shape and x's dtype and device. (A decode step picks it for every layer or none:
+    `model/fused_layer.py`.)"""
     rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
     w0 = weights[0] if weights else None
     return (
         0 < rows <= MAX_ROWS
+        and (rows == 1 or w0.numel() <= MULTI_ROW_ELEMENTS)
         and x.dtype in (torch.float16, torch.bfloat16)
         and 1 <= len(weights) <= 3
         and all(

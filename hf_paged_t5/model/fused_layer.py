@@ -57,6 +57,13 @@ def _feed_forward_ok(ff: nn.Module, dtype: torch.dtype) -> bool:
     return all(attn_ops.plain_linear(lin) and lin.weight.dtype == dtype for lin in linears)
 
 
+def _weights(block: nn.Module) -> list[torch.Tensor]:
+    """The projection weights one decoder layer's step reads, as meta tensors (shapes only)."""
+    cross = block.layer[1].EncDecAttention
+    once = {id(getattr(cross, "k", None)), id(getattr(cross, "v", None))}  # once per call, not per step
+    return [m.weight.to("meta") for m in block.modules() if isinstance(m, nn.Linear) and id(m) not in once]
+
+
 def serves(decoder: nn.Module, ops: ModuleType, pool: KVPool, input_ids: torch.Tensor) -> bool:
     """Whether `decoder_layers` serves this step: the backend has `fused_linear`, one new token per
     row and at most its MAX_ROWS rows, a bfloat16 decoder on one device with a bfloat16 pool, and
@@ -67,9 +74,10 @@ def serves(decoder: nn.Module, ops: ModuleType, pool: KVPool, input_ids: torch.T
     if not _inactive(decoder.dropout):
         return False
     dtype, device = decoder.embed_tokens.weight.dtype, decoder.embed_tokens.weight.device
-    # [rows, d_model] activations and a weight, as shapes only (no memory)
-    probe = torch.empty((input_ids.shape[0], decoder.config.d_model), dtype=dtype, device="meta")
-    if dtype != torch.bfloat16 or not ops.fused_linear_supports(probe, [torch.empty_like(probe[:1])]):
+    if dtype != torch.bfloat16 or not all(
+        ops.fused_linear_supports(torch.empty((input_ids.shape[0], w.shape[1]), dtype=dtype, device="meta"), [w])
+        for w in _weights(decoder.block[0])
+    ):  # x as a shape only (no memory); every layer has layer 0's shapes
         return False
     for i, block in enumerate(decoder.block):
         sa, ca, ff = block.layer[0], block.layer[1], block.layer[-1]
