@@ -223,6 +223,24 @@ def test_paged_decode_fused_combine_split_counts(num_splits):
     assert rel_err(out, decode_reference(*args)) < TOLERANCE[torch.float16]
 
 
+@pytest.mark.parametrize("num_splits", [1, 3, 7])
+def test_paged_decode_leaves_given_tickets_at_zero(num_splits):
+    """With the caller's counters (a graph step's `StepMetadata.tickets`), the last split merges
+    and sets its counter back to zero: the next launch over the same counters (another layer,
+    another row count) merges right, and a launch of one split does not touch them."""
+    lens = [1, 20, 40]
+    key_cache, value_cache, block_table, seq_lens = make_paged_kv(lens, 4, 3, 16, torch.float16, extra_cols=3)
+    tickets = torch.zeros(3 * 3 + 5, dtype=torch.int32, device=DEVICE)
+    for rows in (3, 2, 3):
+        query = torch.randn(rows, 3, 16, device=DEVICE).half()
+        args = (query, key_cache, value_cache, block_table[:rows], seq_lens[:rows])
+        out = paged_decode(*args, num_splits=num_splits, tickets=tickets)
+        assert rel_err(out, decode_reference(*args)) < TOLERANCE[torch.float16]
+        assert not tickets.any()
+    with pytest.raises(ValueError, match="tickets must hold >= batch"):
+        paged_decode(*args, num_splits=3, tickets=tickets[:4])
+
+
 def test_paged_decode_num_splits_overrides_config():
     lens = [70, 3]
     key_cache, value_cache, block_table, seq_lens = make_paged_kv(lens, 8, 2, 16, torch.float32)

@@ -219,9 +219,11 @@ class DecodeGraphs:
         c_table.fill_(pool.scratch_block)
         packed = host.to(device, copy=True)
         slot, s_lens, c_lens, s_table, c_table = _views(packed, *key)
+        heads = max(cache.shape[2] for cache in pool.key_caches)
         meta = StepMetadata(
             num_new=1, slot_mapping=slot, self_block_table=s_table, self_seq_lens=s_lens,
             cross_block_table=c_table, cross_seq_lens=c_lens,
+            tickets=torch.zeros(batch * heads, dtype=torch.int32, device=device),
         )
         static_ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
         copied = torch.cuda.Event() if pin else None

@@ -156,7 +156,7 @@ def _paged_decode_kernel(
     bias_ptr,  # table [num_heads, max_distance + 1] | dense [batch|1, num_heads|1, dense_len] | unused
     out_ptr,  # [batch, num_heads, head_dim], written without SPLIT (with FUSED_COMBINE, by the last split)
     part_ptr,  # [batch, num_heads, num_splits, BLOCK_D + 2] fp32, written with SPLIT (layout: _combine_splits_kernel)
-    ticket_ptr,  # [batch, num_heads] int32 zeros, with FUSED_COMBINE: splits of (row, head) done so far
+    ticket_ptr,  # [batch, num_heads] int32 zeros, with FUSED_COMBINE: splits of (row, head) done so far (left at zero)
     scale,
     head_dim,
     max_keys,
@@ -265,6 +265,8 @@ def _paged_decode_kernel(
                     part_ptr, out_ptr, row, head, num_heads, num_splits, head_dim,
                     stride_out_batch, stride_out_head, SPLITS_P2, BLOCK_D,
                 )  # fmt: skip
+                # Every split has counted: back to zero for the next launch over these counters.
+                tl.atomic_xchg(ticket_ptr + row * num_heads + head, 0)
 
 
 @triton.jit(do_not_specialize=["num_splits"])  # workload sizes: see kernels/__init__.py
@@ -290,6 +292,14 @@ def _combine_splits_kernel(
     )  # fmt: skip
 
 
+def _check_tickets(tickets: torch.Tensor, needed: int, device: torch.device) -> None:
+    if not isinstance(tickets, torch.Tensor) or tickets.dtype != torch.int32 or not tickets.is_contiguous():
+        raise TypeError("tickets must be a contiguous int32 tensor of zeros")
+    if tickets.numel() < needed or tickets.device != device:
+        raise ValueError(f"tickets must hold >= batch * num_heads = {needed} counters on {device}, "
+                         f"got {tickets.numel()} on {tickets.device}")
+
+
 def paged_decode(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -303,6 +313,7 @@ def paged_decode(
     num_splits: Optional[int] = None,
     config: Optional[DecodeConfig] = None,
     pdl: bool = False,
+    tickets: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention of one query token per row over that row's paged keys.
 
@@ -319,6 +330,9 @@ def paged_decode(
     num_splits: optional override of the number of key splits (testing, tuning).
     config: optional override of every launch knob (tuning); `num_splits` still wins if given.
     pdl: launch as a programmatic dependent launch (`launch.pdl_available`); ignored under the interpreter
+    tickets: [>= batch * num_heads] int32 zeros (left at zero), or None: with several splits the
+        last split of each (row, head) merges the partials, counting on these (`fused_combine`
+        without its memset); a graph's step owns them (`StepMetadata.tickets`)
     returns: [batch, num_heads, head_dim], query's dtype
     """
     max_distance = check_decode_args(query, key_cache, value_cache, block_table, seq_lens, bias_table, dense_bias)
@@ -354,11 +368,14 @@ def paged_decode(
     pdl = pdl and not interpreting()
     launch = {"launch_pdl": True} if pdl else {}
     part = ticket = out  # unused placeholders when there is one split
-    fused = splits > 1 and config.fused_combine
+    fused = splits > 1 and (config.fused_combine or tickets is not None)
     if splits > 1:
         # One buffer for the three partials: one allocation, one pointer argument.
         part = torch.empty((batch, num_heads, splits, padded_d + 2), dtype=torch.float32, device=query.device)
-    if fused:
+    if fused and tickets is not None:
+        _check_tickets(tickets, batch * num_heads, query.device)
+        ticket = tickets
+    elif fused:
         ticket = torch.zeros((batch, num_heads), dtype=torch.int32, device=query.device)
 
     _paged_decode_kernel[(num_heads, batch, splits)](

@@ -8,7 +8,8 @@ modules as they are (`serves`), this runs each layer as
     norm + q                 | cross-attention | o + residual
     norm + wi (+ activation) | wo + residual
 
-(`kernels.fused_linear` and `kernels.paged_decode`; 8 launches, 9 with a split cross-attention),
+(`kernels.fused_linear` and `kernels.paged_decode`: 8 launches; a split attention merges its
+partials in its last program, on the step's `tickets`),
 each launched as a programmatic dependent launch where the GPU allows it (`pdl_available`). The
 arithmetic is HF's at every point where HF rounds (`fused_linear`'s docstring); the order of a
 dot product's sums is the GEMV's, as on the unfused path.
@@ -130,7 +131,7 @@ def _layer(ops: ModuleType, block: nn.Module, hidden: torch.Tensor, key_cache: t
     heads = key_cache.shape[2:]
     out = ops.paged_decode(
         query=q.view(rows, *heads), key_cache=key_cache, value_cache=value_cache, block_table=meta.self_block_table,
-        seq_lens=meta.self_seq_lens, scale=1.0, bias_table=bias_table, pdl=pdl,
+        seq_lens=meta.self_seq_lens, scale=1.0, bias_table=bias_table, pdl=pdl, tickets=meta.tickets,
     )
     hidden = ops.fused_linear(x=out.view(rows, -1), weights=(attn.o.weight,), residual=hidden, pdl=pdl)
     cross = ca.EncDecAttention
@@ -138,7 +139,7 @@ def _layer(ops: ModuleType, block: nn.Module, hidden: torch.Tensor, key_cache: t
                          eps=ca.layer_norm.variance_epsilon, pdl=pdl)
     out = ops.paged_decode(
         query=q.view(rows, *heads), key_cache=key_cache, value_cache=value_cache, block_table=meta.cross_block_table,
-        seq_lens=meta.cross_seq_lens, scale=1.0, pdl=pdl,
+        seq_lens=meta.cross_seq_lens, scale=1.0, pdl=pdl, tickets=meta.tickets,
     )
     hidden = ops.fused_linear(x=out.view(rows, -1), weights=(cross.o.weight,), residual=hidden, pdl=pdl)
     dense, norm = ff.DenseReluDense, ff.layer_norm
