@@ -165,7 +165,7 @@ def test_fused_step_gives_the_unfused_logits(monkeypatch, family, rows):
 
 def test_unserved_steps_run_op_by_op(monkeypatch):
     """What the fused layer does not serve runs the op-by-op layer: float16 (its residual clamp),
-    more than four rows, a forward hook on a projection, active dropout."""
+    more than four rows, hooks on a projection or the final norm, active dropout, another activation."""
     from torch import nn
 
     model = make_model("t5", dtype=torch.bfloat16, num_layers=1, num_decoder_layers=1)
@@ -184,6 +184,9 @@ def test_unserved_steps_run_op_by_op(monkeypatch):
     assert not fused_layer.serves(model.decoder, ops, pool, one)
     model.eval()
     assert fused_layer.serves(model.decoder, ops, pool, one)
+    handle = model.decoder.final_layer_norm.register_forward_pre_hook(lambda *a: None)
+    assert not fused_layer.serves(model.decoder, ops, pool, one)
+    handle.remove()
     model.decoder.block[0].layer[-1].DenseReluDense.act = nn.GELU()
     assert not fused_layer.serves(model.decoder, ops, pool, one)
     half = make_model("t5", dtype=torch.float16, num_layers=1, num_decoder_layers=1)

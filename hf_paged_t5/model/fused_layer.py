@@ -72,9 +72,10 @@ def serves(decoder: nn.Module, ops: ModuleType, pool: KVPool, input_ids: torch.T
     and no active dropout or hook (anything else runs `stacks.decoder_layers` op by op)."""
     if not hasattr(ops, "fused_linear") or input_ids.dim() != 2 or input_ids.shape[1] != 1:
         return False
-    if not _inactive(decoder.dropout):
-        return False
     dtype, device = decoder.embed_tokens.weight.dtype, decoder.embed_tokens.weight.device
+    final = decoder.final_layer_norm
+    if not (_inactive(decoder.dropout) and _norm_ok(final, dtype) and final.weight.device == device):
+        return False
     if dtype != torch.bfloat16 or not all(
         ops.fused_linear_supports(torch.empty((input_ids.shape[0], w.shape[1]), dtype=dtype, device="meta"), [w])
         for w in _weights(decoder.block[0])
