@@ -9,9 +9,8 @@ modules as they are (`serves`), this runs each layer as
     norm + wi (+ activation) | wo + residual
 
 (`kernels.fused_linear` and `kernels.paged_decode`: 8 launches; a split attention merges its
-partials in its last program, on the step's `tickets`),
-each launched as a programmatic dependent launch where the GPU allows it (`pdl_available`). The
-arithmetic is HF's at every point where HF rounds (`fused_linear`'s docstring); the order of a
+partials in its last program, on the step's `tickets`), each a programmatic dependent launch
+where the GPU allows it (`pdl_available`). The arithmetic is HF's at every point where HF rounds (`fused_linear`'s docstring); the order of a
 dot product's sums is the GEMV's, as on the unfused path.
 
 bfloat16 only: float16 clamps the residual stream after every sub-layer by a test over the whole
@@ -21,7 +20,6 @@ tensor (`attention.clamp_fp16`), and float32 keeps cuBLAS so its tokens stay HF'
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Callable
 
 import torch
 from torch import nn
@@ -86,6 +84,7 @@ def serves(decoder: nn.Module, ops: ModuleType, pool: KVPool, input_ids: torch.T
         if (
             len(block.layer) != 3 or pool.key_caches[i].dtype != dtype or pool.key_caches[i].device != device
             or any(p.device != device for p in block.parameters())
+            or not all(map(attn_ops.unhooked, (block, sa, ca, ff, sa.SelfAttention, ca.EncDecAttention)))
             or not (_norm_ok(sa.layer_norm, dtype) and _norm_ok(ca.layer_norm, dtype))
             or not (_inactive(sa.dropout) and _inactive(ca.dropout))
             or not _attention_ok(sa.SelfAttention, ("q", "k", "v", "o"), dtype)
