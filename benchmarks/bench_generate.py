@@ -3,7 +3,7 @@
 Random weights with the real shapes of t5-small, t5-base, t5-large and flan-t5-xl; bf16;
 512-token inputs; 128 new tokens forced (min_new_tokens). Also an fp32 parity pass: greedy
 tokens of the patched model identical to HF's (t5-small and t5-large shapes, batch 16, on
-`tiny.build_model` weights, whose tokens depend on the input).
+`tiny.build_model` weights, whose tokens depend on the input), and both against a float64 copy.
 Every case starts with no cuBLAS workspace allocated (`fresh_workspaces`), so its peak memory
 counts the workspaces its own system makes (HF: the caller's stream; patched: the generation
 stream its graphs are captured on) and none an earlier case left.
@@ -233,26 +233,40 @@ def bench_model(name, src_len, new, cases, rows, gbps, launch, repeats):
         torch.cuda.empty_cache()
 
 
-def fp32_parity(name: str, batch: int = 16, src_len: int = SRC_LEN, new: int = 64) -> bool:
+def fp32_parity(name: str, batch: int = 16, src_len: int = SRC_LEN, new: int = 64) -> dict:
     """Greedy tokens of the patched model against HF's, fp32, on `tiny.build_model`'s weights: HF's
     own init makes greedy decoding repeat one token (`tiny.INIT_FACTOR`), which any path matches;
-    these give input-dependent tokens. Returns whether every token is identical."""
+    these give input-dependent tokens. Both are also compared with a float64 copy: its tokens, and
+    each path's logits against the float64 model's along that path's own tokens
+    (`common.error_vs_float64`), so a differing token says which side strays."""
+    import copy
+
     from hf_paged_t5 import tiny
 
     model = tiny.build_model(name, dtype=torch.float32, device="cuda", attn_implementation="sdpa")
+    model64 = copy.deepcopy(model).double()
     ids, mask = common.random_inputs(batch, src_len)
     mask[1::3, src_len // 2:] = 0  # padded rows too
-    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+              return_dict_in_generate=True, output_logits=True)
     with torch.inference_mode():
         ref = model.generate(**kw)
+        ref64 = model64.generate(**kw)
         hp.patch_model(model)
         out = model.generate(**kw)
-    same = torch.equal(ref, out)
-    print(f"fp32 parity {name}: identical={same} (agreement {(ref == out).float().mean():.4f})", flush=True)
-    del model
+    result = dict(
+        identical=bool(torch.equal(ref.sequences, out.sequences)),
+        agreement=float((ref.sequences == out.sequences).float().mean()),
+        stock_vs_float64=float((ref.sequences == ref64.sequences).float().mean()),
+        paged_vs_float64=float((out.sequences == ref64.sequences).float().mean()),
+        stock_error=common.error_vs_float64(model64, ref, input_ids=ids, attention_mask=mask),
+        paged_error=common.error_vs_float64(model64, out, input_ids=ids, attention_mask=mask),
+    )
+    print(f"fp32 parity {name}: {result}", flush=True)
+    del model, model64
     gc.collect()
     torch.cuda.empty_cache()
-    return same
+    return result
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -279,7 +293,8 @@ def main(argv=None) -> None:
     for name in args.models.split(","):
         bench_model(name, SRC_LEN, new, CASES, rows, gbps, launch, repeats)
     report = dict(gpu=torch.cuda.get_device_name(), repeats=repeats, copy_gbps=gbps, graph_launch_us=launch,
-                  fp32_tokens_identical=all(parity.values()) if parity else None, fp32_parity=parity, rows=rows,
+                  fp32_tokens_identical=all(p["identical"] for p in parity.values()) if parity else None,
+                  fp32_parity=parity, rows=rows,
                   kernels_per_decoder_layer=max((r["kernels_per_decoder_layer"] for r in rows), default=None),
                   ctranslate2=ct2_facts(rows))
     common.write_json(out / "generate.json", report)
@@ -294,7 +309,11 @@ def main(argv=None) -> None:
           fmt(r["paged_peak_gib"], ".2f"), fmt(r["weights_gib"], ".2f"), fmt(r["mem_vs_hf"], ".2f"),
           fmt(r["floor_ms_per_step"], ".3f"), fmt(r["kernels_per_decoder_layer"], ".1f")] for r in rows),
         title=f"ms per decode step, {SRC_LEN}-token inputs, {new} new tokens, bf16, median of {repeats} calls")
-    print(f"fp32 greedy tokens identical to HF: {report['fp32_tokens_identical']} {parity}")
+    print(f"fp32 greedy tokens identical to HF: {report['fp32_tokens_identical']}")
+    for name, p in parity.items():
+        print(f"  {name}: agreement {p['agreement']:.4f}; with float64's tokens: stock {p['stock_vs_float64']:.4f}, "
+              f"paged {p['paged_vs_float64']:.4f}; logit error vs float64: stock {p['stock_error']:.2e}, "
+              f"paged {p['paged_error']:.2e}")
 
 
 if __name__ == "__main__":

@@ -108,10 +108,7 @@ def fp32_parity(name: str, init_factor: float, batch: int = 4, src_len: int = 12
               return_dict_in_generate=True, output_logits=True)
 
     def error(out) -> float:
-        """max |logit - float64 logit| over the steps and rows, relative to the float64 logits' max."""
-        logits = torch.stack(out.logits, dim=1).double()
-        forced = model64(input_ids=ids, attention_mask=mask, decoder_input_ids=out.sequences[:, :-1]).logits
-        return float((logits - forced).abs().max() / forced.abs().max())
+        return common.error_vs_float64(model64, out, input_ids=ids, attention_mask=mask)
 
     with torch.inference_mode():
         ref = model.generate(**kw)

@@ -386,6 +386,17 @@ def make_model(shape: str, attn: str = "sdpa", dtype: torch.dtype = torch.bfloat
     return model.to(dtype).eval()
 
 
+def error_vs_float64(model64, out, **inputs) -> float:
+    """max |logit - float64 logit| over every step and row of a greedy `out` (return_dict_in_generate,
+    output_logits), the float64 model teacher-forced along `out`'s own tokens, relative to the
+    float64 logits' largest magnitude: how far that path's arithmetic strays, whichever tokens it
+    picked. inputs: the call's input_ids / attention_mask."""
+    logits = torch.stack(out.logits, dim=1).double()
+    with torch.inference_mode():
+        forced = model64(**inputs, decoder_input_ids=out.sequences[:, :-1]).logits
+    return float((logits - forced).abs().max() / forced.abs().max())
+
+
 def random_inputs(batch: int, src_len: int, device="cuda", vocab_size: int = 32000, seed: int = 1):
     """input_ids [batch, src_len] of random tokens >= 2 (no pad, no EOS), drawn on `device`, and an
     all-ones attention mask."""
