@@ -10,7 +10,9 @@ launches where the GPU has them: the default), `fused-no-pdl` (the same with HF_
 and `unfused` (`fused_decode=False`: one kernel per op). Each variant reports ms per step of the
 whole call (median of 5 calls after 2), µs per replay of its decode graph (median of 50, CUDA
 events), CUDA kernels per replay, the bf16 tokens' agreement with `unfused` and the first step's
-logits' relative difference from it; `fused` also the kernels of one replay by name (µs summed).
+logits' relative difference from it; `fused` and `fused-no-pdl` the kernels of one replay by
+name (µs summed; with dependent launches a kernel's time includes its wait for the one before,
+so the sums overlap: `fused-no-pdl`'s say where the GPU time goes).
 Writes DIR/fusion.json (default DIR: benchmarks/results/<date>-<gpu>/).
 """
 
@@ -99,7 +101,7 @@ def main(argv=None) -> None:
                     kernels_per_step=r["kernels_per_step"], kernels_per_decoder_layer=r["kernels_per_decoder_layer"],
                     tokens_agree_with_unfused=float((r["tokens"] == base["tokens"]).float().mean()),
                     logits0_rel_diff=float((r["logits0"] - base["logits0"]).norm() / base["logits0"].norm()),
-                    kernels_by_name_us=r["by_name"] if label == "fused" else None,
+                    kernels_by_name_us=r["by_name"] if label != "unfused" else None,
                 ))
                 print(f"{name} b{batch} {label}: {r['ms_per_step']:.3f} ms/step, replay {r['replay_us']:.0f} us, "
                       f"{r['kernels_per_decoder_layer']:.1f} kernels/layer", flush=True)
