@@ -1,0 +1,107 @@
+"""Registers and spills of the decode step's Triton kernels at sm_90, compiled here, no GPU needed.
+
+Triton compiles for a target it is given (`GPUTarget("cuda", 90, 32)`) with the `ptxas` and
+`cuobjdump` its wheel carries, so a machine without a GPU can read what the H200 would run: the
+registers per thread, the stack frame, the local-memory loads and stores (spills) in the SASS, and
+whether the programmatic-dependent-launch instructions are there. Each row is one launch
+configuration the package picks (`kernels.linear`, `kernels.gemv`, `kernels.decode`,
+`kernels.rmsnorm`) at the t5-large / flan-t5-xl decode shapes.
+
+    python benchmarks/diag_ptxas.py [--arch 90]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import subprocess
+import tempfile
+
+import common  # benchmarks/ is on sys.path (the scripts' import rule)
+
+
+def compile_report(kernel, constexprs: dict, types: dict, num_warps: int, arch: int, pdl: bool) -> dict:
+    """One kernel compiled for sm_`arch`: its registers, stack, spill instructions and PDL instructions."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = kernel.arg_names
+    signature = {n: "constexpr" if n in constexprs else types.get(n, "*bf16" if n.endswith("_ptr") else "i32")
+                 for n in names}
+    source = ASTSource(fn=kernel, signature=signature,
+                       constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                              options=dict(num_warps=num_warps, launch_pdl=pdl))
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", f.name],
+                               capture_output=True, text=True).stdout
+        sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", f.name],
+                              capture_output=True, text=True).stdout
+    fields = dict(item.split(":") for line in usage.splitlines() if "REG:" in line for item in line.split()
+                  if ":" in item and item.split(":")[1].isdigit())
+    return dict(registers=int(fields.get("REG", -1)), stack=int(fields.get("STACK", -1)),
+                spill_loads=sass.count("LDL"), spill_stores=sass.count("STL"),
+                pdl_instructions=compiled.asm["ptx"].count("griddepcontrol"))
+
+
+def cases() -> list[tuple]:
+    """(label, kernel, constexprs, argument types, num_warps, pdl) the decode step launches."""
+    from hf_paged_t5.kernels.gemv import gemv_config
+
+    linear = importlib.import_module("hf_paged_t5.kernels.linear")
+    gemv = importlib.import_module("hf_paged_t5.kernels.gemv")
+    decode = importlib.import_module("hf_paged_t5.kernels.decode")
+    rmsnorm = importlib.import_module("hf_paged_t5.kernels.rmsnorm")
+    out = []
+    shapes = [("t5-large", 1024, 4096, False), ("flan-t5-xl", 2048, 5120, True)]
+    for model, d_model, d_ff, gated in shapes:
+        for rows in (1, 4):
+            block_m = 1 if rows == 1 else 4
+            steps = [("qkv+store", d_model, d_model, linear._STORE_KV, True), ("o+residual", d_model, d_model,
+                     linear._RESIDUAL, False), ("wi+act", d_ff, d_model, linear._GATED_GELU if gated else linear._RELU,
+                     True), ("wo+residual", d_model, d_ff, linear._RESIDUAL, False)]
+            for what, n, k, epilogue, norm in steps:
+                block_n, block_k, warps = gemv_config(rows, n, k)
+                block_n = min(block_n, max(1, 8 // (block_m * (2 if epilogue == linear._GATED_GELU else 1))))
+                const = dict(NORM=norm, EPILOGUE=epilogue, CACHE_BLOCK=16, BLOCK_M=block_m, BLOCK_N=block_n,
+                             BLOCK_K=block_k, PDL=True)
+                out.append((f"fused_linear {model} {what} rows {rows}", linear._fused_linear_kernel, const,
+                            dict(eps="fp32", slot_mapping_ptr="*i32"), warps, True))
+        block_n, block_k, warps = gemv_config(1, d_model, d_model)
+        out.append((f"gemv {model} rows 1", gemv._gemv_kernel, dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k),
+                    {}, warps, False))
+    decode_types = dict(scale="fp32", block_table_ptr="*i32", seq_lens_ptr="*i32", bias_ptr="*fp32",
+                        part_ptr="*fp32", ticket_ptr="*i32")
+    for label, block_n, warps, split in (("self, one split", 128, 4, False), ("cross, split", 128, 8, True)):
+        const = dict(BIAS_MODE=1 if not split else 0, BLOCK_SIZE=16, BLOCK_N=block_n, BLOCK_D=64, SPLIT=split,
+                     SPLITS_P2=4 if split else 1, FUSED_COMBINE=split, PREFETCH=0, NUM_STAGES=1, PDL=True)
+        out.append((f"paged_decode {label}", decode._paged_decode_kernel, const, decode_types, warps, True))
+    out.append(("rms_norm d_model 1024", rmsnorm._rms_norm_kernel,
+                dict(HAS_RESIDUAL=False, HALF_WEIGHT=True, BLOCK=1024, PDL=True), dict(eps="fp32"), 4, True))
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", type=int, default=90, help="compute capability to compile for (90: Hopper)")
+    args = ap.parse_args(argv)
+    rows = []
+    for label, kernel, const, types, warps, pdl in cases():
+        try:
+            rows.append(dict(kernel=label, warps=warps, **compile_report(kernel, const, types, warps, args.arch, pdl)))
+        except Exception as exc:  # a configuration that does not compile is reported, not fatal
+            rows.append(dict(kernel=label, warps=warps, error=f"{type(exc).__name__}: {str(exc)[-300:]}"))
+    common.print_table(
+        ["kernel", "warps", "registers", "stack", "spill loads", "spill stores", "PDL instr.", "error"],
+        ([r["kernel"], r["warps"], r.get("registers"), r.get("stack"), r.get("spill_loads"), r.get("spill_stores"),
+          r.get("pdl_instructions"), r.get("error", "")] for r in rows),
+        title=f"sm_{args.arch}: the decode step's kernels as the package launches them")
+
+
+if __name__ == "__main__":
+    main()
