@@ -103,7 +103,20 @@ def environment() -> dict:
         "torch": torch.__version__,
         "transformers": package_version("transformers"),
         "triton": package_version("triton"),
+        "float32_math": float32_math(),
         "git": git_state(),
+    }
+
+
+def float32_math() -> dict:
+    """What float32 matrix products run as in this process: torch's TF32 switches and the driver's
+    NVIDIA_TF32_OVERRIDE (which makes cuBLAS use TF32 whatever torch says): stock HF's fp32 tokens
+    on a GPU follow them."""
+    return {
+        "matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "NVIDIA_TF32_OVERRIDE": os.environ.get("NVIDIA_TF32_OVERRIDE"),
     }
 
 
