@@ -8,6 +8,11 @@ configuration the package picks (`kernels.linear`, `kernels.gemv`, `kernels.deco
 `kernels.rmsnorm`) at the t5-large / flan-t5-xl decode shapes.
 
     python benchmarks/diag_ptxas.py [--arch 90]
+
+To read what the GPU machine's Triton makes (another version than this machine's), install that
+version's wheel into a folder of its own and put it first on the path, e.g.
+`pip install --no-deps --target /tmp/triton36 triton==3.6.0` then
+`PYTHONPATH=/tmp/triton36 python benchmarks/diag_ptxas.py`.
 """
 
 from __future__ import annotations
