@@ -120,9 +120,13 @@ class DecodeRunner:
 
             state = DecodeState()
 
+        # Whether the fused layer serves a step, per input shape, decided once for the plan's life
+        # (a call, or a batch job): hooks or dropout changed in the middle of a call are not seen.
+        fused_served = {} if config.fused_decode else None
+
         def step(input_ids, meta_for):
             hidden = decoder_layers(model.decoder, ops_for, tables, pool, meta_for, input_ids, state,
-                                    fused=config.fused_decode)
+                                    fused_served=fused_served)
             if scale is not None:
                 hidden = hidden * scale
             head_device = module_device(model.lm_head)

@@ -13,6 +13,10 @@ partials in its last program, on the step's `tickets`), each a programmatic depe
 where the GPU allows it (`pdl_available`). The arithmetic is HF's at every point where HF rounds (`fused_linear`'s docstring); the order of a
 dot product's sums is the GEMV's, as on the unfused path.
 
+Whether a step is served is decided once per input shape for a decode plan's life (a
+`generate()` call, a batch job: `decode/runner.py`); a hook added in the middle of a call is
+seen from the next call on.
+
 bfloat16 only: float16 clamps the residual stream after every sub-layer by a test over the whole
 tensor (`attention.clamp_fp16`), and float32 keeps cuBLAS so its tokens stay HF's bit for bit.
 """
@@ -32,17 +36,21 @@ def _inactive(dropout: nn.Module) -> bool:
     return type(dropout) is nn.Dropout and attn_ops.unhooked(dropout) and not (dropout.training and dropout.p)
 
 
-def _norm_ok(norm: nn.Module, dtype: torch.dtype) -> bool:
-    return attn_ops.plain_rms_norm(norm) and norm.weight.dtype == dtype
+def _weight_ok(module: nn.Module, dtype: torch.dtype, device: torch.device) -> bool:
+    return module.weight.dtype == dtype and module.weight.device == device
 
 
-def _attention_ok(attn: nn.Module, names: tuple[str, ...], dtype: torch.dtype) -> bool:
-    return all(attn_ops.plain_linear(getattr(attn, n)) and getattr(attn, n).weight.dtype == dtype for n in names)
+def _norm_ok(norm: nn.Module, dtype: torch.dtype, device: torch.device) -> bool:
+    return attn_ops.plain_rms_norm(norm) and _weight_ok(norm, dtype, device)
 
 
-def _feed_forward_ok(ff: nn.Module, dtype: torch.dtype) -> bool:
+def _linears_ok(linears, dtype: torch.dtype, device: torch.device) -> bool:
+    return all(attn_ops.plain_linear(lin) and _weight_ok(lin, dtype, device) for lin in linears)
+
+
+def _feed_forward_ok(ff: nn.Module, dtype: torch.dtype, device: torch.device) -> bool:
     dense = ff.DenseReluDense
-    if not (_norm_ok(ff.layer_norm, dtype) and _inactive(ff.dropout) and attn_ops.unhooked(dense)):
+    if not (_norm_ok(ff.layer_norm, dtype, device) and _inactive(ff.dropout) and attn_ops.unhooked(dense)):
         return False
     if hasattr(dense, "wi_0"):
         linears = (dense.wi_0, dense.wi_1, dense.wo)
@@ -53,7 +61,7 @@ def _feed_forward_ok(ff: nn.Module, dtype: torch.dtype) -> bool:
         names = {cls.__name__ for cls in type(dense).__mro__}
         if "T5DenseActDense" not in names or type(dense.act) is not nn.ReLU or not _inactive(dense.dropout):
             return False
-    return all(attn_ops.plain_linear(lin) and lin.weight.dtype == dtype for lin in linears)
+    return _linears_ok(linears, dtype, device)
 
 
 def _weights(block: nn.Module) -> list[torch.Tensor]:
@@ -71,8 +79,7 @@ def serves(decoder: nn.Module, ops: ModuleType, pool: KVPool, input_ids: torch.T
     if not hasattr(ops, "fused_linear") or input_ids.dim() != 2 or input_ids.shape[1] != 1:
         return False
     dtype, device = decoder.embed_tokens.weight.dtype, decoder.embed_tokens.weight.device
-    final = decoder.final_layer_norm
-    if not (_inactive(decoder.dropout) and _norm_ok(final, dtype) and final.weight.device == device):
+    if not (_inactive(decoder.dropout) and _norm_ok(decoder.final_layer_norm, dtype, device)):
         return False
     if dtype != torch.bfloat16 or not all(
         ops.fused_linear_supports(torch.empty((input_ids.shape[0], w.shape[1]), dtype=dtype, device="meta"), [w])
@@ -81,15 +88,15 @@ def serves(decoder: nn.Module, ops: ModuleType, pool: KVPool, input_ids: torch.T
         return False
     for i, block in enumerate(decoder.block):
         sa, ca, ff = block.layer[0], block.layer[1], block.layer[-1]
+        attn, cross = sa.SelfAttention, ca.EncDecAttention
+        # every weight the fused layer reads is checked for dtype and device here
         if (
             len(block.layer) != 3 or pool.key_caches[i].dtype != dtype or pool.key_caches[i].device != device
-            or any(p.device != device for p in block.parameters())
-            or not all(map(attn_ops.unhooked, (block, sa, ca, ff, sa.SelfAttention, ca.EncDecAttention)))
-            or not (_norm_ok(sa.layer_norm, dtype) and _norm_ok(ca.layer_norm, dtype))
+            or not all(map(attn_ops.unhooked, (block, sa, ca, ff, attn, cross)))
+            or not (_norm_ok(sa.layer_norm, dtype, device) and _norm_ok(ca.layer_norm, dtype, device))
             or not (_inactive(sa.dropout) and _inactive(ca.dropout))
-            or not _attention_ok(sa.SelfAttention, ("q", "k", "v", "o"), dtype)
-            or not _attention_ok(ca.EncDecAttention, ("q", "o"), dtype)
-            or not _feed_forward_ok(ff, dtype)
+            or not _linears_ok((attn.q, attn.k, attn.v, attn.o, cross.q, cross.o), dtype, device)
+            or not _feed_forward_ok(ff, dtype, device)
         ):
             return False
     return True

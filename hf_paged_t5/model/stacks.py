@@ -287,18 +287,23 @@ def decoder_layers(
     meta_for: Callable[[torch.device], StepMetadata],
     input_ids: torch.Tensor,
     state=None,
-    fused: bool = False,
+    fused_served: Optional[dict] = None,
 ) -> torch.Tensor:
     """The decoder stack over prepared step metadata; no host sync (CUDA-graph capturable).
 
     input_ids: [rows, num_new]; returns [rows, num_new, d_model]
     state: the call's `cpu_ops.DecodeState` when every decoder layer runs the CPU backend, else None
-    fused: run the step as `fused_layer.decoder_layers` where that serves it
+    fused_served: run the step as `fused_layer.decoder_layers` where that serves it (None: never); the
+        dict keeps `fused_layer.serves`' verdict per input shape (its checks walk every layer's
+        modules, milliseconds of host time: a plan's dict asks once per call)
     """
-    if fused and state is None:
+    if fused_served is not None and state is None:
         device = module_device(decoder.embed_tokens)
         ops = ops_for(device)
-        if fused_layer.serves(decoder, ops, pool, input_ids):
+        served = fused_served.get(input_ids.shape)
+        if served is None:
+            served = fused_served[input_ids.shape] = fused_layer.serves(decoder, ops, pool, input_ids)
+        if served:
             return fused_layer.decoder_layers(decoder, ops, bias_tables, pool, meta_for(device), input_ids)
     hidden = decoder.dropout(decoder.embed_tokens(input_ids))
     out = None  # pending sub-layer output, added inside the next layer norm (see encoder_forward)
