@@ -146,8 +146,12 @@ def spy_fused(monkeypatch) -> list:
 @pytest.mark.parametrize("family,rows", [("t5", 1), ("t5v1_1", 3)])
 def test_fused_step_gives_the_unfused_logits(monkeypatch, family, rows):
     """bf16, Triton kernels (interpreted on CPU): the fused layer rounds where the op-by-op layer
-    rounds and sums each dot product in the same order, so the logits are the same bits."""
+    rounds and sums each dot product in the same order, so the logits are the same bits; whether
+    it serves is asked once per call."""
     calls = spy_fused(monkeypatch)
+    asked = []
+    real_serves = fused_layer.serves
+    monkeypatch.setattr(fused_layer, "serves", lambda *a: asked.append(1) or real_serves(*a))
     model = make_model(family, dtype=torch.bfloat16, device=DEVICE, num_layers=1, num_decoder_layers=2)
     ids, mask = make_batch([9, 5, 12][:rows], device=DEVICE)
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=3, min_new_tokens=3, output_logits=True,
@@ -158,6 +162,7 @@ def test_fused_step_gives_the_unfused_logits(monkeypatch, family, rows):
                                                   cuda_graphs=False))
         outs.append(model.generate(**kw))
     assert len(calls) == 3  # every step of the fused run, none of the other
+    assert len(asked) == 1  # its checks walk every layer: once per call, not per step
     assert torch.equal(outs[0].sequences, outs[1].sequences)
     for a, b in zip(outs[0].logits, outs[1].logits):
         assert torch.equal(a, b)
