@@ -20,6 +20,13 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def pdl_options(pdl: bool) -> tuple[bool, dict]:
+    """(the kernel's PDL constexpr, Triton launch options) for a wrapper asked for a programmatic
+    dependent launch: off under the interpreter, which runs no inline PTX."""
+    pdl = pdl and not interpreting()
+    return pdl, ({"launch_pdl": True} if pdl else {})
+
+
 def check_device(name: str, tensor: torch.Tensor, device: torch.device) -> None:
     """`tensor` lives on `device`, which is CUDA (or CPU under the Triton interpreter)."""
     if tensor.device != device:

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import block_d, broadcast_strides, check_decode_args, interpreting
+from ._checks import block_d, broadcast_strides, check_decode_args, interpreting, pdl_options
 from .launch import _PREFETCH, DecodeConfig, _num_sms, decode_config
 
 # BIAS_MODE values.
@@ -365,8 +365,7 @@ def paged_decode(
     else:
         bias_mode, bias, bias_strides, dense_len = _NO_BIAS, query, [0, 0, 0], 0
 
-    pdl = pdl and not interpreting()
-    launch = {"launch_pdl": True} if pdl else {}
+    pdl, launch = pdl_options(pdl)
     part = ticket = out  # unused placeholders when there is one split
     fused = splits > 1 and (config.fused_combine or tickets is not None)
     if splits > 1:

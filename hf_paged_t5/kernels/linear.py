@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import check_device, check_float, interpreting
+from ._checks import check_device, check_float, interpreting, pdl_options
 from .gemv import MAX_ROWS, gemv_config
 
 # EPILOGUE values.
@@ -295,7 +295,7 @@ def fused_linear(
     if interpreting():
         block_n = 16  # the interpreter's cost is per program: fewer, wider ones on the CPU
     segments = 3 if epilogue == _STORE_KV else 1
-    pdl = pdl and not interpreting()
+    pdl, launch = pdl_options(pdl)
     _fused_linear_kernel[(segments * triton.cdiv(N, block_n),)](
         x2, norm_weight if norm_weight is not None else x2, w0, w1, w2, residual2, out, cache, values, slots,
         rows, N, K, float(eps), cache.shape[3],
@@ -303,6 +303,6 @@ def fused_linear(
         cache.stride(0), cache.stride(1), cache.stride(2),
         NORM=norm_weight is not None, EPILOGUE=epilogue, CACHE_BLOCK=cache.shape[1],
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl,
-        num_warps=num_warps, **({"launch_pdl": True} if pdl else {}),
+        num_warps=num_warps, **launch,
     )  # fmt: skip
     return out.reshape(*x.shape[:-1], N)

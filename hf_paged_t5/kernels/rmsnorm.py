@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import check_device, check_float, interpreting
+from ._checks import check_device, check_float, pdl_options
 
 
 @triton.jit
@@ -84,8 +84,7 @@ def rms_norm(
         r, total = x, x
     if x.shape[0] == 0:
         return out.reshape(hidden.shape), total.reshape(hidden.shape)
-    pdl = pdl and not interpreting()
-    launch = {"launch_pdl": True} if pdl else {}
+    pdl, launch = pdl_options(pdl)
     _rms_norm_kernel[(x.shape[0],)](
         x, r, total, weight, out,
         x.stride(0), r.stride(0), total.stride(0), out.stride(0),
