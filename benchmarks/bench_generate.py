@@ -233,40 +233,43 @@ def bench_model(name, src_len, new, cases, rows, gbps, launch, repeats):
         torch.cuda.empty_cache()
 
 
-def fp32_parity(name: str, batch: int = 16, src_len: int = SRC_LEN, new: int = 64) -> dict:
-    """Greedy tokens of the patched model against HF's, fp32, on `tiny.build_model`'s weights: HF's
-    own init makes greedy decoding repeat one token (`tiny.INIT_FACTOR`), which any path matches;
-    these give input-dependent tokens. Both are also compared with a float64 copy: its tokens, and
-    each path's logits against the float64 model's along that path's own tokens
-    (`common.error_vs_float64`), so a differing token says which side strays."""
+# initializer_factor of the parity pass's first workload: HF's T5 init scaled 1.5x is the largest of
+# 1.5 / 1.75 / 2.0 / 2.5 / 3.0 / 4.0 at which stock fp32's greedy tokens equal a float64 copy's at
+# t5-small .. t5-large depth, 512-token inputs (CPU and H200 measured); past it the random model is
+# chaotic (stock fp32's own logits 10-100% off float64 at tiny.INIT_FACTOR).
+WELL_CONDITIONED_FACTOR = 1.5
+
+
+def fp32_parity(name: str, init_factor: float, batch: int = 16, src_len: int = SRC_LEN, new: int = 64) -> dict:
+    """Greedy fp32 generate(), patched vs stock HF and both vs a float64 copy, on `tiny.build_model`
+    weights at `init_factor` (HF's own init repeats one token for every input: `tiny.INIT_FACTOR`).
+
+    A token may differ from stock's only on a near-tie (`common.greedy_parity`); on the
+    well-conditioned workload that leaves no room: the tokens must be identical."""
     import copy
 
     from hf_paged_t5 import tiny
 
-    model = tiny.build_model(name, dtype=torch.float32, device="cuda", attn_implementation="sdpa")
+    model = tiny.build_model(name, dtype=torch.float32, device="cuda", attn_implementation="sdpa",
+                             initializer_factor=init_factor)
     model64 = copy.deepcopy(model).double()
     ids, mask = common.random_inputs(batch, src_len)
     mask[1::3, src_len // 2:] = 0  # padded rows too
-    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-              return_dict_in_generate=True, output_logits=True)
-    with torch.inference_mode():
-        ref = model.generate(**kw)
-        ref64 = model64.generate(**kw)
-        hp.patch_model(model)
-        out = model.generate(**kw)
-    result = dict(
-        identical=bool(torch.equal(ref.sequences, out.sequences)),
-        agreement=float((ref.sequences == out.sequences).float().mean()),
-        stock_vs_float64=float((ref.sequences == ref64.sequences).float().mean()),
-        paged_vs_float64=float((out.sequences == ref64.sequences).float().mean()),
-        stock_error=common.error_vs_float64(model64, ref, input_ids=ids, attention_mask=mask),
-        paged_error=common.error_vs_float64(model64, out, input_ids=ids, attention_mask=mask),
-    )
-    print(f"fp32 parity {name}: {result}", flush=True)
+    result = dict(init_factor=init_factor, **common.greedy_parity(
+        model, model64, dict(input_ids=ids, attention_mask=mask), max_new_tokens=new, min_new_tokens=new))
+    print(f"fp32 parity {name} at init factor {init_factor}: {result}", flush=True)
     del model, model64
     gc.collect()
     torch.cuda.empty_cache()
     return result
+
+
+def parity_pass(names: list[str]) -> dict:
+    """`fp32_parity` of each model on a well-conditioned workload and on an input-dependent one."""
+    from hf_paged_t5 import tiny
+
+    return {f"{name}@{factor}": fp32_parity(name, factor)
+            for name in names for factor in (WELL_CONDITIONED_FACTOR, tiny.INIT_FACTOR)}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -287,13 +290,14 @@ def main(argv=None) -> None:
     repeats = max(1, args.repeats)
     new = 32 if args.quick else 128
     rows: list[dict] = []
-    parity = {name: fp32_parity(name) for name in args.parity.split(",") if name}
+    parity = parity_pass([name for name in args.parity.split(",") if name])
     gbps, launch = common.copy_bandwidth(torch.device("cuda"), 1 << 30), launch_us()
     print(f"copy bandwidth {gbps:.0f} GB/s; {launch:.2f} us per kernel in a graph", flush=True)
     for name in args.models.split(","):
         bench_model(name, SRC_LEN, new, CASES, rows, gbps, launch, repeats)
     report = dict(gpu=torch.cuda.get_device_name(), repeats=repeats, copy_gbps=gbps, graph_launch_us=launch,
                   fp32_tokens_identical=all(p["identical"] for p in parity.values()) if parity else None,
+                  fp32_parity_passed=all(p["passed"] for p in parity.values()) if parity else None,
                   fp32_parity=parity, rows=rows,
                   kernels_per_decoder_layer=max((r["kernels_per_decoder_layer"] for r in rows), default=None),
                   ctranslate2=ct2_facts(rows))
@@ -309,11 +313,12 @@ def main(argv=None) -> None:
           fmt(r["paged_peak_gib"], ".2f"), fmt(r["weights_gib"], ".2f"), fmt(r["mem_vs_hf"], ".2f"),
           fmt(r["floor_ms_per_step"], ".3f"), fmt(r["kernels_per_decoder_layer"], ".1f")] for r in rows),
         title=f"ms per decode step, {SRC_LEN}-token inputs, {new} new tokens, bf16, median of {repeats} calls")
-    print(f"fp32 greedy tokens identical to HF: {report['fp32_tokens_identical']}")
+    print(f"fp32 greedy parity with HF passed: {report['fp32_parity_passed']} "
+          f"(tokens identical: {report['fp32_tokens_identical']})")
     for name, p in parity.items():
-        print(f"  {name}: agreement {p['agreement']:.4f}; with float64's tokens: stock {p['stock_vs_float64']:.4f}, "
-              f"paged {p['paged_vs_float64']:.4f}; logit error vs float64: stock {p['stock_error']:.2e}, "
-              f"paged {p['paged_error']:.2e}")
+        print(f"  {name}: agreement {p['agreement']:.4f} ({p['rows_differing']} rows differ, {p['near_ties']} on a "
+              f"near-tie); with float64's tokens: stock {p['stock_vs_float64']:.4f}, paged {p['paged_vs_float64']:.4f}; "
+              f"logit error vs float64: stock {p['stock_error']:.2e}, paged {p['paged_error']:.2e}")
 
 
 if __name__ == "__main__":

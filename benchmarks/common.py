@@ -410,6 +410,38 @@ def error_vs_float64(model64, out, **inputs) -> float:
     return float((logits - forced).abs().max() / forced.abs().max())
 
 
+def greedy_parity(model, model64, inputs: dict, **generate_kwargs) -> dict:
+    """Greedy fp32 generate() of the unpatched `model`, of its float64 copy `model64`, and of `model`
+    patched (unpatched again after), on `inputs` (input_ids / attention_mask): token agreement
+    between each pair, and each path's logit error vs float64 along its own tokens
+    (`error_vs_float64`). `passed`: every row where the tokens differ first differs on a near-tie
+    (`hf_paged_t5.agreement.near_ties`: closer in float64 than twice stock fp32's own error
+    there); on a well-conditioned model (stock fp32's tokens = float64's) that means identical."""
+    import hf_paged_t5 as hp
+    from hf_paged_t5 import agreement
+
+    kw = dict(**inputs, **generate_kwargs, return_dict_in_generate=True, output_logits=True)
+    with torch.inference_mode():
+        ref = model.generate(**kw)
+        ref64 = model64.generate(**kw)
+        hp.patch_model(model)
+        out = model.generate(**kw)
+        ran = kv_pool(model) is not None
+        hp.unpatch_model(model)
+        ties = agreement.near_ties(model, model64, inputs, ref.sequences, out.sequences,
+                                   eos_token_id=None, pad_token_id=model.config.pad_token_id)
+    stock_error, paged_error = error_vs_float64(model64, ref, **inputs), error_vs_float64(model64, out, **inputs)
+    return dict(
+        identical=bool(torch.equal(ref.sequences, out.sequences)),
+        agreement=float((ref.sequences == out.sequences).float().mean()), paged_ran=ran,
+        distinct_tokens=int(ref.sequences[:, 1:].unique().numel()),
+        stock_vs_float64=float((ref.sequences == ref64.sequences).float().mean()),
+        paged_vs_float64=float((out.sequences == ref64.sequences).float().mean()),
+        stock_error=stock_error, paged_error=paged_error,
+        error_ratio=paged_error / stock_error if stock_error else None,
+        rows_differing=len(ties), near_ties=sum(ties), passed=ran and all(ties))
+
+
 def random_inputs(batch: int, src_len: int, device="cuda", vocab_size: int = 32000, seed: int = 1):
     """input_ids [batch, src_len] of random tokens >= 2 (no pad, no EOS), drawn on `device`, and an
     all-ones attention mask."""

@@ -113,6 +113,18 @@ def _near_tie(model, exact_model, batch: dict, row: int, prefix: torch.Tensor, a
     return bool((exact[a] - exact[b]).abs() <= 2 * (logits - exact).abs().max())
 
 
+def near_ties(model, exact_model, batch: dict, ref: torch.Tensor, out: torch.Tensor, eos_token_id,
+               pad_token_id: int) -> tuple[bool, ...]:
+    """Greedy search: one entry per row where `out` differs from `ref` ([batch, len] each), whether
+    the first two tokens they differ on are a near-tie (`Float64Check.near_ties`). `model` is the
+    unpatched model at its own dtype, `exact_model` its float64 copy."""
+    ref_, out_ = _padded_pair(ref, out, pad_token_id)
+    return tuple(
+        _near_tie(model, exact_model, batch, row, ref_[row, :p], int(ref_[row, p]), int(out_[row, p]))
+        for row, p in enumerate(first_departures(ref, out, eos_token_id, pad_token_id)) if p is not None
+    )
+
+
 def float64_check(model, batch: dict, generate_kwargs: dict, ref: torch.Tensor, out: torch.Tensor,
                   eos_token_id, pad_token_id: int) -> Float64Check:
     """Run stock HF on a float64 copy of the unpatched `model` (freed after) and compare stock's
@@ -120,17 +132,13 @@ def float64_check(model, batch: dict, generate_kwargs: dict, ref: torch.Tensor, 
     exact_model = copy.deepcopy(model).to(torch.float64)
     try:
         exact = exact_model.generate(**batch, **generate_kwargs).cpu()
-        near_ties = None
+        ties = None
         if generate_kwargs.get("num_beams", 1) == 1:
-            ref_, out_ = _padded_pair(ref, out, pad_token_id)
-            near_ties = tuple(
-                _near_tie(model, exact_model, batch, row, ref_[row, :p], int(ref_[row, p]), int(out_[row, p]))
-                for row, p in enumerate(first_departures(ref, out, eos_token_id, pad_token_id)) if p is not None
-            )
+            ties = near_ties(model, exact_model, batch, ref, out, eos_token_id, pad_token_id)
     finally:
         del exact_model
     return Float64Check(
         stock=token_agreement(exact, ref, eos_token_id, pad_token_id),
         paged=token_agreement(exact, out, eos_token_id, pad_token_id),
-        near_ties=near_ties,
+        near_ties=ties,
     )

@@ -159,3 +159,37 @@ def test_the_ctranslate2_row_decodes_what_hf_does(tmp_path):
         want = model.generate(input_ids=ids, max_new_tokens=7, min_new_tokens=7, do_sample=False)
     index = {token: i for i, token in enumerate(vocabulary)}
     assert [[index[t] for t in r.hypotheses[0]] for r in results] == want[:, 1:].tolist()
+
+
+def test_greedy_parity_tells_rounding_from_a_wrong_path(monkeypatch):
+    """bench_generate's fp32 parity verdict: a well-conditioned model passes with identical tokens; a
+    paged path that shifts one logit by far more than rounding fails it."""
+    import copy
+
+    import hf_paged_t5 as hp
+    from hf_paged_t5 import tiny
+
+    model = tiny.build_model("tiny", initializer_factor=1.5, seed=3)
+    model64 = copy.deepcopy(model).double()
+    ids, mask = common.random_inputs(3, 24, device="cpu", vocab_size=model.config.vocab_size)
+    mask[1, 12:] = 0
+    inputs = dict(input_ids=ids, attention_mask=mask)
+    good = common.greedy_parity(model, model64, inputs, max_new_tokens=8, min_new_tokens=8)
+    assert good["passed"] and good["identical"] and good["stock_vs_float64"] == 1.0
+    assert good["paged_error"] < 1e-4
+
+    patch, unpatch, hooks = hp.patch_model, hp.unpatch_model, []
+
+    def wrong_patch(m, *args, **kwargs):  # the paged call's lm_head favours token 7 by 50 logits
+        hooks.append(m.lm_head.register_forward_hook(lambda mod, inp, out: out.index_add(
+            -1, torch.tensor([7]), torch.full((*out.shape[:-1], 1), 50.0))))
+        return patch(m, *args, **kwargs)
+
+    def plain_unpatch(m):
+        hooks.pop().remove()
+        return unpatch(m)
+
+    monkeypatch.setattr(hp, "patch_model", wrong_patch)
+    monkeypatch.setattr(hp, "unpatch_model", plain_unpatch)
+    bad = common.greedy_parity(model, model64, inputs, max_new_tokens=8, min_new_tokens=8)
+    assert not bad["passed"] and bad["rows_differing"] == 3 and bad["near_ties"] == 0
