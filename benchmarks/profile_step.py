@@ -1,13 +1,15 @@
 """Where a patched decode step's time goes: the whole step, the host time of its launches (the
 decode graph and the greedy / beam update of the device-resident loops), the decode graph alone,
-and the phases of a call with one new token (what every step of a call shares).
+and the phases of a call with one new token (what every step of a call shares). With --gaps, the
+GPU's idle time inside one call: the longest gaps between kernels, by the kernels on either side.
 
-    python benchmarks/profile_step.py [--models t5-small,t5-large] [--batch 1,64] [--table PATH]
+    python benchmarks/profile_step.py [--models t5-small,t5-large] [--batch 1,64] [--table PATH] [--gaps]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -41,7 +43,31 @@ def phase_ms(model, kw: dict, calls: int = 5) -> dict:
     return {k: common.median(r.get(k, 0.0) for r in rows) for k in rows[0]}
 
 
-def run(name: str, batch: int, beams: int, table: str | None, new: int = 64, table_new: int = 16) -> None:
+def gpu_gaps(prof, top: int = 12) -> str:
+    """The GPU's idle time in a profiled call: busy vs span of its kernels and copies, and the
+    largest idle gaps summed by (kernel before, kernel after)."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    if not spans:
+        return "no GPU activity recorded"
+    busy, gaps, end, before = 0.0, collections.defaultdict(lambda: [0, 0.0]), spans[0][0], spans[0][2]
+    for start, stop, name in spans:
+        busy += max(0.0, stop - max(start, end))
+        if start - end > 2.0:  # us
+            key = (before[:60], name[:60])
+            gaps[key][0] += 1
+            gaps[key][1] += start - end
+        if stop >= end:
+            end, before = stop, name
+    lines = [f"GPU span {end - spans[0][0]:.0f} us, busy {busy:.0f} us, idle {end - spans[0][0] - busy:.0f} us; "
+             f"largest idle gaps (count, total us, before -> after):"]
+    for (a, b), (n, total) in sorted(gaps.items(), key=lambda kv: -kv[1][1])[:top]:
+        lines.append(f"  {n:4d} {total:9.0f}  {a} -> {b}")
+    return "\n".join(lines)
+
+
+def run(name: str, batch: int, beams: int, table: str | None, new: int = 64, table_new: int = 16,
+        gaps: bool = False) -> None:
     model = hp.patch_model(common.make_model(name, "sdpa", torch.bfloat16))
     ids, mask = common.random_inputs(batch, 512)
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, num_beams=beams)
@@ -60,6 +86,10 @@ def run(name: str, batch: int, beams: int, table: str | None, new: int = 64, tab
             with open(table, "a") as f:
                 f.write(f"\n##### {name} b{batch} beams{beams}\n")
                 f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=45))
+        if gaps:
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                model.generate(**{**kw, "max_new_tokens": table_new, "min_new_tokens": table_new})
+            print(f"{name} b{batch} beams{beams}, {table_new} new tokens: {gpu_gaps(prof)}", flush=True)
     fixed = fixed_ms(model, kw)
     phases = phase_ms(model, kw)
     print(f"{name} b{batch} beams{beams}: phases of a 1-token call (ms, synced) "
@@ -78,12 +108,13 @@ def main(argv=None) -> None:
     ap.add_argument("--beams", default="1")
     ap.add_argument("--table", default=None, help="append a torch.profiler table of one call to this file")
     ap.add_argument("--table-new-tokens", type=int, default=16, help="new tokens of the profiled call")
+    ap.add_argument("--gaps", action="store_true", help="print the GPU's idle gaps inside one profiled call")
     args = ap.parse_args(argv)
     common.require_cuda("profile_step.py")
     for name in args.models.split(","):
         for b in args.batch.split(","):
             for k in args.beams.split(","):
-                run(name, int(b), int(k), args.table, table_new=args.table_new_tokens)
+                run(name, int(b), int(k), args.table, table_new=args.table_new_tokens, gaps=args.gaps)
 
 
 if __name__ == "__main__":

@@ -180,3 +180,22 @@ def test_counted_keys_stay_bounded(monkeypatch):
         assert len(graphs._seen) <= 4
     graphs.seen(("shape", 9))
     assert graphs._seen[("shape", 9)] == 2
+
+
+def test_generate_replays_its_encoder_for_a_recurring_shape():
+    """generate()'s own encoder call takes a graph like a call of its own (at small batches it is
+    launch-bound): the second call of a shape captures, the third replays, tokens unchanged."""
+    model = tiny.build_model("tiny", num_layers=2, num_decoder_layers=2)
+    ids, mask = ids_of(2, 12), torch.ones(2, 12, dtype=torch.long)
+    mask[1, 7:] = 0
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, min_new_tokens=5)
+    with torch.no_grad():
+        want = model.generate(**kw)
+    hp.patch_model(model, CPU)
+    try:
+        with torch.no_grad():
+            outs = [model.generate(**kw) for _ in range(3)]
+        assert (graphs_of(model).captures, graphs_of(model).replays) == (1, 2)  # captured (and run) once, replayed once
+    finally:
+        hp.unpatch_model(model)
+    assert all(torch.equal(o, want) for o in outs)
