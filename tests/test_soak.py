@@ -124,9 +124,11 @@ def pool_record(model, memory: int) -> Record:
     pool = model._hf_paged_t5.pool
     assert pool is not None, "the paged path did not run"
     stats = hp.runtime_stats(model)
-    # every graph captured and kept so far (decode steps, and small batches' kept updates, which
-    # replace one another within a bound): memory may change only when this count does
-    return Record(memory, stats["graphs_captured"], stats["pool_blocks"], stats["pool_blocks_free"], pool.is_idle())
+    # every graph captured so far (decode steps, small batches' kept updates, which replace one
+    # another within a bound, and encoder forwards of shapes that recur): memory may change only
+    # when this count does
+    graphs = stats["graphs_captured"] + stats["encoder_graphs_captured"]
+    return Record(memory, graphs, stats["pool_blocks"], stats["pool_blocks_free"], pool.is_idle())
 
 
 def soak(model, stock_model, calls: list[tuple[int, dict]], checked, measure, loops=None, near_ties=False) -> list[Record]:
