@@ -182,6 +182,20 @@ def test_counted_keys_stay_bounded(monkeypatch):
     assert graphs._seen[("shape", 9)] == 2
 
 
+def test_many_shapes_at_once_stay_eager():
+    """A stream of more recent shapes than graphs kept (one generate() per request of any length)
+    captures none; once the recent calls' shapes fit again, a recurring one is captured."""
+    graphs = encoder_graphs.EncoderGraphs()
+    many = [("shape", k % (encoder_graphs.MAX_GRAPHS + 2)) for k in range(3 * (encoder_graphs.MAX_GRAPHS + 2))]
+    for key in many:
+        graphs.seen(key)
+        assert not graphs.would_capture(key)  # each seen 2-3 times, but 10 shapes in the window
+    for k in range(encoder_graphs.RECENT_CALLS):
+        graphs.seen(("hot", k % 2))
+    assert graphs.would_capture(("hot", 0)) and graphs.would_capture(("hot", 1))
+    assert not graphs.would_capture(("hot", 2))  # seen never: eager
+
+
 def test_generate_replays_its_encoder_for_a_recurring_shape():
     """generate()'s own encoder call takes a graph like a call of its own (at small batches it is
     launch-bound): the second call of a shape captures, the third replays, tokens unchanged."""

@@ -41,6 +41,11 @@ CAPTURE_AFTER = 2
 # Keys counted at most (a padded call's key holds its mask: a stream of new masks must not grow
 # the count without bound); past it the count starts again.
 MAX_SEEN = 1024
+# The last calls whose keys make the working set: a shape is captured only while these calls hold
+# at most MAX_GRAPHS distinct keys. A stream of many shapes (one generate() per request of any
+# length) would otherwise capture every length seen twice and drop it before its replays paid
+# for the capture (~2 eager forwards' host time); it stays eager.
+RECENT_CALLS = 32
 CAPTURE_MODE = "thread_local"  # another thread's GPU work does not invalidate a capture (decode/graphs.py)
 
 
@@ -114,6 +119,7 @@ class EncoderGraphs:
     def __init__(self) -> None:
         self._graphs: collections.OrderedDict[Hashable, _Captured] = collections.OrderedDict()
         self._seen: collections.Counter = collections.Counter()
+        self._recent: collections.deque = collections.deque(maxlen=RECENT_CALLS)  # keys of the last calls
         self._failed: set = set()  # keys whose capture failed: eager from then on
         self._watch: Optional[WeightWatch] = None
         self._mempool = None
@@ -163,11 +169,13 @@ class EncoderGraphs:
         if key not in self._seen and len(self._seen) >= MAX_SEEN:
             self._seen.clear()
         self._seen[key] += 1
+        self._recent.append(key)
 
     def would_capture(self, key: Hashable) -> bool:
         """Whether `key`'s graph is due: its shape seen `CAPTURE_AFTER` times, not captured yet,
-        no failed capture."""
-        return key not in self._graphs and key not in self._failed and self._seen[key] >= CAPTURE_AFTER
+        no failed capture, and the last `RECENT_CALLS` calls' shapes fit in the graphs kept."""
+        return (key not in self._graphs and key not in self._failed and self._seen[key] >= CAPTURE_AFTER
+                and len(set(self._recent)) <= MAX_GRAPHS)
 
     def capture(self, key: Hashable, stack: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor],
                 source: torch.Tensor) -> Optional[torch.Tensor]:
@@ -193,6 +201,7 @@ class EncoderGraphs:
     def _replay(self, key: Hashable, source: torch.Tensor) -> torch.Tensor:
         captured = self._graphs[key]
         self._graphs.move_to_end(key)
+        self._recent.append(key)
         captured.source.copy_(source)
         captured.graph.replay()
         self.replays += 1
