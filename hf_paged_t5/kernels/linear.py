@@ -19,12 +19,19 @@ With `pdl` (Hopper and later; the caller launches a chain of such kernels) each 
 its first weight tile, which no earlier kernel writes, before it waits for the previous kernel
 (`gdc_wait`): the weights stream while the previous kernel finishes, and the launch gap hides.
 
+More rows (up to `fused_rows()`, a switch: `HF_PAGED_T5_FUSED_ROWS`) run `_fused_linear_dot_kernel`,
+the same prologue and epilogues around tensor-core tiles (`tl.dot`, float32 sums) instead of the
+GEMV's per-row dot products. It stays off by default (4: the GEMV's rows) until a GPU A/B of the
+whole step (`benchmarks/ab_fusion.py`, variant `fused-dot`) shows it faster than cuBLAS's GEMMs
+with the op-by-op kernels around them.
+
 Half precision only (`fused_linear_supports`): float32 keeps cuBLAS so float32 results stay
 bit-comparable with stock HF.
 """
 
 from __future__ import annotations
 
+import os
 from types import MappingProxyType
 from typing import Optional, Sequence
 
@@ -43,12 +50,64 @@ SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 # the op-by-op kernels (H200, benchmarks/ab_fusion.py: flan-t5-xl's 10.5M-element FF weights at 4
 # rows, 2.77 vs 2.28 ms per step replay; t5-large's 4.2M, 1.28 vs 1.43).
 MULTI_ROW_ELEMENTS = 1 << 22
+# The most rows the tensor-core kernel may be switched on for (`fused_rows`): a decode step's rows.
+MAX_DOT_ROWS = 512
+
+
+def fused_rows() -> int:
+    """The most rows `fused_linear` serves: `HF_PAGED_T5_FUSED_ROWS` (MAX_ROWS to MAX_DOT_ROWS;
+    past MAX_ROWS the tensor-core kernel), default MAX_ROWS (the GEMV's rows only)."""
+    value = os.environ.get("HF_PAGED_T5_FUSED_ROWS", "").strip()
+    if not value:
+        return MAX_ROWS
+    if not value.isdigit() or not MAX_ROWS <= int(value) <= MAX_DOT_ROWS:
+        raise ValueError(f"HF_PAGED_T5_FUSED_ROWS={value!r}: give a whole number from {MAX_ROWS} to {MAX_DOT_ROWS} "
+                         f"(the most rows of a decode step the fused kernels serve), or unset it")
+    return int(value)
+
+
+def _uses_dot(rows: int, weight_elements: int) -> bool:
+    """Whether `rows` rows over a weight of `weight_elements` take the tensor-core kernel (else the GEMV)."""
+    return not (rows == 1 or (rows <= MAX_ROWS and weight_elements <= MULTI_ROW_ELEMENTS))
 
 
 @triton.jit
 def _round(x, like_ptr):
     """float32 x rounded to the element type of `like_ptr`, back in float32."""
     return x.to(like_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _epilogue(acc, acc1, offs_m, mask_m, offs_n, mask_n, segment, residual_ptr, out_ptr, key_cache_ptr,
+              value_cache_ptr, slot_mapping_ptr, head_dim, stride_residual_row, stride_out_row,
+              stride_cache_block, stride_cache_slot, stride_cache_head, EPILOGUE: tl.constexpr,
+              CACHE_BLOCK: tl.constexpr):
+    """The fp32 sums acc (acc1: the gated FF's linear half) [BLOCK_M, BLOCK_N] of rows offs_m and
+    columns offs_n, finished as EPILOGUE says and stored (segment 1 / 2 of STORE_KV: to the cache)."""
+    # HF rounds each Linear's output to the activations' dtype before anything else touches it.
+    y = _round(acc, out_ptr)
+    out_mask = mask_m[:, None] & mask_n[None, :]
+    if EPILOGUE == 1:
+        res = tl.load(residual_ptr + offs_m[:, None] * stride_residual_row + offs_n[None, :], mask=out_mask, other=0.0)
+        y = res.to(tl.float32) + y
+    if EPILOGUE == 2:
+        y = tl.maximum(y, 0.0)
+    if EPILOGUE == 3:
+        # gelu_tanh(y) as x / (1 + exp(-2z)): `gated_gelu.py` says why
+        inner = SQRT_2_OVER_PI * (y + 0.044715 * y * y * y)
+        y = y / (1.0 + tl.exp(tl.minimum(-2.0 * inner, 80.0))) * _round(acc1, out_ptr)
+    y = y.to(out_ptr.dtype.element_ty)
+    if segment == 0:
+        tl.store(out_ptr + offs_m[:, None] * stride_out_row + offs_n[None, :], y, mask=out_mask)
+    else:
+        cache_ptr = key_cache_ptr
+        if segment == 2:
+            cache_ptr = value_cache_ptr
+        slot = tl.load(slot_mapping_ptr + offs_m, mask=mask_m, other=-1).to(tl.int64)
+        # int64: block_id * stride_cache_block passes 2^31 in pools of a few GB.
+        row_off = (slot // CACHE_BLOCK) * stride_cache_block + (slot % CACHE_BLOCK) * stride_cache_slot
+        col_off = (offs_n // head_dim) * stride_cache_head + offs_n % head_dim
+        tl.store(cache_ptr + row_off[:, None] + col_off[None, :], y, mask=out_mask & (slot >= 0)[:, None])
 
 
 @triton.jit(do_not_specialize=["rows"])  # workload sizes: see kernels/__init__.py
@@ -138,42 +197,90 @@ def _fused_linear_kernel(
         if EPILOGUE == 3:
             acc1 += tl.sum(xf[:, None, :] * w1.to(tl.float32)[None, :, :], axis=2)
 
-    # HF rounds each Linear's output to the activations' dtype before anything else touches it.
-    y = _round(acc, out_ptr)
-    out_mask = mask_m[:, None] & mask_n[None, :]
-    if EPILOGUE == 1:
-        res = tl.load(residual_ptr + offs_m[:, None] * stride_residual_row + offs_n[None, :], mask=out_mask, other=0.0)
-        y = res.to(tl.float32) + y
-    if EPILOGUE == 2:
-        y = tl.maximum(y, 0.0)
-    if EPILOGUE == 3:
-        # gelu_tanh(y) as x / (1 + exp(-2z)): `gated_gelu.py` says why
-        inner = SQRT_2_OVER_PI * (y + 0.044715 * y * y * y)
-        y = y / (1.0 + tl.exp(tl.minimum(-2.0 * inner, 80.0))) * _round(acc1, out_ptr)
-    y = y.to(out_ptr.dtype.element_ty)
-    if segment == 0:
-        tl.store(out_ptr + offs_m[:, None] * stride_out_row + offs_n[None, :], y, mask=out_mask)
-    else:
-        cache_ptr = key_cache_ptr
-        if segment == 2:
-            cache_ptr = value_cache_ptr
-        slot = tl.load(slot_mapping_ptr + offs_m, mask=mask_m, other=-1).to(tl.int64)
-        # int64: block_id * stride_cache_block passes 2^31 in pools of a few GB.
-        row_off = (slot // CACHE_BLOCK) * stride_cache_block + (slot % CACHE_BLOCK) * stride_cache_slot
-        col_off = (offs_n // head_dim) * stride_cache_head + offs_n % head_dim
-        tl.store(cache_ptr + row_off[:, None] + col_off[None, :], y, mask=out_mask & (slot >= 0)[:, None])
+    _epilogue(acc, acc1, offs_m, mask_m, offs_n, mask_n, segment, residual_ptr, out_ptr, key_cache_ptr,
+              value_cache_ptr, slot_mapping_ptr, head_dim, stride_residual_row, stride_out_row,
+              stride_cache_block, stride_cache_slot, stride_cache_head, EPILOGUE, CACHE_BLOCK)
+
+
+@triton.jit(do_not_specialize=["rows"])  # workload sizes: see kernels/__init__.py
+def _fused_linear_dot_kernel(
+    x_ptr, norm_weight_ptr, w0_ptr, w1_ptr, w2_ptr, residual_ptr, out_ptr, key_cache_ptr, value_cache_ptr,
+    slot_mapping_ptr, rows, N, K, eps, head_dim, stride_x_row, stride_w_row, stride_residual_row, stride_out_row,
+    stride_cache_block, stride_cache_slot, stride_cache_head,
+    NORM: tl.constexpr,
+    EPILOGUE: tl.constexpr,
+    CACHE_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """`_fused_linear_kernel` (its arguments and segments) for more rows: program (n, m) sums the
+    rows of row tile m against column tile n on tensor cores (`tl.dot`, float32 sums)."""
+    tiles = tl.cdiv(N, BLOCK_N)
+    pid = tl.program_id(0)
+    segment = pid // tiles
+    offs_n = (pid % tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_ptr = w0_ptr
+    if segment == 1:
+        w_ptr = w1_ptr
+    if segment == 2:
+        w_ptr = w2_ptr
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_n = offs_n < N
+    # int32 offsets from one base pointer (a weight holds < 2^31 elements)
+    w_off = offs_n[:, None] * stride_w_row + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < rows
+    x_off = offs_m[:, None] * stride_x_row + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    if PDL:
+        # A plain loop (no first tile before the wait, as the GEMV has): Triton pipelines its
+        # weight loads through shared memory.
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+    inv_rms = tl.full([BLOCK_M], 1.0, tl.float32)
+    if NORM:
+        sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            x_mask = mask_m[:, None] & (k0 + offs_k < K)[None, :]
+            xf = tl.load(x_ptr + x_off + k0, mask=x_mask, other=0.0).to(tl.float32)
+            sum_sq += tl.sum(xf * xf, axis=1)
+        inv_rms = tl.math.rsqrt(sum_sq / K + eps)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        mask_k = k < K
+        w_mask = mask_n[:, None] & mask_k[None, :]
+        w = tl.load(w_ptr + w_off + k0, mask=w_mask, other=0.0)
+        xt = tl.load(x_ptr + x_off + k0, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        if NORM:
+            g = tl.load(norm_weight_ptr + k, mask=mask_k, other=0.0).to(tl.float32)
+            xf = _round(g[None, :] * _round(xt.to(tl.float32) * inv_rms[:, None], x_ptr), x_ptr)
+            xt = xf.to(x_ptr.dtype.element_ty)  # exact: xf holds values of x's type
+        acc = tl.dot(xt, tl.trans(w), acc)
+        if EPILOGUE == 3:
+            w1 = tl.load(w1_ptr + w_off + k0, mask=w_mask, other=0.0)
+            acc1 = tl.dot(xt, tl.trans(w1), acc1)
+
+    _epilogue(acc, acc1, offs_m, mask_m, offs_n, mask_n, segment, residual_ptr, out_ptr, key_cache_ptr,
+              value_cache_ptr, slot_mapping_ptr, head_dim, stride_residual_row, stride_out_row,
+              stride_cache_block, stride_cache_slot, stride_cache_head, EPILOGUE, CACHE_BLOCK)
 
 
 def fused_linear_supports(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> bool:
-    """Whether `fused_linear` serves these operands: at most MAX_ROWS rows of x (more than one
-    only for weights of at most MULTI_ROW_ELEMENTS elements), half precision, row-major weights
-    of one shape and x's dtype and device. (A decode step picks it for every layer or none:
+    """Whether `fused_linear` serves these operands: at most `fused_rows()` rows of x (by default
+    MAX_ROWS, more than one only for weights of at most MULTI_ROW_ELEMENTS elements; the
+    tensor-core kernel, where switched on, serves the rest), half precision, row-major weights of
+    one shape and x's dtype and device. (A decode step picks it for every layer or none:
     `model/fused_layer.py`.)"""
     rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
     w0 = weights[0] if weights else None
     return (
-        0 < rows <= MAX_ROWS
-        and (rows == 1 or w0.numel() <= MULTI_ROW_ELEMENTS)
+        0 < rows <= fused_rows()
+        and w0 is not None and (not _uses_dot(rows, w0.numel()) or fused_rows() > MAX_ROWS)
         and x.dtype in (torch.float16, torch.bfloat16)
         and 1 <= len(weights) <= 3
         and all(
@@ -199,7 +306,8 @@ def _check(
     check_float("x", x, x.dim())
     if not fused_linear_supports(x, weights):
         raise ValueError(
-            f"fused_linear serves 1 to {MAX_ROWS} rows of fp16/bf16 x with 1 to 3 row-major weights of one shape, "
+            f"fused_linear serves 1 to {fused_rows()} rows of fp16/bf16 x (HF_PAGED_T5_FUSED_ROWS; more than "
+            f"{MAX_ROWS} only where set) with 1 to 3 row-major weights of one shape, "
             f"x's dtype, device and feature count; got x {tuple(x.shape)} {x.dtype} and weights "
             f"{[(tuple(w.shape), w.dtype, str(w.device)) for w in weights]}"
         )
@@ -287,6 +395,21 @@ def fused_linear(
     cache = key_cache if key_cache is not None else out.view(1, 1, 1, -1)
     values = value_cache if value_cache is not None else cache
     slots = slot_mapping if slot_mapping is not None else out
+    segments = 3 if epilogue == _STORE_KV else 1
+    pdl, launch = pdl_options(pdl)
+    args = (
+        x2, norm_weight if norm_weight is not None else x2, w0, w1, w2, residual2, out, cache, values, slots,
+        rows, N, K, float(eps), cache.shape[3],
+        x2.stride(0), w0.stride(0), residual2.stride(0), out.stride(0),
+        cache.stride(0), cache.stride(1), cache.stride(2),
+    )  # fmt: skip
+    flags = dict(NORM=norm_weight is not None, EPILOGUE=epilogue, CACHE_BLOCK=cache.shape[1], PDL=pdl)
+    if _uses_dot(rows, w0.numel()):
+        block_m, block_n, block_k, num_warps = _dot_config(rows)
+        grid = (segments * triton.cdiv(N, block_n), triton.cdiv(rows, block_m))
+        _fused_linear_dot_kernel[grid](*args, **flags, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                                       num_warps=num_warps, **launch)
+        return out.reshape(*x.shape[:-1], N)
     block_n, block_k, num_warps = gemv_config(rows, N, K)
     block_m = triton.next_power_of_2(rows)
     # Each program holds BLOCK_M x BLOCK_N x BLOCK_K products per weight: past 8 x 1024 per two
@@ -294,15 +417,17 @@ def fused_linear(
     block_n = min(block_n, max(1, 8 // (block_m * (2 if epilogue == _GATED_GELU else 1))))
     if interpreting():
         block_n = 16  # the interpreter's cost is per program: fewer, wider ones on the CPU
-    segments = 3 if epilogue == _STORE_KV else 1
-    pdl, launch = pdl_options(pdl)
     _fused_linear_kernel[(segments * triton.cdiv(N, block_n),)](
-        x2, norm_weight if norm_weight is not None else x2, w0, w1, w2, residual2, out, cache, values, slots,
-        rows, N, K, float(eps), cache.shape[3],
-        x2.stride(0), w0.stride(0), residual2.stride(0), out.stride(0),
-        cache.stride(0), cache.stride(1), cache.stride(2),
-        NORM=norm_weight is not None, EPILOGUE=epilogue, CACHE_BLOCK=cache.shape[1],
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl,
-        num_warps=num_warps, **launch,
-    )  # fmt: skip
+        *args, **flags, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, **launch,
+    )
     return out.reshape(*x.shape[:-1], N)
+
+
+def _dot_config(rows: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) of the tensor-core kernel: row tiles of 16 to 64
+    (tl.dot's least M is 16) and narrow column tiles, so that a few rows still spread a projection
+    over many programs (the step streams weights). No configuration here spills at sm_90
+    (`benchmarks/diag_ptxas.py`); 16-row tiles with 64 columns or 128-wide K did, with the norm or
+    the gated FF's second weight. Speed: untuned (`benchmarks/ab_fusion.py --variants fused-dot`)."""
+    block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    return block_m, 32, 64, 4 if block_m == 16 else 8

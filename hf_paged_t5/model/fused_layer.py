@@ -73,7 +73,8 @@ def _weights(block: nn.Module) -> list[torch.Tensor]:
 
 def serves(decoder: nn.Module, ops: ModuleType, pool: KVPool, input_ids: torch.Tensor) -> bool:
     """Whether `decoder_layers` serves this step: the backend has `fused_linear`, one new token per
-    row and at most its MAX_ROWS rows, a bfloat16 decoder on one device with a bfloat16 pool, and
+    row and rows it serves (`fused_linear_supports`: 1-4 by default, more where its tensor-core
+    kernel is switched on), a bfloat16 decoder on one device with a bfloat16 pool, and
     in every layer HF's own norms, plain bias-free Linears, a ReLU or gated tanh-GELU feed-forward
     and no active dropout or hook (anything else runs `stacks.decoder_layers` op by op)."""
     if not hasattr(ops, "fused_linear") or input_ids.dim() != 2 or input_ids.shape[1] != 1:
