@@ -78,6 +78,34 @@ def _round(x, like_ptr):
 
 
 @triton.jit
+def _column_tile(w0_ptr, w1_ptr, w2_ptr, N, BLOCK_N: tl.constexpr):
+    """(segment, columns, weight) of this program: programs [0, tiles) read w0, then w1 and w2
+    (STORE_KV: q, k, v side by side); the gated FF pairs w0 and w1 in every program instead."""
+    tiles = tl.cdiv(N, BLOCK_N)
+    pid = tl.program_id(0)
+    segment = pid // tiles
+    offs_n = (pid % tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_ptr = w0_ptr
+    if segment == 1:
+        w_ptr = w1_ptr
+    if segment == 2:
+        w_ptr = w2_ptr
+    return segment, offs_n, w_ptr
+
+
+@triton.jit
+def _inv_rms(x_rows, mask_m, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """1 / T5's RMS of each row x_rows [BLOCK_M, 1] (pointers to the rows) over its K features, float32."""
+    offs_k = tl.arange(0, BLOCK_K)
+    sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        xf = tl.load(x_rows + k[None, :], mask=mask_m[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
+        sum_sq += tl.sum(xf * xf, axis=1)
+    return tl.math.rsqrt(sum_sq / K + eps)
+
+
+@triton.jit
 def _epilogue(acc, acc1, offs_m, mask_m, offs_n, mask_n, segment, residual_ptr, out_ptr, key_cache_ptr,
               value_cache_ptr, slot_mapping_ptr, head_dim, stride_residual_row, stride_out_row,
               stride_cache_block, stride_cache_slot, stride_cache_head, EPILOGUE: tl.constexpr,
@@ -142,17 +170,7 @@ def _fused_linear_kernel(
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    # Programs [0, tiles) read w0, then w1 and w2 (STORE_KV: q, k, v side by side). The gated
-    # FF pairs w0 and w1 in every program instead: both halves of one output column meet here.
-    tiles = tl.cdiv(N, BLOCK_N)
-    pid = tl.program_id(0)
-    segment = pid // tiles
-    offs_n = (pid % tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-    w_ptr = w0_ptr
-    if segment == 1:
-        w_ptr = w1_ptr
-    if segment == 2:
-        w_ptr = w2_ptr
+    segment, offs_n, w_ptr = _column_tile(w0_ptr, w1_ptr, w2_ptr, N, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     mask_n = offs_n < N
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w_row  # [BLOCK_N, 1]
@@ -172,12 +190,7 @@ def _fused_linear_kernel(
     x_rows = x_ptr + offs_m[:, None] * stride_x_row  # [BLOCK_M, 1]
     inv_rms = tl.full([BLOCK_M], 1.0, tl.float32)
     if NORM:
-        sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + offs_k
-            xf = tl.load(x_rows + k[None, :], mask=mask_m[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
-            sum_sq += tl.sum(xf * xf, axis=1)
-        inv_rms = tl.math.rsqrt(sum_sq / K + eps)
+        inv_rms = _inv_rms(x_rows, mask_m, K, eps, BLOCK_M, BLOCK_K)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -217,15 +230,7 @@ def _fused_linear_dot_kernel(
 ):
     """`_fused_linear_kernel` (its arguments and segments) for more rows: program (n, m) sums the
     rows of row tile m against column tile n on tensor cores (`tl.dot`, float32 sums)."""
-    tiles = tl.cdiv(N, BLOCK_N)
-    pid = tl.program_id(0)
-    segment = pid // tiles
-    offs_n = (pid % tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-    w_ptr = w0_ptr
-    if segment == 1:
-        w_ptr = w1_ptr
-    if segment == 2:
-        w_ptr = w2_ptr
+    segment, offs_n, w_ptr = _column_tile(w0_ptr, w1_ptr, w2_ptr, N, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     mask_n = offs_n < N
     # int32 offsets from one base pointer (a weight holds < 2^31 elements)
@@ -241,12 +246,7 @@ def _fused_linear_dot_kernel(
 
     inv_rms = tl.full([BLOCK_M], 1.0, tl.float32)
     if NORM:
-        sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            x_mask = mask_m[:, None] & (k0 + offs_k < K)[None, :]
-            xf = tl.load(x_ptr + x_off + k0, mask=x_mask, other=0.0).to(tl.float32)
-            sum_sq += tl.sum(xf * xf, axis=1)
-        inv_rms = tl.math.rsqrt(sum_sq / K + eps)
+        inv_rms = _inv_rms(x_ptr + offs_m[:, None] * stride_x_row, mask_m, K, eps, BLOCK_M, BLOCK_K)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
