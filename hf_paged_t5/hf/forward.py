@@ -63,9 +63,8 @@ def _graph_key(runtime: PagedRuntime, stack: nn.Module, input_ids, inputs_embeds
     else None: a call without gradients or hooks' outputs (a call of its own, or generate()'s: at
     small batches its encoder is launch-bound, ~12 ms of host launches for ~2 ms of GPU work at
     t5-large x 512 tokens), one CUDA input of at most `MAX_GRAPH_TOKENS` tokens, CUDA graphs on,
-    T5's full attention. A padded
-    call's key holds its mask's bits (`mask`, read back once: the graph packs exactly those
-    positions); an all-ones mask is dropped before this."""
+    T5's full attention. A padded call's key holds its mask's bits (`mask`, read back once: the
+    graph packs exactly those positions); an all-ones mask is dropped before this."""
     if (input_ids is None) == (inputs_embeds is None) or not runtime.config.cuda_graphs:
         return None
     source = input_ids if inputs_embeds is None else inputs_embeds

@@ -4,11 +4,12 @@ A text encoder in a diffusion pipeline (T5 v1.1 XXL in Flux / SD3 / PixArt, UMT5
 one small batch of one shape per image: a few milliseconds of GPU work behind as many
 milliseconds of host-side launches; so does generate()'s own encoder call at small batches
 (t5-large, 1 x 512 tokens: ~12 ms of launches for ~2 ms of GPU work, more than a tenth of a
-128-token call). The second call of a shape captures the whole encoder
-forward (`stacks.encoder_forward`, its bias tables gathered from the weights inside the graph) as
-a graph; later calls of that shape copy their input into the graph's static buffer and replay
-it, with no host sync. A shape seen once runs eagerly (no capture cost for a shape that never
-comes back). A padded batch is keyed by its mask's bits as well (read back once per call, as the
+128-token call). The second call of a shape captures the whole encoder forward
+(`stacks.encoder_forward`, its bias tables gathered from the weights inside the graph) as a
+graph; later calls of that shape copy their input into the graph's static buffer and replay it,
+with no host sync. A shape seen once runs eagerly (no capture cost for a shape that never comes
+back), and so does every shape while the recent calls hold more shapes than graphs are kept
+(`RECENT_CALLS`). A padded batch is keyed by its mask's bits as well (read back once per call, as the
 eager packed path reads it): a mask that recurs (a pipeline's empty negative prompt, one prompt
 for many images) replays a graph that packs exactly its real positions.
 
