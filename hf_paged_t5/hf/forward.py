@@ -17,7 +17,7 @@ from ..model import longt5
 from ..model import bias as bias_mod
 from ..model.bias import is_local, self_attention
 from ..model.encoder_graphs import MAX_GRAPH_TOKENS
-from ..model.stacks import encoder_forward, mask_rows, pack_tokens, store_cross
+from ..model.stacks import encoder_forward, mask_layout, pack_tokens, store_cross
 from .cache import PagedEncoderDecoderCache
 from .policy import cpu_stock_reason
 from .runtime import PagedRuntime
@@ -58,13 +58,14 @@ _ENCODER_KWARGS = frozenset({"output_attentions", "output_hidden_states", "use_c
 GRAPH_DEVICE_TYPES = ("cuda",)
 
 
-def _graph_key(runtime: PagedRuntime, stack: nn.Module, input_ids, inputs_embeds, kwargs: dict, mask=None):
+def _graph_key(runtime: PagedRuntime, stack: nn.Module, input_ids, inputs_embeds, kwargs: dict, layout=None):
     """The encoder-graph key of a call that may run as a captured graph (`model/encoder_graphs.py`),
     else None: a call without gradients or hooks' outputs (a call of its own, or generate()'s: at
     small batches its encoder is launch-bound, ~12 ms of host launches for ~2 ms of GPU work at
     t5-large x 512 tokens), one CUDA input of at most `MAX_GRAPH_TOKENS` tokens, CUDA graphs on,
-    T5's full attention. A padded call's key holds its mask's bits (`mask`, read back once: the
-    graph packs exactly those positions); an all-ones mask is dropped before this."""
+    T5's full attention. A padded call's key holds its mask (`layout`: each row's first real
+    position and length, which `mask_layout` read back for its checks; the mask has no hole), and
+    its graph packs exactly those positions; an all-ones mask is dropped before this."""
     if (input_ids is None) == (inputs_embeds is None) or not runtime.config.cuda_graphs:
         return None
     source = input_ids if inputs_embeds is None else inputs_embeds
@@ -72,8 +73,7 @@ def _graph_key(runtime: PagedRuntime, stack: nn.Module, input_ids, inputs_embeds
             or torch.is_grad_enabled() or set(kwargs) - _ENCODER_KWARGS
             or any(_output_flags(stack, kwargs)) or is_local(self_attention(stack.block[0].layer[0]))):
         return None
-    bits = None if mask is None else mask.bool().cpu().numpy().tobytes()
-    return tuple(source.shape), source.dtype, source.device, inputs_embeds is not None, bits
+    return tuple(source.shape), source.dtype, source.device, inputs_embeds is not None, layout
 
 
 def _graph_forward(runtime: PagedRuntime, stack: nn.Module, embeds: bool, mask=None, device=None):
@@ -134,7 +134,7 @@ def make_encoder_forward(runtime: PagedRuntime, original):
                 runtime.warn_once(reason, "the encoder")
                 stock = True
         if not stock and attention_mask is not None:
-            lens, reason = mask_rows(attention_mask, right_padded=longt5.is_transient_global(attention))
+            lens, firsts, reason = mask_layout(attention_mask, right_padded=longt5.is_transient_global(attention))
             if reason is not None:
                 runtime.warn_once(reason, "the encoder")
                 stock = True
@@ -159,7 +159,8 @@ def make_encoder_forward(runtime: PagedRuntime, original):
             runtime.check_weights()
         if lens is not None and min(lens) == source.shape[1]:
             attention_mask = None  # every position real: the same forward without packing
-        key = _graph_key(runtime, self, input_ids, inputs_embeds, kwargs, attention_mask)
+        layout = None if attention_mask is None else (tuple(firsts), tuple(lens))
+        key = _graph_key(runtime, self, input_ids, inputs_embeds, kwargs, layout)
         if key is not None:  # (an all-ones mask, and a padded call whose mask recurs, reach their graph here)
             graphs = runtime.encoder_graphs
             hidden = graphs.replay(key, self, source)

@@ -278,9 +278,10 @@ def fused_linear_supports(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> b
     `model/fused_layer.py`.)"""
     rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
     w0 = weights[0] if weights else None
+    limit = fused_rows()
     return (
-        0 < rows <= fused_rows()
-        and w0 is not None and (not _uses_dot(rows, w0.numel()) or fused_rows() > MAX_ROWS)
+        0 < rows <= limit
+        and w0 is not None and (not _uses_dot(rows, w0.numel()) or limit > MAX_ROWS)
         and x.dtype in (torch.float16, torch.bfloat16)
         and 1 <= len(weights) <= 3
         and all(

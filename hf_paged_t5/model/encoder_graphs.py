@@ -9,8 +9,8 @@ milliseconds of host-side launches; so does generate()'s own encoder call at sma
 graph; later calls of that shape copy their input into the graph's static buffer and replay it,
 with no host sync. A shape seen once runs eagerly (no capture cost for a shape that never comes
 back), and so does every shape while the recent calls hold more shapes than graphs are kept
-(`RECENT_CALLS`). A padded batch is keyed by its mask's bits as well (read back once per call, as the
-eager packed path reads it): a mask that recurs (a pipeline's empty negative prompt, one prompt
+(`RECENT_CALLS`). A padded batch is keyed by its mask as well (each row's first real position
+and length, from the read the mask's checks make anyway): a mask that recurs (a pipeline's empty negative prompt, one prompt
 for many images) replays a graph that packs exactly its real positions.
 
 What a graph reads by address must stay where it was: `WeightWatch` notices a replaced weight

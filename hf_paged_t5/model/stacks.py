@@ -82,17 +82,25 @@ HOLE = "attention_mask has zeros between a row's real tokens (a hole)"
 
 
 def mask_rows(mask: torch.Tensor, right_padded: bool = False) -> tuple[list[int], Optional[str]]:
-    """(real tokens per row, why `pack_tokens` cannot serve `mask` exactly or None). Not served:
+    """(real tokens per row, why `pack_tokens` cannot serve `mask` exactly or None): `mask_layout`
+    without the rows' first positions."""
+    lens, _, reason = mask_layout(mask, right_padded)
+    return lens, reason
+
+
+def mask_layout(mask: torch.Tensor, right_padded: bool = False) -> tuple[list[int], list[int], Optional[str]]:
+    """(real tokens per row, each row's first real position, why `pack_tokens` cannot serve `mask`
+    exactly or None); a mask it serves (no hole) is those two lists. Not served:
     a row with no real token (HF's encoder then attends over every position of that row), and
     zeros between a row's ones (HF keeps the tokens after such a hole at their original
     distances; packing would close it up); with `right_padded`, padding before a row's first
     token too (LongT5's transient-global blocks are counted from the tensor's first position).
-    One host read of [batch + 3] numbers.
+    One host read of [2 x batch + 3] numbers.
 
     mask: [batch, seq_len], nonzero = real token; the reason is EMPTY_ROW, HOLE, LEFT_PADDED or None
     """
     if mask.numel() == 0:
-        return [0] * mask.shape[0], None  # an empty batch or empty rows: the callers' own checks say so
+        return [0] * mask.shape[0], [0] * mask.shape[0], None  # an empty batch or empty rows: the callers' own checks say so
     real = mask.bool()
     lens = real.sum(dim=1)
     positions = torch.arange(real.shape[1], device=real.device)
@@ -100,9 +108,11 @@ def mask_rows(mask: torch.Tensor, right_padded: bool = False) -> tuple[list[int]
     last = torch.where(real, positions, -1).amax(dim=1)
     flags = torch.stack([(lens == 0).any(), ((last - first + 1 != lens) & (lens > 0)).any(),
                          ((first > 0) & (lens > 0)).any()])
-    *row_lens, empty, holes, late = torch.cat([lens, flags.to(lens.dtype)]).tolist()
+    *rows, empty, holes, late = torch.cat([lens, first.to(lens.dtype), flags.to(lens.dtype)]).tolist()
     left = right_padded and late
-    return row_lens, (EMPTY_ROW if empty else HOLE if holes else longt5.LEFT_PADDED if left else None)
+    batch = mask.shape[0]
+    reason = EMPTY_ROW if empty else HOLE if holes else longt5.LEFT_PADDED if left else None
+    return rows[:batch], rows[batch:], reason
 
 
 def ff_chunk_tokens(d_ff: int, element_size: int, tokens: int) -> int:
