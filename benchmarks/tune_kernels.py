@@ -1,6 +1,6 @@
 """Sweep the launch knobs of the Triton kernels on the GPU; print and save the best per shape.
 
-    python benchmarks/tune_kernels.py [--out DIR] [--budget SECONDS] [--only decode|prefill] [--jobs N]
+    python benchmarks/tune_kernels.py [--out DIR] [--budget SECONDS] [--only decode|prefill] [--shapes A,B] [--jobs N]
 
 One run (< 4 minutes on an H200 with the default 140 s sweep budget, half of it for decode;
 `--only` gives one section the whole budget) measures, in this order:
@@ -8,7 +8,8 @@ One run (< 4 minutes on an H200 with the default 140 s sweep budget, half of it 
 - paged decode, bf16, 16 heads, block_size 16, head_dim 64 and 128: 1 x 16384 and 64 x 2048
   keys (bandwidth: % of copy bandwidth), the graph-replayed decode step of t5-large at batch 1
   (self-attention over 128 keys with the causal bias table in a 256-key table,
-  cross-attention over 512 keys) and 16 x 512 cross-attention. Every decode config and the
+  cross-attention over 512 keys), 16 x 512 cross-attention and a batch-64 step's self- and
+  cross-attention (64 x 96 self, 64 and 128 x 512 cross). Every decode config and the
   SDPA baseline are timed per call inside a CUDA graph (so the Python launch cost, ~tens of
   µs, never hides the kernel, and the step runs that way), the calls cycling over copies of
   the KV that together pass 3x the L2 size, so K/V are read cold;
@@ -365,6 +366,10 @@ DECODE_SHAPES = [
     dict(name="64x2048 d128", batch=64, keys=2048, head_dim=128, bias=True),
     dict(name="1x128 self d128", batch=1, keys=128, head_dim=128, bias=True, capacity=256),
     dict(name="1x512 cross d128", batch=1, keys=512, head_dim=128, bias=False),
+    # a graphed decode step at batch 64 (t5-large: 16 heads; flan-t5-xl's 32 heads double the programs)
+    dict(name="64x512 cross", batch=64, keys=512, head_dim=64, bias=False),
+    dict(name="128x512 cross", batch=128, keys=512, head_dim=64, bias=False),
+    dict(name="64x96 self", batch=64, keys=96, head_dim=64, bias=True, capacity=256),
 ]
 QUICK_DECODE_SHAPES = [
     dict(name="2x40", batch=2, keys=40, head_dim=16, bias=True, capacity=64),
@@ -576,6 +581,7 @@ def main(argv=None) -> None:
     parser.add_argument("--budget", type=float, default=140.0, help="seconds for the sweeps (baselines run anyway)")
     parser.add_argument("--only", choices=("decode", "prefill"), default=None)
     parser.add_argument("--quick", action="store_true", help="tiny shapes, to check the script (CPU ok)")
+    parser.add_argument("--shapes", default=None, help="comma-separated shape names to run (default: all)")
     parser.add_argument(
         "--jobs", type=int, default=min(8, max(1, (os.cpu_count() or 2) - 2)),
         help="compile worker processes (0: compile in this process, one config at a time)",
@@ -591,6 +597,10 @@ def main(argv=None) -> None:
     copy_gbps = common.copy_bandwidth(DEVICE, 2**20 if args.quick else 2**31)
     decode_shapes = QUICK_DECODE_SHAPES if args.quick else DECODE_SHAPES
     prefill_shapes = QUICK_PREFILL_SHAPES if args.quick else PREFILL_SHAPES
+    if args.shapes:
+        wanted = set(args.shapes.split(","))
+        decode_shapes = [s for s in decode_shapes if s["name"] in wanted]
+        prefill_shapes = [s for s in prefill_shapes if s["name"] in wanted]
     # Decode gets ~50% of the budget, prefill the rest (its kernels are bigger to compile).
     decode_clock = Clock(args.budget * (0.5 if args.only is None else 1.0))
     result = {

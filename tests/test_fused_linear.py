@@ -112,6 +112,32 @@ def test_tensor_core_kernel_matches_reference(monkeypatch, epilogue, rows, n, k,
     assert error(out, exact) <= 1.5 * error(reference.fused_linear(x, ws, **kw), exact) + 1e-6
 
 
+@pytest.mark.parametrize("epilogue", ["norm", "residual", "gelu"])
+@pytest.mark.parametrize("rows,n,k,split_k", [(17, 40, 200, 3), (33, 24, 96, 2)])
+def test_tensor_core_kernel_split_k_matches_reference(monkeypatch, epilogue, rows, n, k, split_k):
+    """K split over programs (partials merged in split order by a tile's last program, on the
+    caller's counters): the same bound against float64, the same bits on a second call, and the
+    counters left at zero for the next launch."""
+    from hf_paged_t5.kernels.linear import DotConfig
+
+    monkeypatch.setenv("HF_PAGED_T5_FUSED_ROWS", "128")
+    count, opts = EPILOGUES[epilogue]
+    (x, norm, residual), ws = operands(rows, n, k, torch.float16, count, seed=rows + n + k)
+    kw = dict(norm_weight=norm if opts.get("norm") else None, eps=1e-6,
+              residual=residual if opts.get("residual") else None, activation=opts.get("activation"))
+    tickets = torch.zeros(64, dtype=torch.int32, device=DEVICE)
+    cfg = DotConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2, split_k=split_k)
+    out = kernels.fused_linear(x=x, weights=ws, tickets=tickets, dot_config=cfg, **kw)
+    assert not tickets.any()
+    exact = reference.fused_linear(x.double(), [w.double() for w in ws],
+                                   **{k: v.double() if torch.is_tensor(v) else v for k, v in kw.items()})
+    assert error(out, exact) <= 1.5 * error(reference.fused_linear(x, ws, **kw), exact) + 1e-6
+    assert torch.equal(out, kernels.fused_linear(x=x, weights=ws, tickets=tickets, dot_config=cfg, **kw))
+    assert not tickets.any()
+    with pytest.raises(ValueError, match="split_k"):
+        DotConfig(block_m=16, block_n=16, block_k=16, num_warps=4, split_k=0)
+
+
 def test_tensor_core_kernel_is_off_unless_switched_on(monkeypatch):
     """By default past MAX_ROWS rows (and 2-4 rows over weights past MULTI_ROW_ELEMENTS) stay on
     cuBLAS; HF_PAGED_T5_FUSED_ROWS switches the tensor-core kernel on up to its rows; a bad value
@@ -133,10 +159,12 @@ def test_tensor_core_kernel_is_off_unless_switched_on(monkeypatch):
             linear.fused_rows()
 
 
-@pytest.mark.parametrize("rows,block_size", [(1, 16), (4, 4), (3, 1), (9, 4)])
-def test_fused_linear_stores_k_and_v_to_their_slots(monkeypatch, rows, block_size):
+@pytest.mark.parametrize("rows,block_size,split_k", [(1, 16, 1), (4, 4, 1), (3, 1, 1), (9, 4, 1), (9, 4, 2)])
+def test_fused_linear_stores_k_and_v_to_their_slots(monkeypatch, rows, block_size, split_k):
     """q returned; k and v in the pool at each row's slot (a negative slot stores nothing); every
-    other slot untouched (9 rows: the tensor-core kernel)."""
+    other slot untouched (9 rows: the tensor-core kernel, with and without K splits)."""
+    from hf_paged_t5.kernels.linear import DotConfig
+
     monkeypatch.setenv("HF_PAGED_T5_FUSED_ROWS", "16")
     num_heads, head_dim, k = 3, 8, 40
     (x, norm, _), ws = operands(rows, num_heads * head_dim, k, torch.float16, 3, seed=rows)
@@ -147,7 +175,8 @@ def test_fused_linear_stores_k_and_v_to_their_slots(monkeypatch, rows, block_siz
     slots[-1] = -1 if rows > 1 else slots[-1]
     slots = slots.to(device=DEVICE, dtype=torch.int32)
     kw = dict(weights=ws, norm_weight=norm, eps=1e-6, slot_mapping=slots)
-    q = kernels.fused_linear(x=x, key_cache=caches[0], value_cache=caches[1], **kw)
+    cfg = DotConfig(block_m=16, block_n=16, block_k=16, num_warps=4, split_k=split_k) if split_k > 1 else None
+    q = kernels.fused_linear(x=x, key_cache=caches[0], value_cache=caches[1], dot_config=cfg, **kw)
     q_ref = reference.fused_linear(x, key_cache=ref_caches[0], value_cache=ref_caches[1], **kw)
     assert error(q, q_ref) < 1e-3
     for cache, ref in zip(caches, ref_caches):

@@ -274,6 +274,7 @@ def test_decode_config_heuristic_on_an_h200():
     assert decode_config(1, 16, 64, 512, sms).num_splits == 4
     assert decode_config(16, 16, 64, 512, sms) == DecodeConfig(128, 4, 1, 1)
     assert decode_config(64, 16, 64, 2048, sms) == DecodeConfig(128, 4, 1, 1)
+    assert decode_config(64, 16, 64, 512, sms) == DecodeConfig(128, 4, 3, 1, prefetch="async")
     assert decode_config(64, 16, 128, 2048, sms) == DecodeConfig(64, 4, 1, 2)
     for head_dim in (64, 128):
         long_row = decode_config(1, 16, head_dim, 16384, sms)

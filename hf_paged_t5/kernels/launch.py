@@ -89,7 +89,8 @@ def decode_config(batch: int, num_heads: int, head_dim: int, max_keys: int, num_
       while they add programs (1 x 512 cross: 6.9 µs with 4 splits vs 7.7 with one, the
       combine launch included); 4 warps at head_dim 64 with one split, else 8.
     - Many pairs (64 x 2048): bandwidth; 8K-element tiles (128 keys at d64, 64 at d128) on
-      4 warps: 82% of copy bandwidth at d64; d128 gains from 2 splits of 1024 keys (65% vs 62%),
+      4 warps: 82% of copy bandwidth at d64; up to 1024 keys over 4+ programs per SM (a
+      batch-64 decode step) the loads pipelined 3 deep through shared memory ("async"); d128 gains from 2 splits of 1024 keys (65% vs 62%),
       so a split holds at most 128K K elements.
     - Few rows over long keys (1 x 16384): splits up to _PROGRAMS_PER_SM programs per SM,
       never below _MIN_KEYS_PER_SPLIT keys, with 4K-element tiles (d128 best: 32 keys, 4 warps,
@@ -113,6 +114,11 @@ def decode_config(batch: int, num_heads: int, head_dim: int, max_keys: int, num_
             splits = max(1, min(2 * splits, max_keys // 256, _MAX_SPLITS))
             return DecodeConfig(block_n=32, num_warps=1, num_stages=3, num_splits=splits, prefetch="async")
         return DecodeConfig(block_n=max(16, min(128, 4096 // padded_d)), num_warps=4, num_splits=splits)
+    if splits == 1 and max_keys <= 1024 and programs >= _PROGRAMS_PER_SM * num_sms:
+        # H200 (benchmarks/tune_kernels.py, 2026-12-03), a batch-64/128 decode step at d64: the
+        # same tiles through Triton's async-copy pipeline, 3 deep: 64 x 512 cross 47.0 vs 50.4 µs,
+        # 128 x 512 cross 81.8 vs 87.2, 64 x 96 self 16.7 vs 18.0 (best or within 0.3% of it).
+        return DecodeConfig(block_n=max(16, min(128, 8192 // padded_d)), num_warps=4, num_stages=3, prefetch="async")
     return DecodeConfig(block_n=max(16, min(128, 8192 // padded_d)), num_warps=4, num_splits=splits)
 
 

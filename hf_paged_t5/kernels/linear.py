@@ -31,6 +31,7 @@ bit-comparable with stock HF.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from types import MappingProxyType
 from typing import Optional, Sequence
@@ -41,6 +42,7 @@ import triton.language as tl
 
 from ._checks import check_device, check_float, interpreting, pdl_options
 from .gemv import MAX_ROWS, gemv_config
+from .launch import _num_sms
 
 # EPILOGUE values.
 _PLAIN, _RESIDUAL, _RELU, _GATED_GELU, _STORE_KV = 0, 1, 2, 3, 4
@@ -215,10 +217,13 @@ def _fused_linear_kernel(
               stride_cache_block, stride_cache_slot, stride_cache_head, EPILOGUE, CACHE_BLOCK)
 
 
-@triton.jit(do_not_specialize=["rows"])  # workload sizes: see kernels/__init__.py
+@triton.jit(do_not_specialize=["rows", "k_per_split"])  # workload sizes: see kernels/__init__.py
 def _fused_linear_dot_kernel(
     x_ptr, norm_weight_ptr, w0_ptr, w1_ptr, w2_ptr, residual_ptr, out_ptr, key_cache_ptr, value_cache_ptr,
-    slot_mapping_ptr, rows, N, K, eps, head_dim, stride_x_row, stride_w_row, stride_residual_row, stride_out_row,
+    slot_mapping_ptr,
+    part_ptr,  # [SPLIT_K, tiles, (2 if gated) * BLOCK_M * BLOCK_N] fp32 partial sums (SPLIT_K > 1)
+    ticket_ptr,  # [>= tiles] int32 zeros, left at zero: splits of a tile done so far (SPLIT_K > 1)
+    rows, N, K, k_per_split, eps, head_dim, stride_x_row, stride_w_row, stride_residual_row, stride_out_row,
     stride_cache_block, stride_cache_slot, stride_cache_head,
     NORM: tl.constexpr,
     EPILOGUE: tl.constexpr,
@@ -226,10 +231,15 @@ def _fused_linear_dot_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """`_fused_linear_kernel` (its arguments and segments) for more rows: program (n, m) sums the
-    rows of row tile m against column tile n on tensor cores (`tl.dot`, float32 sums)."""
+    """`_fused_linear_kernel` (its arguments and segments) for more rows: program (n, m, s) sums
+    the rows of row tile m against column tile n over K range s on tensor cores (`tl.dot`, float32
+    sums). With SPLIT_K > 1 each program stores its partial tile, and the last of a tile's splits
+    to finish (an atomic ticket) adds the partials in split order, so the sum's order never
+    depends on which finished first, and runs the epilogue."""
     segment, offs_n, w_ptr = _column_tile(w0_ptr, w1_ptr, w2_ptr, N, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     mask_n = offs_n < N
@@ -238,6 +248,8 @@ def _fused_linear_dot_kernel(
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < rows
     x_off = offs_m[:, None] * stride_x_row + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    k_start = tl.program_id(2) * k_per_split
+    k_end = tl.minimum(K, k_start + k_per_split)
     if PDL:
         # A plain loop (no first tile before the wait, as the GEMV has): Triton pipelines its
         # weight loads through shared memory.
@@ -250,9 +262,9 @@ def _fused_linear_dot_kernel(
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
         k = k0 + offs_k
-        mask_k = k < K
+        mask_k = k < k_end
         w_mask = mask_n[:, None] & mask_k[None, :]
         w = tl.load(w_ptr + w_off + k0, mask=w_mask, other=0.0)
         xt = tl.load(x_ptr + x_off + k0, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
@@ -265,9 +277,38 @@ def _fused_linear_dot_kernel(
             w1 = tl.load(w1_ptr + w_off + k0, mask=w_mask, other=0.0)
             acc1 = tl.dot(xt, tl.trans(w1), acc1)
 
-    _epilogue(acc, acc1, offs_m, mask_m, offs_n, mask_n, segment, residual_ptr, out_ptr, key_cache_ptr,
-              value_cache_ptr, slot_mapping_ptr, head_dim, stride_residual_row, stride_out_row,
-              stride_cache_block, stride_cache_slot, stride_cache_head, EPILOGUE, CACHE_BLOCK)
+    args = (offs_m, mask_m, offs_n, mask_n, segment, residual_ptr, out_ptr, key_cache_ptr, value_cache_ptr,
+            slot_mapping_ptr, head_dim, stride_residual_row, stride_out_row, stride_cache_block,
+            stride_cache_slot, stride_cache_head, EPILOGUE, CACHE_BLOCK)
+    if SPLIT_K == 1:
+        _epilogue(acc, acc1, *args)
+    else:
+        tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        tiles = tl.num_programs(0) * tl.num_programs(1)
+        parts = 2 if EPILOGUE == 3 else 1
+        cell = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        stride_split = tiles * parts * BLOCK_M * BLOCK_N
+        tile_ptr = part_ptr + tile.to(tl.int64) * (parts * BLOCK_M * BLOCK_N) + cell
+        tl.store(tile_ptr + tl.program_id(2).to(tl.int64) * stride_split, acc)
+        if EPILOGUE == 3:
+            tl.store(tile_ptr + tl.program_id(2).to(tl.int64) * stride_split + BLOCK_M * BLOCK_N, acc1)
+        # Every thread's partial stores precede the ticket (one thread takes it, release), and
+        # the last split's loads follow it (acquire): that split sees every partial.
+        tl.debug_barrier()
+        ticket = tl.atomic_add(ticket_ptr + tile, 1, sem="acq_rel")
+        if ticket == SPLIT_K - 1:
+            # .cg: from L2, where other SMs' partials are (this SM's L1 may not have seen them).
+            acc = tl.load(tile_ptr, cache_modifier=".cg")
+            acc1 = acc
+            if EPILOGUE == 3:
+                acc1 = tl.load(tile_ptr + BLOCK_M * BLOCK_N, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLIT_K):
+                acc += tl.load(tile_ptr + s * stride_split, cache_modifier=".cg")
+                if EPILOGUE == 3:
+                    acc1 += tl.load(tile_ptr + s * stride_split + BLOCK_M * BLOCK_N, cache_modifier=".cg")
+            _epilogue(acc, acc1, *args)
+            # Every split has counted: back to zero for the next launch over these counters.
+            tl.atomic_xchg(ticket_ptr + tile, 0)
 
 
 def fused_linear_supports(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> bool:
@@ -371,6 +412,8 @@ def fused_linear(
     value_cache: Optional[torch.Tensor] = None,
     slot_mapping: Optional[torch.Tensor] = None,
     pdl: bool = False,
+    tickets: Optional[torch.Tensor] = None,
+    dot_config: Optional[DotConfig] = None,
 ) -> torch.Tensor:
     """`x @ weights[0].T` for at most MAX_ROWS rows, with the extras of the module docstring.
 
@@ -382,6 +425,10 @@ def fused_linear(
         = N, and slot_mapping [rows] int: three weights (q, k, v); k and v go to the slots
         (negative: none), q is returned
     pdl: launch as a programmatic dependent launch (`pdl_available`); ignored under the interpreter
+    tickets: [n] int32 zeros (left at zero), or None: counters of the tensor-core kernel's K
+        splits (a graph's step owns them: `StepMetadata.tickets`); fewer than a launch needs, or
+        None, and it makes its own
+    dot_config: the tensor-core kernel's launch knobs (`DotConfig`; tuning), or None: the defaults
     returns: [..., N] in x's dtype
     """
     epilogue = _check(x, weights, norm_weight, residual, activation, key_cache, value_cache, slot_mapping)
@@ -406,10 +453,25 @@ def fused_linear(
     )  # fmt: skip
     flags = dict(NORM=norm_weight is not None, EPILOGUE=epilogue, CACHE_BLOCK=cache.shape[1], PDL=pdl)
     if _uses_dot(rows, w0.numel()):
-        block_m, block_n, block_k, num_warps = _dot_config(rows)
-        grid = (segments * triton.cdiv(N, block_n), triton.cdiv(rows, block_m))
-        _fused_linear_dot_kernel[grid](*args, **flags, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                                       num_warps=num_warps, **launch)
+        cfg = dot_config if dot_config is not None else _dot_config(rows, N, K, segments, _num_sms(x.device))
+        row_tiles, k_per_split = triton.cdiv(rows, cfg.block_m), K
+        tiles = segments * triton.cdiv(N, cfg.block_n) * row_tiles
+        split_k = max(1, min(cfg.split_k, triton.cdiv(K, cfg.block_k)))
+        part = ticket = out  # placeholders with one split
+        if split_k > 1:
+            k_per_split = triton.cdiv(triton.cdiv(K, split_k), cfg.block_k) * cfg.block_k
+            split_k = triton.cdiv(K, k_per_split)
+        if split_k > 1:
+            gated = 2 if epilogue == _GATED_GELU else 1
+            part = torch.empty((split_k, tiles, gated * cfg.block_m * cfg.block_n), dtype=torch.float32,
+                               device=x.device)
+            ticket = _tickets(tickets, tiles, x.device)
+        grid = (segments * triton.cdiv(N, cfg.block_n), row_tiles, split_k)
+        _fused_linear_dot_kernel[grid](
+            *args[:10], part, ticket, *args[10:13], k_per_split, *args[13:], **flags, BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k, NUM_STAGES=cfg.num_stages,
+            num_warps=cfg.num_warps, **launch,
+        )  # fmt: skip
         return out.reshape(*x.shape[:-1], N)
     block_n, block_k, num_warps = gemv_config(rows, N, K)
     block_m = triton.next_power_of_2(rows)
@@ -424,11 +486,53 @@ def fused_linear(
     return out.reshape(*x.shape[:-1], N)
 
 
-def _dot_config(rows: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) of the tensor-core kernel: row tiles of 16 to 64
-    (tl.dot's least M is 16) and narrow column tiles, so that a few rows still spread a projection
-    over many programs (the step streams weights). No configuration here spills at sm_90
-    (`benchmarks/diag_ptxas.py`); 16-row tiles with 64 columns or 128-wide K did, with the norm or
-    the gated FF's second weight. Speed: untuned (`benchmarks/ab_fusion.py --variants fused-dot`)."""
+@dataclasses.dataclass(frozen=True)
+class DotConfig:
+    """Launch knobs of the tensor-core kernel (`fused_linear`'s `dot_config`; defaults: `_dot_config`).
+
+    block_m: rows per tile (16, 32 or 64: tl.dot's least M is 16); block_n: columns per tile and
+    block_k: K per step (powers of two >= 16); num_warps; num_stages: pipelining depth of the K
+    loop; split_k: K ranges per tile (> 1: partial sums, merged by the tile's last program)
+    """
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int = 3
+    split_k: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+        if self.num_stages < 1 or self.split_k < 1:
+            raise ValueError(f"num_stages and split_k must be >= 1, got {self.num_stages}, {self.split_k}")
+
+
+def _dot_config(rows: int, N: int, K: int, segments: int, num_sms: int) -> DotConfig:
+    """Default knobs of the tensor-core kernel: row tiles of 16 to 64 (tl.dot's least M is 16) and
+    narrow column tiles, and as many K splits as bring the programs to about two per SM (a decode
+    step's projections are a few MB of weights over a few rows: without splits a 1024-column
+    weight made 32 programs, each streaming 64 KB one tile after another). No configuration here
+    spills at sm_90 (`benchmarks/diag_ptxas.py`); 16-row tiles with 64 columns or 128-wide K did,
+    with the norm or the gated FF's second weight."""
     block_m = min(64, max(16, triton.next_power_of_2(rows)))
-    return block_m, 32, 64, 4 if block_m == 16 else 8
+    block_n, block_k = 32, 64
+    tiles = segments * triton.cdiv(N, block_n) * triton.cdiv(rows, block_m)
+    split_k = max(1, min(8, triton.cdiv(2 * num_sms, tiles), K // (4 * block_k)))
+    return DotConfig(block_m, block_n, block_k, 4 if block_m == 16 else 8, 3, split_k)
+
+
+def _tickets(tickets: Optional[torch.Tensor], needed: int, device: torch.device) -> torch.Tensor:
+    """The split-K counters: the caller's (int32 zeros, left at zero) where they hold `needed`, else new zeros."""
+    if tickets is not None:
+        if not isinstance(tickets, torch.Tensor) or tickets.dtype != torch.int32 or not tickets.is_contiguous():
+            raise TypeError("tickets must be a contiguous int32 tensor of zeros")
+        check_device("tickets", tickets, device)
+        if tickets.numel() >= needed:
+            return tickets
+    return torch.zeros(needed, dtype=torch.int32, device=device)
