@@ -1,15 +1,13 @@
 """The fused decode layer against one kernel per op, in one process: ms per decode step, kernels
 per decoder layer, and where one step's GPU time goes.
 
-    python benchmarks/ab_fusion.py [--models t5-large,flan-t5-xl] [--batch 1,4] [--variants ...] [--out DIR]
+    python benchmarks/ab_fusion.py [--models t5-large,flan-t5-xl] [--batch 1,4] [--out DIR]
 
 For each model (`common.make_model`: a real layout, bf16) and batch, patched generate() on
-512-token inputs with 128 new tokens forced, under these variants (`--variants`), each on a
-freshly patched model (its own graphs): `fused` (`PagedCacheConfig(fused_decode=True)`,
-programmatic dependent launches where the GPU has them: the default), `fused-no-pdl` (the same
-with HF_PAGED_T5_PDL=0), `fused-dot` (the same with HF_PAGED_T5_FUSED_ROWS=512: past 4 rows the
-fused layer's tensor-core kernel, off by default) and `unfused` (`fused_decode=False`: one kernel
-per op). Each variant reports ms per step of the
+512-token inputs with 128 new tokens forced, under three variants, each on a freshly patched
+model (its own graphs): `fused` (`PagedCacheConfig(fused_decode=True)`, programmatic dependent
+launches where the GPU has them: the default), `fused-no-pdl` (the same with HF_PAGED_T5_PDL=0)
+and `unfused` (`fused_decode=False`: one kernel per op). Each variant reports ms per step of the
 whole call (median of 5 calls after 2), µs per replay of its decode graph (median of 50, CUDA
 events), CUDA kernels per replay, the bf16 tokens' agreement with `unfused` and the first step's
 logits' relative difference from it; `fused` and `fused-no-pdl` the kernels of one replay by
@@ -31,9 +29,7 @@ import common  # benchmarks/ is on sys.path
 import hf_paged_t5 as hp
 
 SRC_LEN, NEW = 512, 128
-# label: (fused_decode, HF_PAGED_T5_PDL, HF_PAGED_T5_FUSED_ROWS or None: unset)
-VARIANTS = {"unfused": (False, "1", None), "fused-no-pdl": (True, "0", None), "fused": (True, "1", None),
-            "fused-dot": (True, "1", "512")}
+VARIANTS = (("unfused", False, "1"), ("fused-no-pdl", True, "0"), ("fused", True, "1"))
 
 
 def replay_us(graph, replays: int = 50) -> float:
@@ -64,12 +60,8 @@ def replay_kernels(graph) -> tuple[int, dict]:
     return count, dict(sorted(names.items(), key=lambda kv: -kv[1]))
 
 
-def run_variant(model, batch: int, fused: bool, pdl: str, fused_rows) -> dict:
+def run_variant(model, batch: int, fused: bool, pdl: str) -> dict:
     os.environ["HF_PAGED_T5_PDL"] = pdl  # read when a graph is captured
-    if fused_rows is None:  # read when a step's plan first asks whether the fused layer serves it
-        os.environ.pop("HF_PAGED_T5_FUSED_ROWS", None)
-    else:
-        os.environ["HF_PAGED_T5_FUSED_ROWS"] = fused_rows
     if hp.is_patched(model):
         hp.unpatch_model(model)
     gc.collect()
@@ -93,21 +85,15 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="t5-large,flan-t5-xl")
     ap.add_argument("--batch", default="1,4")
-    ap.add_argument("--variants", default="unfused,fused-no-pdl,fused",
-                    help=f"comma-separated, of {', '.join(VARIANTS)} (unfused always runs: the others' reference)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    chosen = ["unfused"] + [v for v in args.variants.split(",") if v and v != "unfused"]
-    unknown = [v for v in chosen if v not in VARIANTS]
-    if unknown:
-        ap.error(f"unknown variants {unknown} (known: {list(VARIANTS)})")
     common.require_cuda("ab_fusion.py")
     out = common.start_suite(args.out, "fusion")
     rows = []
     for name in args.models.split(","):
         model = common.make_model(name, "sdpa", torch.bfloat16)
         for batch in (int(b) for b in args.batch.split(",")):
-            results = {label: run_variant(model, batch, *VARIANTS[label]) for label in chosen}
+            results = {label: run_variant(model, batch, fused, pdl) for label, fused, pdl in VARIANTS}
             base = results["unfused"]
             for label, r in results.items():
                 rows.append(dict(
@@ -124,7 +110,6 @@ def main(argv=None) -> None:
         gc.collect()
         torch.cuda.empty_cache()
     os.environ.pop("HF_PAGED_T5_PDL", None)
-    os.environ.pop("HF_PAGED_T5_FUSED_ROWS", None)
     common.write_json(out / "fusion.json", dict(gpu=torch.cuda.get_device_name(), src_len=SRC_LEN, new_tokens=NEW,
                                                 rows=rows))
     fmt = common.fmt

@@ -54,9 +54,6 @@ def compile_report(kernel, constexprs: dict, types: dict, num_warps: int, arch: 
                 pdl_instructions=compiled.asm["ptx"].count("griddepcontrol"))
 
 
-H200_SMS = 132
-
-
 def cases() -> list[tuple]:
     """(label, kernel, constexprs, argument types, num_warps, pdl) the decode step launches."""
     from hf_paged_t5.kernels.gemv import gemv_config
@@ -68,11 +65,11 @@ def cases() -> list[tuple]:
     out = []
     shapes = [("t5-large", 1024, 4096, False), ("flan-t5-xl", 2048, 5120, True)]
     for model, d_model, d_ff, gated in shapes:
-        steps = [("qkv+store", d_model, d_model, linear._STORE_KV, True), ("o+residual", d_model, d_model,
-                 linear._RESIDUAL, False), ("wi+act", d_ff, d_model, linear._GATED_GELU if gated else linear._RELU,
-                 True), ("wo+residual", d_model, d_ff, linear._RESIDUAL, False)]
         for rows in (1, 4):
             block_m = 1 if rows == 1 else 4
+            steps = [("qkv+store", d_model, d_model, linear._STORE_KV, True), ("o+residual", d_model, d_model,
+                     linear._RESIDUAL, False), ("wi+act", d_ff, d_model, linear._GATED_GELU if gated else linear._RELU,
+                     True), ("wo+residual", d_model, d_ff, linear._RESIDUAL, False)]
             for what, n, k, epilogue, norm in steps:
                 block_n, block_k, warps = gemv_config(rows, n, k)
                 block_n = min(block_n, max(1, 8 // (block_m * (2 if epilogue == linear._GATED_GELU else 1))))
@@ -80,16 +77,6 @@ def cases() -> list[tuple]:
                              BLOCK_K=block_k, PDL=True)
                 out.append((f"fused_linear {model} {what} rows {rows}", linear._fused_linear_kernel, const,
                             dict(eps="fp32", slot_mapping_ptr="*i32"), warps, True))
-        for rows in (16, 64):  # the tensor-core kernel (HF_PAGED_T5_FUSED_ROWS), at an H200's 132 SMs
-            for what, n, k, epilogue, norm in steps:
-                segments = 3 if epilogue == linear._STORE_KV else 1
-                cfg = linear._dot_config(rows, n, k, segments, H200_SMS)
-                const = dict(NORM=norm, EPILOGUE=epilogue, CACHE_BLOCK=16, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                             BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, NUM_STAGES=cfg.num_stages, PDL=True)
-                out.append((f"fused_linear (tl.dot) {model} {what} rows {rows} split {cfg.split_k}",
-                            linear._fused_linear_dot_kernel, const,
-                            dict(eps="fp32", slot_mapping_ptr="*i32", part_ptr="*fp32", ticket_ptr="*i32"),
-                            cfg.num_warps, True))
         block_n, block_k, warps = gemv_config(1, d_model, d_model)
         out.append((f"gemv {model} rows 1", gemv._gemv_kernel, dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k),
                     {}, warps, False))

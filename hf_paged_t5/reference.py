@@ -268,12 +268,10 @@ def fused_linear(
     value_cache: Optional[torch.Tensor] = None,
     slot_mapping: Optional[torch.Tensor] = None,
     pdl: bool = False,
-    tickets: Optional[torch.Tensor] = None,
-    dot_config=None,
 ) -> torch.Tensor:
     """`kernels.fused_linear` as the ops HF runs one after another: the layer norm, each Linear
-    rounded to x's dtype, then the residual add, ReLU, gated GELU or K/V store. `pdl`, `tickets`
-    and `dot_config` are the kernel's launch details and change nothing here.
+    rounded to x's dtype, then the residual add, ReLU, gated GELU or K/V store. `pdl` is the
+    kernel's launch mode and changes nothing here.
 
     x: [..., K]; weights: 1-3 [N, K]; returns [..., N] (q when K/V are stored)
     """

@@ -27,9 +27,6 @@ logger = logging.getLogger(__name__)
 # a notebook's data loader) neither invalidates a capture nor is refused while one runs; CUDA still
 # refuses a device-wide synchronize during any capture (README, Limits).
 CAPTURE_MODE = "thread_local"
-# Counters a captured step owns at least (`StepMetadata.tickets`): enough for the fused layer's K
-# splits at the widths of T5-family layers (one per output tile of 32 columns), so none makes its own.
-TICKETS = 4096
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -226,8 +223,7 @@ class DecodeGraphs:
         meta = StepMetadata(
             num_new=1, slot_mapping=slot, self_block_table=s_table, self_seq_lens=s_lens,
             cross_block_table=c_table, cross_seq_lens=c_lens,
-            # split attention needs one per (row, head); the fused layer's K splits one per tile
-            tickets=torch.zeros(max(batch * heads, TICKETS), dtype=torch.int32, device=device),
+            tickets=torch.zeros(batch * heads, dtype=torch.int32, device=device),
         )
         static_ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
         copied = torch.cuda.Event() if pin else None

@@ -19,20 +19,12 @@ With `pdl` (Hopper and later; the caller launches a chain of such kernels) each 
 its first weight tile, which no earlier kernel writes, before it waits for the previous kernel
 (`gdc_wait`): the weights stream while the previous kernel finishes, and the launch gap hides.
 
-More rows (up to `fused_rows()`, a switch: `HF_PAGED_T5_FUSED_ROWS`) run `_fused_linear_dot_kernel`,
-the same prologue and epilogues around tensor-core tiles (`tl.dot`, float32 sums) instead of the
-GEMV's per-row dot products. It stays off by default (4: the GEMV's rows) until a GPU A/B of the
-whole step (`benchmarks/ab_fusion.py`, variant `fused-dot`) shows it faster than cuBLAS's GEMMs
-with the op-by-op kernels around them.
-
 Half precision only (`fused_linear_supports`): float32 keeps cuBLAS so float32 results stay
 bit-comparable with stock HF.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import os
 from types import MappingProxyType
 from typing import Optional, Sequence
 
@@ -42,7 +34,6 @@ import triton.language as tl
 
 from ._checks import check_device, check_float, interpreting, pdl_options
 from .gemv import MAX_ROWS, gemv_config
-from .launch import _num_sms
 
 # EPILOGUE values.
 _PLAIN, _RESIDUAL, _RELU, _GATED_GELU, _STORE_KV = 0, 1, 2, 3, 4
@@ -52,92 +43,12 @@ SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 # the op-by-op kernels (H200, benchmarks/ab_fusion.py: flan-t5-xl's 10.5M-element FF weights at 4
 # rows, 2.77 vs 2.28 ms per step replay; t5-large's 4.2M, 1.28 vs 1.43).
 MULTI_ROW_ELEMENTS = 1 << 22
-# The most rows the tensor-core kernel may be switched on for (`fused_rows`): a decode step's rows.
-MAX_DOT_ROWS = 512
-
-
-def fused_rows() -> int:
-    """The most rows `fused_linear` serves: `HF_PAGED_T5_FUSED_ROWS` (MAX_ROWS to MAX_DOT_ROWS;
-    past MAX_ROWS the tensor-core kernel), default MAX_ROWS (the GEMV's rows only)."""
-    value = os.environ.get("HF_PAGED_T5_FUSED_ROWS", "").strip()
-    if not value:
-        return MAX_ROWS
-    if not value.isdigit() or not MAX_ROWS <= int(value) <= MAX_DOT_ROWS:
-        raise ValueError(f"HF_PAGED_T5_FUSED_ROWS={value!r}: give a whole number from {MAX_ROWS} to {MAX_DOT_ROWS} "
-                         f"(the most rows of a decode step the fused kernels serve), or unset it")
-    return int(value)
-
-
-def _uses_dot(rows: int, weight_elements: int) -> bool:
-    """Whether `rows` rows over a weight of `weight_elements` take the tensor-core kernel (else the GEMV)."""
-    return not (rows == 1 or (rows <= MAX_ROWS and weight_elements <= MULTI_ROW_ELEMENTS))
 
 
 @triton.jit
 def _round(x, like_ptr):
     """float32 x rounded to the element type of `like_ptr`, back in float32."""
     return x.to(like_ptr.dtype.element_ty).to(tl.float32)
-
-
-@triton.jit
-def _column_tile(w0_ptr, w1_ptr, w2_ptr, N, BLOCK_N: tl.constexpr):
-    """(segment, columns, weight) of this program: programs [0, tiles) read w0, then w1 and w2
-    (STORE_KV: q, k, v side by side); the gated FF pairs w0 and w1 in every program instead."""
-    tiles = tl.cdiv(N, BLOCK_N)
-    pid = tl.program_id(0)
-    segment = pid // tiles
-    offs_n = (pid % tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-    w_ptr = w0_ptr
-    if segment == 1:
-        w_ptr = w1_ptr
-    if segment == 2:
-        w_ptr = w2_ptr
-    return segment, offs_n, w_ptr
-
-
-@triton.jit
-def _inv_rms(x_rows, mask_m, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """1 / T5's RMS of each row x_rows [BLOCK_M, 1] (pointers to the rows) over its K features, float32."""
-    offs_k = tl.arange(0, BLOCK_K)
-    sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + offs_k
-        xf = tl.load(x_rows + k[None, :], mask=mask_m[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
-        sum_sq += tl.sum(xf * xf, axis=1)
-    return tl.math.rsqrt(sum_sq / K + eps)
-
-
-@triton.jit
-def _epilogue(acc, acc1, offs_m, mask_m, offs_n, mask_n, segment, residual_ptr, out_ptr, key_cache_ptr,
-              value_cache_ptr, slot_mapping_ptr, head_dim, stride_residual_row, stride_out_row,
-              stride_cache_block, stride_cache_slot, stride_cache_head, EPILOGUE: tl.constexpr,
-              CACHE_BLOCK: tl.constexpr):
-    """The fp32 sums acc (acc1: the gated FF's linear half) [BLOCK_M, BLOCK_N] of rows offs_m and
-    columns offs_n, finished as EPILOGUE says and stored (segment 1 / 2 of STORE_KV: to the cache)."""
-    # HF rounds each Linear's output to the activations' dtype before anything else touches it.
-    y = _round(acc, out_ptr)
-    out_mask = mask_m[:, None] & mask_n[None, :]
-    if EPILOGUE == 1:
-        res = tl.load(residual_ptr + offs_m[:, None] * stride_residual_row + offs_n[None, :], mask=out_mask, other=0.0)
-        y = res.to(tl.float32) + y
-    if EPILOGUE == 2:
-        y = tl.maximum(y, 0.0)
-    if EPILOGUE == 3:
-        # gelu_tanh(y) as x / (1 + exp(-2z)): `gated_gelu.py` says why
-        inner = SQRT_2_OVER_PI * (y + 0.044715 * y * y * y)
-        y = y / (1.0 + tl.exp(tl.minimum(-2.0 * inner, 80.0))) * _round(acc1, out_ptr)
-    y = y.to(out_ptr.dtype.element_ty)
-    if segment == 0:
-        tl.store(out_ptr + offs_m[:, None] * stride_out_row + offs_n[None, :], y, mask=out_mask)
-    else:
-        cache_ptr = key_cache_ptr
-        if segment == 2:
-            cache_ptr = value_cache_ptr
-        slot = tl.load(slot_mapping_ptr + offs_m, mask=mask_m, other=-1).to(tl.int64)
-        # int64: block_id * stride_cache_block passes 2^31 in pools of a few GB.
-        row_off = (slot // CACHE_BLOCK) * stride_cache_block + (slot % CACHE_BLOCK) * stride_cache_slot
-        col_off = (offs_n // head_dim) * stride_cache_head + offs_n % head_dim
-        tl.store(cache_ptr + row_off[:, None] + col_off[None, :], y, mask=out_mask & (slot >= 0)[:, None])
 
 
 @triton.jit(do_not_specialize=["rows"])  # workload sizes: see kernels/__init__.py
@@ -172,7 +83,17 @@ def _fused_linear_kernel(
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    segment, offs_n, w_ptr = _column_tile(w0_ptr, w1_ptr, w2_ptr, N, BLOCK_N)
+    # Programs [0, tiles) read w0, then w1 and w2 (STORE_KV: q, k, v side by side). The gated
+    # FF pairs w0 and w1 in every program instead: both halves of one output column meet here.
+    tiles = tl.cdiv(N, BLOCK_N)
+    pid = tl.program_id(0)
+    segment = pid // tiles
+    offs_n = (pid % tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_ptr = w0_ptr
+    if segment == 1:
+        w_ptr = w1_ptr
+    if segment == 2:
+        w_ptr = w2_ptr
     offs_k = tl.arange(0, BLOCK_K)
     mask_n = offs_n < N
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w_row  # [BLOCK_N, 1]
@@ -192,7 +113,12 @@ def _fused_linear_kernel(
     x_rows = x_ptr + offs_m[:, None] * stride_x_row  # [BLOCK_M, 1]
     inv_rms = tl.full([BLOCK_M], 1.0, tl.float32)
     if NORM:
-        inv_rms = _inv_rms(x_rows, mask_m, K, eps, BLOCK_M, BLOCK_K)
+        sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + offs_k
+            xf = tl.load(x_rows + k[None, :], mask=mask_m[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
+            sum_sq += tl.sum(xf * xf, axis=1)
+        inv_rms = tl.math.rsqrt(sum_sq / K + eps)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -212,117 +138,42 @@ def _fused_linear_kernel(
         if EPILOGUE == 3:
             acc1 += tl.sum(xf[:, None, :] * w1.to(tl.float32)[None, :, :], axis=2)
 
-    _epilogue(acc, acc1, offs_m, mask_m, offs_n, mask_n, segment, residual_ptr, out_ptr, key_cache_ptr,
-              value_cache_ptr, slot_mapping_ptr, head_dim, stride_residual_row, stride_out_row,
-              stride_cache_block, stride_cache_slot, stride_cache_head, EPILOGUE, CACHE_BLOCK)
-
-
-@triton.jit(do_not_specialize=["rows", "k_per_split"])  # workload sizes: see kernels/__init__.py
-def _fused_linear_dot_kernel(
-    x_ptr, norm_weight_ptr, w0_ptr, w1_ptr, w2_ptr, residual_ptr, out_ptr, key_cache_ptr, value_cache_ptr,
-    slot_mapping_ptr,
-    part_ptr,  # [SPLIT_K, tiles, (2 if gated) * BLOCK_M * BLOCK_N] fp32 partial sums (SPLIT_K > 1)
-    ticket_ptr,  # [>= tiles] int32 zeros, left at zero: splits of a tile done so far (SPLIT_K > 1)
-    rows, N, K, k_per_split, eps, head_dim, stride_x_row, stride_w_row, stride_residual_row, stride_out_row,
-    stride_cache_block, stride_cache_slot, stride_cache_head,
-    NORM: tl.constexpr,
-    EPILOGUE: tl.constexpr,
-    CACHE_BLOCK: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """`_fused_linear_kernel` (its arguments and segments) for more rows: program (n, m, s) sums
-    the rows of row tile m against column tile n over K range s on tensor cores (`tl.dot`, float32
-    sums). With SPLIT_K > 1 each program stores its partial tile, and the last of a tile's splits
-    to finish (an atomic ticket) adds the partials in split order, so the sum's order never
-    depends on which finished first, and runs the epilogue."""
-    segment, offs_n, w_ptr = _column_tile(w0_ptr, w1_ptr, w2_ptr, N, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_n = offs_n < N
-    # int32 offsets from one base pointer (a weight holds < 2^31 elements)
-    w_off = offs_n[:, None] * stride_w_row + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
-    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < rows
-    x_off = offs_m[:, None] * stride_x_row + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
-    k_start = tl.program_id(2) * k_per_split
-    k_end = tl.minimum(K, k_start + k_per_split)
-    if PDL:
-        # A plain loop (no first tile before the wait, as the GEMV has): Triton pipelines its
-        # weight loads through shared memory.
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-
-    inv_rms = tl.full([BLOCK_M], 1.0, tl.float32)
-    if NORM:
-        inv_rms = _inv_rms(x_ptr + offs_m[:, None] * stride_x_row, mask_m, K, eps, BLOCK_M, BLOCK_K)
-
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
-        k = k0 + offs_k
-        mask_k = k < k_end
-        w_mask = mask_n[:, None] & mask_k[None, :]
-        w = tl.load(w_ptr + w_off + k0, mask=w_mask, other=0.0)
-        xt = tl.load(x_ptr + x_off + k0, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        if NORM:
-            g = tl.load(norm_weight_ptr + k, mask=mask_k, other=0.0).to(tl.float32)
-            xf = _round(g[None, :] * _round(xt.to(tl.float32) * inv_rms[:, None], x_ptr), x_ptr)
-            xt = xf.to(x_ptr.dtype.element_ty)  # exact: xf holds values of x's type
-        acc = tl.dot(xt, tl.trans(w), acc)
-        if EPILOGUE == 3:
-            w1 = tl.load(w1_ptr + w_off + k0, mask=w_mask, other=0.0)
-            acc1 = tl.dot(xt, tl.trans(w1), acc1)
-
-    args = (offs_m, mask_m, offs_n, mask_n, segment, residual_ptr, out_ptr, key_cache_ptr, value_cache_ptr,
-            slot_mapping_ptr, head_dim, stride_residual_row, stride_out_row, stride_cache_block,
-            stride_cache_slot, stride_cache_head, EPILOGUE, CACHE_BLOCK)
-    if SPLIT_K == 1:
-        _epilogue(acc, acc1, *args)
+    # HF rounds each Linear's output to the activations' dtype before anything else touches it.
+    y = _round(acc, out_ptr)
+    out_mask = mask_m[:, None] & mask_n[None, :]
+    if EPILOGUE == 1:
+        res = tl.load(residual_ptr + offs_m[:, None] * stride_residual_row + offs_n[None, :], mask=out_mask, other=0.0)
+        y = res.to(tl.float32) + y
+    if EPILOGUE == 2:
+        y = tl.maximum(y, 0.0)
+    if EPILOGUE == 3:
+        # gelu_tanh(y) as x / (1 + exp(-2z)): `gated_gelu.py` says why
+        inner = SQRT_2_OVER_PI * (y + 0.044715 * y * y * y)
+        y = y / (1.0 + tl.exp(tl.minimum(-2.0 * inner, 80.0))) * _round(acc1, out_ptr)
+    y = y.to(out_ptr.dtype.element_ty)
+    if segment == 0:
+        tl.store(out_ptr + offs_m[:, None] * stride_out_row + offs_n[None, :], y, mask=out_mask)
     else:
-        tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-        tiles = tl.num_programs(0) * tl.num_programs(1)
-        parts = 2 if EPILOGUE == 3 else 1
-        cell = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        stride_split = tiles * parts * BLOCK_M * BLOCK_N
-        tile_ptr = part_ptr + tile.to(tl.int64) * (parts * BLOCK_M * BLOCK_N) + cell
-        tl.store(tile_ptr + tl.program_id(2).to(tl.int64) * stride_split, acc)
-        if EPILOGUE == 3:
-            tl.store(tile_ptr + tl.program_id(2).to(tl.int64) * stride_split + BLOCK_M * BLOCK_N, acc1)
-        # Every thread's partial stores precede the ticket (one thread takes it, release), and
-        # the last split's loads follow it (acquire): that split sees every partial.
-        tl.debug_barrier()
-        ticket = tl.atomic_add(ticket_ptr + tile, 1, sem="acq_rel")
-        if ticket == SPLIT_K - 1:
-            # .cg: from L2, where other SMs' partials are (this SM's L1 may not have seen them).
-            acc = tl.load(tile_ptr, cache_modifier=".cg")
-            acc1 = acc
-            if EPILOGUE == 3:
-                acc1 = tl.load(tile_ptr + BLOCK_M * BLOCK_N, cache_modifier=".cg")
-            for s in tl.static_range(1, SPLIT_K):
-                acc += tl.load(tile_ptr + s * stride_split, cache_modifier=".cg")
-                if EPILOGUE == 3:
-                    acc1 += tl.load(tile_ptr + s * stride_split + BLOCK_M * BLOCK_N, cache_modifier=".cg")
-            _epilogue(acc, acc1, *args)
-            # Every split has counted: back to zero for the next launch over these counters.
-            tl.atomic_xchg(ticket_ptr + tile, 0)
+        cache_ptr = key_cache_ptr
+        if segment == 2:
+            cache_ptr = value_cache_ptr
+        slot = tl.load(slot_mapping_ptr + offs_m, mask=mask_m, other=-1).to(tl.int64)
+        # int64: block_id * stride_cache_block passes 2^31 in pools of a few GB.
+        row_off = (slot // CACHE_BLOCK) * stride_cache_block + (slot % CACHE_BLOCK) * stride_cache_slot
+        col_off = (offs_n // head_dim) * stride_cache_head + offs_n % head_dim
+        tl.store(cache_ptr + row_off[:, None] + col_off[None, :], y, mask=out_mask & (slot >= 0)[:, None])
 
 
 def fused_linear_supports(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> bool:
-    """Whether `fused_linear` serves these operands: at most `fused_rows()` rows of x (by default
-    MAX_ROWS, more than one only for weights of at most MULTI_ROW_ELEMENTS elements; the
-    tensor-core kernel, where switched on, serves the rest), half precision, row-major weights of
-    one shape and x's dtype and device. (A decode step picks it for every layer or none:
+    """Whether `fused_linear` serves these operands: at most MAX_ROWS rows of x (more than one
+    only for weights of at most MULTI_ROW_ELEMENTS elements), half precision, row-major weights
+    of one shape and x's dtype and device. (A decode step picks it for every layer or none:
     `model/fused_layer.py`.)"""
     rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
     w0 = weights[0] if weights else None
-    limit = fused_rows()
     return (
-        0 < rows <= limit
-        and w0 is not None and (not _uses_dot(rows, w0.numel()) or limit > MAX_ROWS)
+        0 < rows <= MAX_ROWS
+        and (rows == 1 or w0.numel() <= MULTI_ROW_ELEMENTS)
         and x.dtype in (torch.float16, torch.bfloat16)
         and 1 <= len(weights) <= 3
         and all(
@@ -348,8 +199,7 @@ def _check(
     check_float("x", x, x.dim())
     if not fused_linear_supports(x, weights):
         raise ValueError(
-            f"fused_linear serves 1 to {fused_rows()} rows of fp16/bf16 x (HF_PAGED_T5_FUSED_ROWS; more than "
-            f"{MAX_ROWS} only where set) with 1 to 3 row-major weights of one shape, "
+            f"fused_linear serves 1 to {MAX_ROWS} rows of fp16/bf16 x with 1 to 3 row-major weights of one shape, "
             f"x's dtype, device and feature count; got x {tuple(x.shape)} {x.dtype} and weights "
             f"{[(tuple(w.shape), w.dtype, str(w.device)) for w in weights]}"
         )
@@ -412,8 +262,6 @@ def fused_linear(
     value_cache: Optional[torch.Tensor] = None,
     slot_mapping: Optional[torch.Tensor] = None,
     pdl: bool = False,
-    tickets: Optional[torch.Tensor] = None,
-    dot_config: Optional[DotConfig] = None,
 ) -> torch.Tensor:
     """`x @ weights[0].T` for at most MAX_ROWS rows, with the extras of the module docstring.
 
@@ -425,10 +273,6 @@ def fused_linear(
         = N, and slot_mapping [rows] int: three weights (q, k, v); k and v go to the slots
         (negative: none), q is returned
     pdl: launch as a programmatic dependent launch (`pdl_available`); ignored under the interpreter
-    tickets: [n] int32 zeros (left at zero), or None: counters of the tensor-core kernel's K
-        splits (a graph's step owns them: `StepMetadata.tickets`); fewer than a launch needs, or
-        None, and it makes its own
-    dot_config: the tensor-core kernel's launch knobs (`DotConfig`; tuning), or None: the defaults
     returns: [..., N] in x's dtype
     """
     epilogue = _check(x, weights, norm_weight, residual, activation, key_cache, value_cache, slot_mapping)
@@ -443,36 +287,6 @@ def fused_linear(
     cache = key_cache if key_cache is not None else out.view(1, 1, 1, -1)
     values = value_cache if value_cache is not None else cache
     slots = slot_mapping if slot_mapping is not None else out
-    segments = 3 if epilogue == _STORE_KV else 1
-    pdl, launch = pdl_options(pdl)
-    args = (
-        x2, norm_weight if norm_weight is not None else x2, w0, w1, w2, residual2, out, cache, values, slots,
-        rows, N, K, float(eps), cache.shape[3],
-        x2.stride(0), w0.stride(0), residual2.stride(0), out.stride(0),
-        cache.stride(0), cache.stride(1), cache.stride(2),
-    )  # fmt: skip
-    flags = dict(NORM=norm_weight is not None, EPILOGUE=epilogue, CACHE_BLOCK=cache.shape[1], PDL=pdl)
-    if _uses_dot(rows, w0.numel()):
-        cfg = dot_config if dot_config is not None else _dot_config(rows, N, K, segments, _num_sms(x.device))
-        row_tiles, k_per_split = triton.cdiv(rows, cfg.block_m), K
-        tiles = segments * triton.cdiv(N, cfg.block_n) * row_tiles
-        split_k = max(1, min(cfg.split_k, triton.cdiv(K, cfg.block_k)))
-        part = ticket = out  # placeholders with one split
-        if split_k > 1:
-            k_per_split = triton.cdiv(triton.cdiv(K, split_k), cfg.block_k) * cfg.block_k
-            split_k = triton.cdiv(K, k_per_split)
-        if split_k > 1:
-            gated = 2 if epilogue == _GATED_GELU else 1
-            part = torch.empty((split_k, tiles, gated * cfg.block_m * cfg.block_n), dtype=torch.float32,
-                               device=x.device)
-            ticket = _tickets(tickets, tiles, x.device)
-        grid = (segments * triton.cdiv(N, cfg.block_n), row_tiles, split_k)
-        _fused_linear_dot_kernel[grid](
-            *args[:10], part, ticket, *args[10:13], k_per_split, *args[13:], **flags, BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k, NUM_STAGES=cfg.num_stages,
-            num_warps=cfg.num_warps, **launch,
-        )  # fmt: skip
-        return out.reshape(*x.shape[:-1], N)
     block_n, block_k, num_warps = gemv_config(rows, N, K)
     block_m = triton.next_power_of_2(rows)
     # Each program holds BLOCK_M x BLOCK_N x BLOCK_K products per weight: past 8 x 1024 per two
@@ -480,59 +294,15 @@ def fused_linear(
     block_n = min(block_n, max(1, 8 // (block_m * (2 if epilogue == _GATED_GELU else 1))))
     if interpreting():
         block_n = 16  # the interpreter's cost is per program: fewer, wider ones on the CPU
+    segments = 3 if epilogue == _STORE_KV else 1
+    pdl, launch = pdl_options(pdl)
     _fused_linear_kernel[(segments * triton.cdiv(N, block_n),)](
-        *args, **flags, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, **launch,
-    )
+        x2, norm_weight if norm_weight is not None else x2, w0, w1, w2, residual2, out, cache, values, slots,
+        rows, N, K, float(eps), cache.shape[3],
+        x2.stride(0), w0.stride(0), residual2.stride(0), out.stride(0),
+        cache.stride(0), cache.stride(1), cache.stride(2),
+        NORM=norm_weight is not None, EPILOGUE=epilogue, CACHE_BLOCK=cache.shape[1],
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl,
+        num_warps=num_warps, **launch,
+    )  # fmt: skip
     return out.reshape(*x.shape[:-1], N)
-
-
-@dataclasses.dataclass(frozen=True)
-class DotConfig:
-    """Launch knobs of the tensor-core kernel (`fused_linear`'s `dot_config`; defaults: `_dot_config`).
-
-    block_m: rows per tile (16, 32 or 64: tl.dot's least M is 16); block_n: columns per tile and
-    block_k: K per step (powers of two >= 16); num_warps; num_stages: pipelining depth of the K
-    loop; split_k: K ranges per tile (> 1: partial sums, merged by the tile's last program)
-    """
-
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int = 3
-    split_k: int = 1
-
-    def __post_init__(self) -> None:
-        for name in ("block_m", "block_n", "block_k"):
-            value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
-        if self.num_stages < 1 or self.split_k < 1:
-            raise ValueError(f"num_stages and split_k must be >= 1, got {self.num_stages}, {self.split_k}")
-
-
-def _dot_config(rows: int, N: int, K: int, segments: int, num_sms: int) -> DotConfig:
-    """Default knobs of the tensor-core kernel: row tiles of 16 to 64 (tl.dot's least M is 16) and
-    narrow column tiles, and as many K splits as bring the programs to about two per SM (a decode
-    step's projections are a few MB of weights over a few rows: without splits a 1024-column
-    weight made 32 programs, each streaming 64 KB one tile after another). No configuration here
-    spills at sm_90 (`benchmarks/diag_ptxas.py`); 16-row tiles with 64 columns or 128-wide K did,
-    with the norm or the gated FF's second weight."""
-    block_m = min(64, max(16, triton.next_power_of_2(rows)))
-    block_n, block_k = 32, 64
-    tiles = segments * triton.cdiv(N, block_n) * triton.cdiv(rows, block_m)
-    split_k = max(1, min(8, triton.cdiv(2 * num_sms, tiles), K // (4 * block_k)))
-    return DotConfig(block_m, block_n, block_k, 4 if block_m == 16 else 8, 3, split_k)
-
-
-def _tickets(tickets: Optional[torch.Tensor], needed: int, device: torch.device) -> torch.Tensor:
-    """The split-K counters: the caller's (int32 zeros, left at zero) where they hold `needed`, else new zeros."""
-    if tickets is not None:
-        if not isinstance(tickets, torch.Tensor) or tickets.dtype != torch.int32 or not tickets.is_contiguous():
-            raise TypeError("tickets must be a contiguous int32 tensor of zeros")
-        check_device("tickets", tickets, device)
-        if tickets.numel() >= needed:
-            return tickets
-    return torch.zeros(needed, dtype=torch.int32, device=device)

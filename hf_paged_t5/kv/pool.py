@@ -161,9 +161,9 @@ class StepMetadata:
     self_seq_lens: [rows] int32, keys per row after this step's tokens are stored
     cross_block_table: [rows, max_cross_blocks] int32 (rows of one source share blocks)
     cross_seq_lens: [rows] int32, real encoder tokens of each row's source
-    tickets: [>= rows * num_heads] int32 zeros, or None: counters of split attention and of the
-        fused layer's K splits (each kernel that uses them leaves them at zero); a captured step
-        owns one, so those kernels merge their partials in-kernel with no memset per launch
+    tickets: [>= rows * num_heads] int32 zeros, or None: counters of split attention (each kernel
+        that uses them leaves them at zero); a captured step owns one, so its split attention
+        merges its partials in-kernel with no memset per launch
     """
 
     num_new: int

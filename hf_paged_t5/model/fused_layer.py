@@ -73,8 +73,7 @@ def _weights(block: nn.Module) -> list[torch.Tensor]:
 
 def serves(decoder: nn.Module, ops: ModuleType, pool: KVPool, input_ids: torch.Tensor) -> bool:
     """Whether `decoder_layers` serves this step: the backend has `fused_linear`, one new token per
-    row and rows it serves (`fused_linear_supports`: 1-4 by default, more where its tensor-core
-    kernel is switched on), a bfloat16 decoder on one device with a bfloat16 pool, and
+    row and at most its MAX_ROWS rows, a bfloat16 decoder on one device with a bfloat16 pool, and
     in every layer HF's own norms, plain bias-free Linears, a ReLU or gated tanh-GELU feed-forward
     and no active dropout or hook (anything else runs `stacks.decoder_layers` op by op)."""
     if not hasattr(ops, "fused_linear") or input_ids.dim() != 2 or input_ids.shape[1] != 1:
@@ -134,29 +133,27 @@ def _layer(ops: ModuleType, block: nn.Module, hidden: torch.Tensor, key_cache: t
     q = ops.fused_linear(
         x=hidden, weights=(attn.q.weight, attn.k.weight, attn.v.weight), norm_weight=sa.layer_norm.weight,
         eps=sa.layer_norm.variance_epsilon, key_cache=key_cache, value_cache=value_cache,
-        slot_mapping=meta.slot_mapping, pdl=pdl, tickets=meta.tickets,
+        slot_mapping=meta.slot_mapping, pdl=pdl,
     )
     heads = key_cache.shape[2:]
     out = ops.paged_decode(
         query=q.view(rows, *heads), key_cache=key_cache, value_cache=value_cache, block_table=meta.self_block_table,
         seq_lens=meta.self_seq_lens, scale=1.0, bias_table=bias_table, pdl=pdl, tickets=meta.tickets,
     )
-    hidden = ops.fused_linear(x=out.view(rows, -1), weights=(attn.o.weight,), residual=hidden, pdl=pdl,
-                              tickets=meta.tickets)
+    hidden = ops.fused_linear(x=out.view(rows, -1), weights=(attn.o.weight,), residual=hidden, pdl=pdl)
     cross = ca.EncDecAttention
     q = ops.fused_linear(x=hidden, weights=(cross.q.weight,), norm_weight=ca.layer_norm.weight,
-                         eps=ca.layer_norm.variance_epsilon, pdl=pdl, tickets=meta.tickets)
+                         eps=ca.layer_norm.variance_epsilon, pdl=pdl)
     out = ops.paged_decode(
         query=q.view(rows, *heads), key_cache=key_cache, value_cache=value_cache, block_table=meta.cross_block_table,
         seq_lens=meta.cross_seq_lens, scale=1.0, pdl=pdl, tickets=meta.tickets,
     )
-    hidden = ops.fused_linear(x=out.view(rows, -1), weights=(cross.o.weight,), residual=hidden, pdl=pdl,
-                              tickets=meta.tickets)
+    hidden = ops.fused_linear(x=out.view(rows, -1), weights=(cross.o.weight,), residual=hidden, pdl=pdl)
     dense, norm = ff.DenseReluDense, ff.layer_norm
     if hasattr(dense, "wi_0"):
         h = ops.fused_linear(x=hidden, weights=(dense.wi_0.weight, dense.wi_1.weight), norm_weight=norm.weight,
-                             eps=norm.variance_epsilon, activation="gelu_tanh", pdl=pdl, tickets=meta.tickets)
+                             eps=norm.variance_epsilon, activation="gelu_tanh", pdl=pdl)
     else:
         h = ops.fused_linear(x=hidden, weights=(dense.wi.weight,), norm_weight=norm.weight,
-                             eps=norm.variance_epsilon, activation="relu", pdl=pdl, tickets=meta.tickets)
-    return ops.fused_linear(x=h, weights=(dense.wo.weight,), residual=hidden, pdl=pdl, tickets=meta.tickets)
+                             eps=norm.variance_epsilon, activation="relu", pdl=pdl)
+    return ops.fused_linear(x=h, weights=(dense.wo.weight,), residual=hidden, pdl=pdl)
