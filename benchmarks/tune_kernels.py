@@ -502,6 +502,9 @@ PREFILL_SHAPES = [
     dict(name="4x2048", batch=4, length=2048, head_dim=64),
     dict(name="1x8192", batch=1, length=8192, head_dim=64),
     dict(name="32x512", batch=32, length=512, head_dim=64),
+    # T5 v1.1 XXL's encoder (64 heads) at 1 x 512 and 1 x 77: as many (sequence, head) pairs
+    dict(name="4x512", batch=4, length=512, head_dim=64),
+    dict(name="4x77", batch=4, length=77, head_dim=64),
 ]
 QUICK_PREFILL_SHAPES = [dict(name="2x40", batch=2, length=40, head_dim=16)]
 

@@ -19,7 +19,9 @@ import triton.language as tl
 
 from ._checks import check_device, check_float
 
-BLOCK = 2048
+def gated_gelu_config(n: int) -> tuple[int, int]:
+    """(elements per program, warps) for n elements."""
+    return 2048, 8
 
 
 @triton.jit(do_not_specialize=["n"])  # n follows the token count (see kernels/__init__.py)
@@ -51,6 +53,7 @@ def gated_gelu(gate: torch.Tensor, linear: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(gate)
     n = gate.numel()
     if n:
-        _gated_gelu_kernel[(triton.cdiv(n, BLOCK),)](gate, linear, out, n, SQRT_2_OVER_PI=math.sqrt(2.0 / math.pi),
-                                                     BLOCK=BLOCK, num_warps=8)
+        block, warps = gated_gelu_config(n)
+        _gated_gelu_kernel[(triton.cdiv(n, block),)](gate, linear, out, n, SQRT_2_OVER_PI=math.sqrt(2.0 / math.pi),
+                                                     BLOCK=block, num_warps=warps)
     return out

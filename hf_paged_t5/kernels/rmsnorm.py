@@ -49,6 +49,11 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * stride_out_row + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def rms_norm_warps(d_model: int) -> int:
+    """Warps per row of `d_model` features."""
+    return 4
+
+
 def rms_norm(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -92,6 +97,6 @@ def rms_norm(
         HAS_RESIDUAL=residual is not None,
         HALF_WEIGHT=half_weight,
         BLOCK=triton.next_power_of_2(d_model),
-        PDL=pdl, **launch,
+        PDL=pdl, num_warps=rms_norm_warps(d_model), **launch,
     )
     return out.reshape(hidden.shape), total.reshape(hidden.shape)
