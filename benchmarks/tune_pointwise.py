@@ -15,30 +15,23 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import math
 
 import torch
-import triton
 
 import common  # benchmarks/ is on sys.path
 from hf_paged_t5.kernels import gated_gelu, rms_norm
-from hf_paged_t5.kernels.gated_gelu import _gated_gelu_kernel, gated_gelu_config
-from hf_paged_t5.kernels.rmsnorm import _rms_norm_kernel, rms_norm_warps
+from hf_paged_t5.kernels.gated_gelu import gated_gelu_config
+from hf_paged_t5.kernels.rmsnorm import rms_norm_warps
 
 CALLS = 24
 
 
-def gelu_launch(gate, linear, out, block: int, warps: int) -> None:
-    n = gate.numel()
-    _gated_gelu_kernel[(triton.cdiv(n, block),)](gate, linear, out, n, SQRT_2_OVER_PI=math.sqrt(2.0 / math.pi),
-                                                 BLOCK=block, num_warps=warps)
+def gelu_launch(gate, linear, block: int, warps: int) -> torch.Tensor:
+    return gated_gelu(gate, linear, config=(block, warps))
 
 
-def norm_launch(x, r, total, weight, out, warps: int) -> None:
-    d = x.shape[1]
-    _rms_norm_kernel[(x.shape[0],)](x, r, total, weight, out, x.stride(0), r.stride(0), total.stride(0),
-                                    out.stride(0), d, 1e-6, HAS_RESIDUAL=True, HALF_WEIGHT=True,
-                                    BLOCK=triton.next_power_of_2(d), PDL=False, num_warps=warps)
+def norm_launch(x, r, weight, warps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return rms_norm(hidden=x, weight=weight, eps=1e-6, residual=r, num_warps=warps)
 
 
 def main(argv=None) -> None:
@@ -60,14 +53,14 @@ def main(argv=None) -> None:
         nbytes = 3 * gates[0].numel() * 2
         ref = gated_gelu(gates[0], lins[0])
         copy_us = common.graph_us([(lambda i=i: outs[i].copy_(gates[i])) for i in range(CALLS)])
+        del outs
         rows = []
         default = gated_gelu_config(gates[0].numel())
         for block, warps in itertools.product((512, 1024, 2048, 4096, 8192), (2, 4, 8, 16)):
             if block // (32 * warps) < 1:
                 continue
-            gelu_launch(gates[0], lins[0], outs[0], block, warps)
-            assert torch.equal(outs[0], ref), (block, warps)
-            us = common.graph_us([(lambda i=i: gelu_launch(gates[i], lins[i], outs[i], block, warps)) for i in range(CALLS)])
+            assert torch.equal(gelu_launch(gates[0], lins[0], block, warps), ref), (block, warps)
+            us = common.graph_us([(lambda i=i: gelu_launch(gates[i], lins[i], block, warps)) for i in range(CALLS)])
             rows.append({"block": block, "num_warps": warps, "us": us, "gbps": nbytes / us / 1e3})
         best = min(rows, key=lambda r: r["us"])
         dflt = next(r for r in rows if (r["block"], r["num_warps"]) == default)
@@ -75,22 +68,18 @@ def main(argv=None) -> None:
                         "default": dflt, "best": best, "configs": rows})
         table.append(("gated_gelu", tokens, args.d_ff, f"{dflt['us']:.2f}", f"{best['us']:.2f}",
                       f"{best['gbps']:.0f}", f"block {best['block']}, {best['num_warps']} warps"))
-        del gates, lins, outs
+        del gates, lins
         # rms_norm with the residual: reads x, residual, weight; writes the sum and the normed rows
         xs = [torch.randn(tokens, args.d_model, device=dev, dtype=dtype) for _ in range(CALLS)]
         rs = [torch.randn_like(x) for x in xs]
-        totals = [torch.empty_like(x) for x in xs]
-        normed = [torch.empty_like(x) for x in xs]
         weight = torch.rand(args.d_model, device=dev, dtype=dtype) + 0.5
         nbytes = 4 * xs[0].numel() * 2
         ref_out, ref_sum = rms_norm(hidden=xs[0], weight=weight, eps=1e-6, residual=rs[0])
         rows = []
         for warps in (1, 2, 4, 8, 16):
-            norm_launch(xs[0], rs[0], totals[0], weight, normed[0], warps)
-            assert torch.equal(normed[0], ref_out) and torch.equal(totals[0], ref_sum), warps
-            us = common.graph_us([
-                (lambda i=i: norm_launch(xs[i], rs[i], totals[i], weight, normed[i], warps)) for i in range(CALLS)
-            ])
+            got_out, got_sum = norm_launch(xs[0], rs[0], weight, warps)
+            assert torch.equal(got_out, ref_out) and torch.equal(got_sum, ref_sum), warps
+            us = common.graph_us([(lambda i=i: norm_launch(xs[i], rs[i], weight, warps)) for i in range(CALLS)])
             rows.append({"num_warps": warps, "us": us, "gbps": nbytes / us / 1e3})
         best = min(rows, key=lambda r: r["us"])
         dflt = next(r for r in rows if r["num_warps"] == rms_norm_warps(args.d_model))
@@ -98,7 +87,7 @@ def main(argv=None) -> None:
                         "best": best, "configs": rows})
         table.append(("rms_norm+residual", tokens, args.d_model, f"{dflt['us']:.2f}", f"{best['us']:.2f}",
                       f"{best['gbps']:.0f}", f"{best['num_warps']} warps"))
-        del xs, rs, totals, normed
+        del xs, rs
         torch.cuda.empty_cache()
     common.print_table(("kernel", "tokens", "width", "default us", "best us", "best GB/s", "best config"), table,
                        title=f"µs per call, bf16, {CALLS} calls over distinct tensors in one CUDA graph")

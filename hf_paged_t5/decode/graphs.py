@@ -43,6 +43,14 @@ def graph_key(cache, rows: int, tables, capture: bool = True) -> tuple[int, int,
     return rows_key, bucket(tables[0].shape[1], 4), bucket(tables[2].shape[1], 4)
 
 
+def predicted_key(cache, cross_tokens: int) -> tuple[int, int, int]:
+    """`graph_key` of a generate() cache's first step, before its cross K/V are stored: its rows,
+    the self width every row owns from the start, and the cross width the longest source's
+    `cross_tokens` real tokens will need."""
+    cross_width = -(-max(cross_tokens, 1) // cache.pool.block_size)
+    return bucket(cache.num_rows, cache.min_graph_rows), bucket(cache.max_self_blocks, 4), bucket(cross_width, 4)
+
+
 @dataclasses.dataclass
 class _StaticStep:
     """Static buffers of one captured graph.
@@ -175,6 +183,16 @@ class DecodeGraphs:
         if device_table is not None:  # beams reordered on the device: the host table is stale
             static.meta.self_block_table[:rows, : device_table.shape[1]].copy_(device_table)
         return static
+
+    def run_ahead(self, step_fn, cache, device: torch.device, cross_tokens: int) -> None:
+        """`step_fn` once on new static buffers of the graph key the cache's first step will have
+        (`predicted_key`), where no graph of that key exists: inside a compile-only pass its
+        kernels compile; nothing is kept."""
+        key = predicted_key(cache, cross_tokens)
+        if key in self._graphs:
+            return
+        static = self._buffers(cache.pool, key, device)
+        step_fn(static.input_ids, lambda _device: static.meta)
 
     @staticmethod
     def replay(static: _StaticStep, step_fn) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -15,7 +15,8 @@ from transformers.generation.stopping_criteria import MaxLengthCriteria, StopStr
 
 from ..decode import beam_graph, greedy_graph
 from ..decode.loop import beam_loop, sample_loop
-from ..model.stacks import EMPTY_ROW, mask_rows
+from ..model.attention import store_cross_kv
+from ..model.stacks import EMPTY_ROW, mask_rows, module_device
 from . import cache_export
 from .cache import PagedEncoderDecoderCache
 from .forward import like
@@ -116,7 +117,8 @@ def _paged_generate(runtime, model, original, inputs, generation_config, gen_con
             loop = _lean_loop(runtime, cache, gen_config, kwargs.get("streamer"))
             if loop is not None:
                 kwargs = {**_stop_strings_as_criteria(kwargs, gen_config), "custom_generate": loop}
-            with _encoder_outputs_per_source(model, expand):
+            ahead = _first_step_ahead(runtime, model, cache, source, source_lens)
+            with _encoder_outputs_per_source(model, expand), runtime.also_ahead(ahead):
                 result = original(inputs, generation_config, **kwargs, **{runtime.cache_kwarg: cache})
             # an output that holds the cache gets HF's own, filled from the blocks released below
             result = cache_export.replace_paged_cache(result, cache, model_kwargs.get("attention_mask"), source.shape[1])
@@ -124,6 +126,28 @@ def _paged_generate(runtime, model, original, inputs, generation_config, gen_con
         finally:
             if cache is not None:
                 cache.release()
+
+
+def _first_step_ahead(runtime: PagedRuntime, model: nn.Module, cache: PagedEncoderDecoderCache, source: torch.Tensor,
+                      source_lens) -> Callable[[], None]:
+    """What a cold process's encoder pass compiles besides the encoder (`PagedRuntime.compile_ahead`):
+    the cross K/V store of this call's real tokens and its first decode step, so their kernels
+    compile on the pool together with the encoder's, not in a second pass after it."""
+
+    def ahead() -> None:
+        device = module_device(model.decoder.block[0])
+        tokens = int(sum(source_lens))
+        packed = torch.zeros(tokens, runtime.d_model, dtype=model.decoder.embed_tokens.weight.dtype, device=device)
+        # the scratch block's first slot: nothing runs in a compile-only pass, and were a launch to run, it
+        # would write where no row reads
+        slots = torch.full((tokens,), cache.pool.scratch_block * cache.pool.block_size, dtype=torch.int64,
+                           device=device)
+        block = model.decoder.block[0]
+        store_cross_kv(runtime.ops_for(device), block.layer[1].EncDecAttention, packed, cache.pool.key_caches[0],
+                       cache.pool.value_caches[0], slots)
+        runtime.runner.step_ahead(model, cache, source.device, max(source_lens))
+
+    return ahead
 
 
 def _stop_strings_as_criteria(kwargs: dict, gen_config) -> dict:

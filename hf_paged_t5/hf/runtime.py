@@ -6,9 +6,10 @@ of paged calls), the kernel namespace per device and the originals `unpatch_mode
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
-from typing import Any, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -47,6 +48,8 @@ class PagedRuntime:
         self.encoder_graphs = EncoderGraphs()
         self.tables = bias_mod.BiasTableCache(on_rebuild=self._drop_graphs)  # captured graphs read them
         self.compiled_ahead: set = set()  # the kinds of call `compile_ahead` ran for, with their device
+        # what a generate() call in progress adds to its encoder's pass (`also_ahead`), or None
+        self._also_ahead: Optional[Callable[[], None]] = None
 
     def _drop_graphs(self) -> None:
         self.runner.graphs.clear()
@@ -56,13 +59,32 @@ class PagedRuntime:
         """The first call of a `kind` on a CUDA device: `forward()` once inside
         `kernels.ahead.compile_ahead` (its kernels compiled at once, none run; its output dropped),
         so the real call that follows finds them compiled. A failure there is the real call's to
-        raise: it is logged at debug level and the real call runs as it would have."""
+        raise: it is logged at debug level and the real call runs as it would have. Inside a
+        generate() call, the pass also runs what the call registered (`also_ahead`: its first
+        decode step and cross K/V store), so their kernels compile on the same pool, at once."""
         key = (device, kind)
         if key in self.compiled_ahead:
             return
         self.compiled_ahead.add(key)
+        extra = self._also_ahead if self.runner.owned_here() else None
+
+        def everything():
+            forward()
+            if extra is not None:
+                extra()
+
         # (after Triton's start-up, begun on a thread at import: its sources hashed once, not twice)
-        run_compiled_ahead(device, self.config.resolve_backend(device), forward, str(kind), before=triton_start.wait)
+        run_compiled_ahead(device, self.config.resolve_backend(device), everything, str(kind), before=triton_start.wait)
+
+    @contextlib.contextmanager
+    def also_ahead(self, work: Callable[[], None]) -> Iterator[None]:
+        """Within (a generate() call, which owns the runner): an encoder pass of `compile_ahead`
+        also runs `work` (compile-only launches of what the call will run after its encoder)."""
+        self._also_ahead = work
+        try:
+            yield
+        finally:
+            self._also_ahead = None
 
     # ---- per-layer resources ------------------------------------------------------------
     def ops_for(self, device: torch.device):

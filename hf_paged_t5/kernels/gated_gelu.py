@@ -12,6 +12,7 @@ cancellation of `1 + tanh` for negative x.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import triton
@@ -38,10 +39,11 @@ def _gated_gelu_kernel(gate_ptr, linear_ptr, out_ptr, n, SQRT_2_OVER_PI: tl.cons
     tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def gated_gelu(gate: torch.Tensor, linear: torch.Tensor) -> torch.Tensor:
+def gated_gelu(gate: torch.Tensor, linear: torch.Tensor, config: Optional[tuple[int, int]] = None) -> torch.Tensor:
     """gelu_tanh(gate) * linear, elementwise, in gate's dtype (as HF's `hidden_gelu * hidden_linear`).
 
     gate, linear: the same shape, dtype and device (any layout: made contiguous)
+    config: (elements per program, a power of two; warps), or None: `gated_gelu_config`'s (tuning)
     """
     check_float("gate", gate, gate.dim())
     check_float("linear", linear, linear.dim())
@@ -53,7 +55,7 @@ def gated_gelu(gate: torch.Tensor, linear: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(gate)
     n = gate.numel()
     if n:
-        block, warps = gated_gelu_config(n)
+        block, warps = config if config is not None else gated_gelu_config(n)
         _gated_gelu_kernel[(triton.cdiv(n, block),)](gate, linear, out, n, SQRT_2_OVER_PI=math.sqrt(2.0 / math.pi),
                                                      BLOCK=block, num_warps=warps)
     return out

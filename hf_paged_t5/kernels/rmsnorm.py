@@ -60,11 +60,13 @@ def rms_norm(
     eps: float,
     residual: Optional[torch.Tensor] = None,
     pdl: bool = False,
+    num_warps: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """T5 layer norm of `hidden (+ residual)`.
 
     hidden: [..., d_model]; residual: same shape and dtype, or None; weight: [d_model]
     pdl: launch as a programmatic dependent launch (`launch.pdl_available`); ignored under the interpreter
+    num_warps: warps per row, or None: `rms_norm_warps`' (tuning)
     returns: (normed [..., d_model] in HF's output dtype, the sum hidden + residual (or hidden))
     """
     check_float("hidden", hidden, hidden.dim())
@@ -97,6 +99,6 @@ def rms_norm(
         HAS_RESIDUAL=residual is not None,
         HALF_WEIGHT=half_weight,
         BLOCK=triton.next_power_of_2(d_model),
-        PDL=pdl, num_warps=rms_norm_warps(d_model), **launch,
+        PDL=pdl, num_warps=num_warps or rms_norm_warps(d_model), **launch,
     )
     return out.reshape(hidden.shape), total.reshape(hidden.shape)
