@@ -58,3 +58,61 @@ def test_the_encoder_pass_runs_the_calls_extra_work_only_inside_that_call(monkey
     ids, mask = make_batch([5, 3])
     model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3)  # wiring in place: no error
     assert runtime._also_ahead is None
+
+
+_COLD_GENERATE = r"""
+import contextlib, json, threading, torch, triton.compiler
+from transformers import T5ForConditionalGeneration
+import hf_paged_t5 as hp
+from hf_paged_t5 import tiny
+from hf_paged_t5.kernels import ahead
+
+threads, passes = [], []
+real = triton.compiler.compile
+def compile(*a, **kw):
+    threads.append(threading.current_thread().name)
+    return real(*a, **kw)
+triton.compiler.compile = compile
+real_pass = ahead.compile_ahead
+@contextlib.contextmanager
+def counted_pass(device):
+    with real_pass(device):
+        yield
+    passes.append(len(threads))  # compiles so far, as each pass ends
+ahead.compile_ahead = counted_pass
+config = tiny.build_config("t5-small", vocab_size=1000)
+def build():
+    with torch.device("cuda"):
+        torch.manual_seed(0)
+        return T5ForConditionalGeneration(config).to(torch.bfloat16).eval()
+models = [build(), build()]
+ids = torch.randint(2, 1000, (1, 77), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
+cold = hp.patch_model(models[0])
+first = cold.generate(input_ids=ids, max_new_tokens=8, min_new_tokens=8)
+first_threads, first_passes = list(threads), list(passes)
+warm = hp.patch_model(models[1])
+print(json.dumps(dict(first_threads=first_threads, passes=first_passes, later=threads[len(first_threads):],
+                      equal=bool(torch.equal(first, warm.generate(input_ids=ids, max_new_tokens=8, min_new_tokens=8))))))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_cold_generate_compiles_every_kernel_in_its_encoders_pass(tmp_path):
+    """A fresh process with an empty Triton cache: the first generate() compiles every kernel on
+    the pool, all of them in its encoder's pass (the decode step's own pass, at its capture, finds
+    them compiled), and gives the tokens a second model gets once the kernels are compiled."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    proc = subprocess.run([sys.executable, "-c", _COLD_GENERATE], capture_output=True, text=True, env=env,
+                          timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["first_threads"], "the cold call compiled nothing: the Triton cache was not empty"
+    assert all(name.startswith("hf_paged_t5-compile") for name in report["first_threads"]), report
+    assert report["passes"] and report["passes"][0] == len(report["first_threads"]), report
+    assert report["later"] == [] and report["equal"], report
