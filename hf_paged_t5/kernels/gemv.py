@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import check_device, check_float
+from ._checks import check_device, check_float, interpreting
 
 MAX_ROWS = 4
 
@@ -110,6 +110,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: Optional[tuple[int, int,
     rows = x2.shape[0]
     out = torch.empty((rows, N), dtype=x.dtype, device=x.device)
     block_n, block_k, num_warps = config or gemv_config(rows, N, K)
+    if config is None and interpreting():
+        block_n = 16  # the interpreter's cost is per program: fewer, wider ones on the CPU
     _gemv_kernel[(triton.cdiv(N, block_n),)](
         x2, weight, out, rows, N, K, x2.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=triton.next_power_of_2(rows), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
