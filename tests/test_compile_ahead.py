@@ -59,6 +59,31 @@ def test_first_call_of_each_kind_compiles_ahead_once_and_output_is_unchanged(pas
     assert model._hf_paged_t5.compiled_ahead == {(ids.device, ("encoder", True)), (ids.device, ("encoder", False))}
 
 
+def test_a_batch_jobs_first_encoder_chunk_compiles_ahead_once_and_results_are_unchanged(passes):
+    """BatchGenerator's encoder chunks are a kind of their own: the first chunk of the model's first
+    job runs a pass (the packed encoder and a cross K/V store onto scratch slots), later chunks and
+    jobs none, and the results are a job's without the pass."""
+    from transformers import T5ForConditionalGeneration
+
+    def seq2seq():
+        torch.manual_seed(0)
+        return T5ForConditionalGeneration(tiny.build_config("tiny", num_layers=2, vocab_size=100)).eval()
+
+    g = torch.Generator().manual_seed(1)
+    inputs = [torch.randint(2, 100, (n,), generator=g).tolist() for n in (9, 4, 13, 6)]
+    kind = (torch.device("cpu"), ("batch encoder",))
+    plain = hp.patch_model(seq2seq(), CPU)
+    plain._hf_paged_t5.compiled_ahead.add(kind)
+    want = [r.sequences for r in hp.BatchGenerator(plain, max_new_tokens=5, max_batch_tokens=20).generate(inputs)]
+    assert passes == []
+    model = hp.patch_model(seq2seq(), CPU)
+    for _ in range(2):
+        got = [r.sequences for r in hp.BatchGenerator(model, max_new_tokens=5, max_batch_tokens=20).generate(inputs)]
+        assert got == want
+    assert len(passes) == 1 and kind in model._hf_paged_t5.compiled_ahead
+    assert model._hf_paged_t5.pool.is_idle()
+
+
 def test_a_pass_that_fails_leaves_the_real_call_as_it_was(monkeypatch):
     @contextlib.contextmanager
     def failing(device):

@@ -32,7 +32,8 @@ from .decoding import BeamGroup
 from .rows import DecodeRows
 from ..kv.block_manager import PoolExhaustedError
 from ..kv.pool import KVPool
-from ..model.stacks import encoder_forward, store_cross_packed, upload
+from ..model.attention import store_cross_kv
+from ..model.stacks import encoder_forward, module_device, store_cross_packed, upload
 
 from .requests import BatchResult, Request
 
@@ -208,6 +209,8 @@ class BatchRun:
         ids[real] = np.concatenate([r.ids for r in chunk])
         ids = upload(torch.from_numpy(ids), device)
         tables = runtime.bias_tables(encoder, causal=False)
+        # a cold process: the job's encoder and cross K/V store compile their kernels at once first
+        runtime.compile_ahead(device, ("batch encoder",), lambda: _encode_ahead(model, runtime, tables, ids, real, pool))
         # the mask stays on the host: the encoder then packs the tokens without reading anything back
         # from the device, so the host queues the encoder behind the decode steps instead of waiting
         # for them to finish
@@ -383,3 +386,18 @@ def _reserve_budget(pool: KVPool, tokens: int, rows: int) -> None:
         return
     logger.info("hf_paged_t5: KV pool reserved for the batch budget of %d tokens: %d blocks (%.1f GiB)",
                 tokens, pool.num_blocks, pool.num_blocks * pool.bytes_per_block() / 2**30)
+
+
+def _encode_ahead(model, runtime, tables, ids: torch.Tensor, real: np.ndarray, pool: KVPool) -> None:
+    """`_encode_chunk`'s launches for a compile-only pass (`PagedRuntime.compile_ahead`): the packed
+    encoder forward (no band-tile memo: its tiles are never built) and one layer's cross K/V store
+    onto scratch slots (every layer's store is the same kernel; were a launch to run, nothing a row
+    reads would change)."""
+    encoder = model.get_encoder()
+    packed = encoder_forward(encoder, runtime.ops_for, tables, None, torch.from_numpy(real), input_ids=ids,
+                             packed=True, side_tables=runtime.side_tables(encoder))
+    block = model.decoder.block[0]
+    device = module_device(block)
+    slots = torch.full((packed.shape[0],), pool.scratch_block * pool.block_size, dtype=torch.int64, device=device)
+    store_cross_kv(runtime.ops_for(device), block.layer[1].EncDecAttention, packed.to(device), pool.key_caches[0],
+                   pool.value_caches[0], slots)
