@@ -210,7 +210,10 @@ class BatchRun:
         ids = upload(torch.from_numpy(ids), device)
         tables = runtime.bias_tables(encoder, causal=False)
         # a cold process: the job's encoder and cross K/V store compile their kernels at once first
-        runtime.compile_ahead(device, ("batch encoder",), lambda: _encode_ahead(model, runtime, tables, ids, real, pool))
+        # (on the chunk's longest row alone: the kernels' configurations follow its length, not the
+        # row count, and the pass's cuBLAS work runs for real)
+        runtime.compile_ahead(device, ("batch encoder",),
+                              lambda: _encode_ahead(model, runtime, tables, ids[:1], real[:1], pool))
         # the mask stays on the host: the encoder then packs the tokens without reading anything back
         # from the device, so the host queues the encoder behind the decode steps instead of waiting
         # for them to finish
