@@ -32,8 +32,7 @@ from .decoding import BeamGroup
 from .rows import DecodeRows
 from ..kv.block_manager import PoolExhaustedError
 from ..kv.pool import KVPool
-from ..model.attention import store_cross_kv
-from ..model.stacks import encoder_forward, module_device, store_cross_packed, upload
+from ..model.stacks import encoder_forward, store_cross_ahead, store_cross_packed, upload
 
 from .requests import BatchResult, Request
 
@@ -393,14 +392,8 @@ def _reserve_budget(pool: KVPool, tokens: int, rows: int) -> None:
 
 def _encode_ahead(model, runtime, tables, ids: torch.Tensor, real: np.ndarray, pool: KVPool) -> None:
     """`_encode_chunk`'s launches for a compile-only pass (`PagedRuntime.compile_ahead`): the packed
-    encoder forward (no band-tile memo: its tiles are never built) and one layer's cross K/V store
-    onto scratch slots (every layer's store is the same kernel; were a launch to run, nothing a row
-    reads would change)."""
+    encoder forward (no band-tile memo: its tiles are never built) and the cross K/V store."""
     encoder = model.get_encoder()
     packed = encoder_forward(encoder, runtime.ops_for, tables, None, torch.from_numpy(real), input_ids=ids,
                              packed=True, side_tables=runtime.side_tables(encoder))
-    block = model.decoder.block[0]
-    device = module_device(block)
-    slots = torch.full((packed.shape[0],), pool.scratch_block * pool.block_size, dtype=torch.int64, device=device)
-    store_cross_kv(runtime.ops_for(device), block.layer[1].EncDecAttention, packed.to(device), pool.key_caches[0],
-                   pool.value_caches[0], slots)
+    store_cross_ahead(model.decoder, runtime.ops_for, pool, packed)

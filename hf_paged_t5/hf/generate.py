@@ -15,8 +15,7 @@ from transformers.generation.stopping_criteria import MaxLengthCriteria, StopStr
 
 from ..decode import beam_graph, greedy_graph
 from ..decode.loop import beam_loop, sample_loop
-from ..model.attention import store_cross_kv
-from ..model.stacks import EMPTY_ROW, mask_rows, module_device
+from ..model.stacks import EMPTY_ROW, mask_rows, store_cross_ahead
 from . import cache_export
 from .cache import PagedEncoderDecoderCache
 from .forward import like
@@ -135,16 +134,9 @@ def _first_step_ahead(runtime: PagedRuntime, model: nn.Module, cache: PagedEncod
     compile on the pool together with the encoder's, not in a second pass after it."""
 
     def ahead() -> None:
-        device = module_device(model.decoder.block[0])
-        tokens = int(sum(source_lens))
-        packed = torch.zeros(tokens, runtime.d_model, dtype=model.decoder.embed_tokens.weight.dtype, device=device)
-        # the scratch block's first slot: nothing runs in a compile-only pass, and were a launch to run, it
-        # would write where no row reads
-        slots = torch.full((tokens,), cache.pool.scratch_block * cache.pool.block_size, dtype=torch.int64,
-                           device=device)
-        block = model.decoder.block[0]
-        store_cross_kv(runtime.ops_for(device), block.layer[1].EncDecAttention, packed, cache.pool.key_caches[0],
-                       cache.pool.value_caches[0], slots)
+        packed = torch.zeros(int(sum(source_lens)), runtime.d_model, dtype=model.decoder.embed_tokens.weight.dtype,
+                             device=source.device)
+        store_cross_ahead(model.decoder, runtime.ops_for, cache.pool, packed)
         runtime.runner.step_ahead(model, cache, source.device, max(source_lens))
 
     return ahead

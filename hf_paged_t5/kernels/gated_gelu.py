@@ -20,6 +20,7 @@ import triton.language as tl
 
 from ._checks import check_device, check_float
 
+
 def gated_gelu_config(n: int) -> tuple[int, int]:
     """(elements per program, warps) for n elements: two to four per thread. H200
     (`benchmarks/tune_pointwise.py`, 2026-12-03, T5 v1.1 XXL's d_ff 10240, bf16, in a CUDA graph):

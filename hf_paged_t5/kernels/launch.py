@@ -90,8 +90,8 @@ def decode_config(batch: int, num_heads: int, head_dim: int, max_keys: int, num_
       combine launch included); 4 warps at head_dim 64 with one split, else 8.
     - Many pairs (64 x 2048): bandwidth; 8K-element tiles (128 keys at d64, 64 at d128) on
       4 warps: 82% of copy bandwidth at d64; up to 1024 keys over 4+ programs per SM (a
-      batch-64 decode step) the loads pipelined 3 deep through shared memory ("async"); d128 gains from 2 splits of 1024 keys (65% vs 62%),
-      so a split holds at most 128K K elements.
+      batch-64 decode step) the loads pipelined 3 deep through shared memory ("async"); d128
+      gains from 2 splits of 1024 keys (65% vs 62%), so a split holds at most 128K K elements.
     - Few rows over long keys (1 x 16384): splits up to _PROGRAMS_PER_SM programs per SM,
       never below _MIN_KEYS_PER_SPLIT keys, with 4K-element tiles (d128 best: 32 keys, 4 warps,
       32 splits); at d64 twice those splits on one-warp 32-key tiles, pipelined ("async").

@@ -268,6 +268,18 @@ def store_cross(
     store_cross_packed(decoder, ops_for, cache.pool, packed, cache.store_cross_plan(lens))
 
 
+def store_cross_ahead(decoder: nn.Module, ops_for: Callable[[torch.device], ModuleType], pool: KVPool,
+                      packed: torch.Tensor) -> None:
+    """`store_cross_packed`'s launches for a compile-only pass (`kernels/ahead.py`): the first layer's
+    K/V of `packed` [tokens, d_model] onto the scratch block's first slot (every layer's store is
+    the same kernel; were a launch to run, it would write where no row reads)."""
+    block = decoder.block[0]
+    device = module_device(block)
+    slots = torch.full((packed.shape[0],), pool.scratch_block * pool.block_size, dtype=torch.int64, device=device)
+    attn_ops.store_cross_kv(ops_for(device), block.layer[1].EncDecAttention, packed.to(device), pool.key_caches[0],
+                            pool.value_caches[0], slots)
+
+
 def store_cross_packed(
     decoder: nn.Module,
     ops_for: Callable[[torch.device], ModuleType],
