@@ -84,7 +84,8 @@ def cases() -> list[tuple]:
                         part_ptr="*fp32", ticket_ptr="*i32")
     for label, block_n, warps, split, bias, prefetch, stages in (
         ("self, one split", 128, 4, False, 1, 0, 1), ("cross, split", 128, 8, True, 0, 0, 1),
-        ("self, batch 64 (async loads)", 128, 4, False, 1, 2, 3), ("cross, batch 64 (async loads)", 128, 4, False, 0, 2, 3),
+        ("self, batch 64 (async loads)", 128, 4, False, 1, 2, 3),
+        ("cross, batch 64 (async loads)", 128, 4, False, 0, 2, 3),
     ):
         const = dict(BIAS_MODE=bias, BLOCK_SIZE=16, BLOCK_N=block_n, BLOCK_D=64, SPLIT=split,
                      SPLITS_P2=4 if split else 1, FUSED_COMBINE=split, PREFETCH=prefetch, NUM_STAGES=stages, PDL=True)

@@ -130,7 +130,8 @@ def test_private_state_reads_resolve():
 def test_only_common_reads_private_state():
     # the scripts import the package's public modules only, and no `_`-names, `_hf_paged_t5` or `._graphs`
     public = re.compile(r"import hf_paged_t5 as hp|from hf_paged_t5 import (tiny|reference)(, (tiny|reference))*"
-                        r"|from hf_paged_t5\.kernels(\.(decode|prefill|gemv|gated_gelu|rmsnorm))? import [A-Za-z]\w*(, [A-Za-z]\w*)*")
+                        r"|from hf_paged_t5\.kernels(\.(decode|prefill|gemv|gated_gelu|rmsnorm))?"
+                        r" import [A-Za-z]\w*(, [A-Za-z]\w*)*")
     private = re.compile(r"_hf_paged_t5\b|\._graphs\b|\bhp\._")
     offenders = []
     for path in MAINS:

@@ -91,8 +91,9 @@ cold = hp.patch_model(models[0])
 first = cold.generate(input_ids=ids, max_new_tokens=8, min_new_tokens=8)
 first_threads, first_passes = list(threads), list(passes)
 warm = hp.patch_model(models[1])
+again = warm.generate(input_ids=ids, max_new_tokens=8, min_new_tokens=8)
 print(json.dumps(dict(first_threads=first_threads, passes=first_passes, later=threads[len(first_threads):],
-                      equal=bool(torch.equal(first, warm.generate(input_ids=ids, max_new_tokens=8, min_new_tokens=8))))))
+                      equal=bool(torch.equal(first, again)))))
 """
 
 

@@ -74,7 +74,8 @@ class PagedRuntime:
                 extra()
 
         # (after Triton's start-up, begun on a thread at import: its sources hashed once, not twice)
-        run_compiled_ahead(device, self.config.resolve_backend(device), everything, str(kind), before=triton_start.wait)
+        run_compiled_ahead(device, self.config.resolve_backend(device), everything, str(kind),
+                           before=triton_start.wait)
 
     @contextlib.contextmanager
     def also_ahead(self, work: Callable[[], None]) -> Iterator[None]:
