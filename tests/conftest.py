@@ -70,6 +70,20 @@ def make_batch(lengths, seq_len=None, padding_side="right", seed=1, vocab=VOCAB,
     return ids.to(device), mask.to(device)
 
 
+def run_cold(script: str, tmp_path) -> dict:
+    """`script` run by a fresh Python with an empty Triton cache under `tmp_path`; the JSON object
+    of its last printed line (a cold process: what a new machine, container or CI job gives)."""
+    import json
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 @contextlib.contextmanager
 def torch_threads(n: int):
     """torch's intra-op threads set to `n` inside, restored after."""

@@ -9,6 +9,7 @@ import threading
 
 import pytest
 import torch
+from conftest import run_cold
 from oracle import assert_within_stock_error
 from transformers import T5EncoderModel, UMT5EncoderModel
 
@@ -223,16 +224,7 @@ def test_a_cold_first_call_compiles_its_kernels_on_the_pool_and_gives_the_same_b
     """A fresh process with an empty Triton cache: every compile of the first encoder call runs on
     the compile pool (none on the caller's thread), and the output is the one a second model gets
     once the kernels are compiled."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton")}
-    proc = subprocess.run([sys.executable, "-c", _COLD_SCRIPT], capture_output=True, text=True, env=env,
-                          timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = run_cold(_COLD_SCRIPT, tmp_path)
     assert report["first_threads"], "the cold call compiled nothing: the Triton cache was not empty"
     assert all(name.startswith("hf_paged_t5-compile") for name in report["first_threads"]), report
     assert report["later"] == [] and report["equal"], report

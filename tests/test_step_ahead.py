@@ -16,7 +16,7 @@ from hf_paged_t5.decode.graphs import graph_key, predicted_key
 from hf_paged_t5.hf.cache import PagedEncoderDecoderCache
 from hf_paged_t5.kv.pool import KVPool, LayerSpec
 
-from conftest import make_batch, make_model
+from conftest import make_batch, make_model, run_cold
 
 
 @pytest.mark.parametrize("source_lens,expand,max_self_tokens,block_size", [
@@ -103,16 +103,7 @@ def test_a_cold_generate_compiles_every_kernel_in_its_encoders_pass(tmp_path):
     """A fresh process with an empty Triton cache: the first generate() compiles every kernel on
     the pool, all of them in its encoder's pass (the decode step's own pass, at its capture, finds
     them compiled), and gives the tokens a second model gets once the kernels are compiled."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton")}
-    proc = subprocess.run([sys.executable, "-c", _COLD_GENERATE], capture_output=True, text=True, env=env,
-                          timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = run_cold(_COLD_GENERATE, tmp_path)
     assert report["first_threads"], "the cold call compiled nothing: the Triton cache was not empty"
     assert all(name.startswith("hf_paged_t5-compile") for name in report["first_threads"]), report
     assert report["passes"] and report["passes"][0] == len(report["first_threads"]), report
