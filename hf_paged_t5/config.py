@@ -45,6 +45,12 @@ class PagedCacheConfig:
             decoder layer (`model/fused_layer.py`: the norm, projections, K/V store, residual
             adds and activation folded together) where every layer is HF's own modules as
             they are. False runs one kernel per op (the same arithmetic, more launches).
+        pack_projections: on a GPU in float16 / bfloat16, lay each attention's q/k/v weights,
+            each cross-attention's k/v and each gated feed-forward's wi_0/wi_1 out as slices of
+            one tensor (`model/packing.py`), so each group runs as one GEMM. The parameters stay
+            the same objects with the same values and memory does not grow; `save_pretrained`
+            and `torch.save` work as before, and `unpatch_model` gives each weight its own tensor
+            again. Float32 and CPU models are never packed (their GEMMs stay HF's, bit for bit).
     """
 
     block_size: int = 16
@@ -57,6 +63,7 @@ class PagedCacheConfig:
     cuda_graphs: bool = True
     max_graph_batch: int = 512
     fused_decode: bool = True
+    pack_projections: bool = True
 
     def __post_init__(self) -> None:
         bs = self.block_size

@@ -48,6 +48,24 @@ def test_gated_gelu_matches_reference(dtype, shape):
         assert err[tail].max() <= hf_err[tail].max()
 
 
+@pytest.mark.parametrize("layout", ["halves", "3d_halves", "permuted"])
+def test_gated_gelu_reads_strided_inputs(layout):
+    """The two halves of a packed [tokens, 2 * d_ff] projection are read in place, leading dims
+    that are not one stride apart through a copy: the result is the contiguous kernel's, bit for bit."""
+    g = torch.Generator().manual_seed(5)
+    cols = 1029  # not a multiple of the column block: the masked tail of each row
+    if layout == "permuted":
+        gate = torch.randn(5, 3, cols, generator=g).half().to(DEVICE).transpose(0, 1)
+        linear = torch.randn(5, 3, cols, generator=g).half().to(DEVICE).transpose(0, 1)
+    else:
+        shape = (3, 5, 2 * cols) if layout == "3d_halves" else (13, 2 * cols)
+        both = torch.randn(shape, generator=g).half().to(DEVICE)
+        gate, linear = both[..., :cols], both[..., cols:]
+    out = kernels.gated_gelu(gate=gate, linear=linear)
+    assert out.is_contiguous() and out.shape == gate.shape
+    assert torch.equal(out, kernels.gated_gelu(gate=gate.contiguous(), linear=linear.contiguous()))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else []))
 def test_gated_gelu_no_less_accurate_than_hf(dtype):
     """Against float64, the kernel's error is at most HF's own half-precision one (op-by-op rounding)."""

@@ -16,6 +16,7 @@ from torch import nn
 
 from .. import triton_start
 from ..config import PagedCacheConfig
+from ..model import packing
 from ..model.bias import SELF_ATTENTION_NAMES
 from .forward import make_encoder_forward, make_forward
 from .generate import make_generate
@@ -55,7 +56,9 @@ def patch_model(model: nn.Module, config: Optional[PagedCacheConfig] = None) -> 
     """Make `model.generate()` (and the encoder's forward) run on the paged KV cache and kernels.
 
     Returns the same model object. Patching an already patched model re-patches it with the
-    new config.
+    new config. With `config.pack_projections` (the default), the weights of a half-precision
+    model on a GPU are also laid out in groups (`model/packing.py`): the same Parameters and
+    values, in fewer tensors.
     """
     _check_model(model)
     if config is None:
@@ -66,6 +69,8 @@ def patch_model(model: nn.Module, config: Optional[PagedCacheConfig] = None) -> 
         unpatch_model(model)
     triton_start.start()  # (a process that imported torch after hf_paged_t5)
     runtime = PagedRuntime(model, config)
+    if config.pack_projections:
+        runtime.packed = packing.pack_model(model)
     encoder = model.encoder if hasattr(model, "encoder") else model.get_encoder()
     if _paged_encoder(encoder):
         set_attr(runtime, encoder, "forward", types.MethodType(make_encoder_forward(runtime, encoder.forward), encoder))
@@ -116,7 +121,8 @@ def _patched_deepcopy(runtime: PagedRuntime, model: nn.Module):
 
 
 def unpatch_model(model: nn.Module) -> nn.Module:
-    """Undo `patch_model`: stock HF behaviour, bit for bit; the KV pool is freed."""
+    """Undo `patch_model`: stock HF behaviour, bit for bit; the KV pool is freed and each packed
+    weight gets its own tensor again."""
     runtime = getattr(model, _ATTR, None)
     if runtime is None:
         raise ValueError("this model is not patched by hf_paged_t5")
@@ -125,6 +131,7 @@ def unpatch_model(model: nn.Module) -> nn.Module:
             setattr(module, name, value)
         else:
             module.__dict__.pop(name, None)
+    packing.unpack(runtime.packed)
     runtime.pool = None
     runtime.runner.graphs.clear()  # captured steps and their memory pool go with the pool they read
     del model.__dict__[_ATTR]

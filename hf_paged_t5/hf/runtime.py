@@ -50,6 +50,7 @@ class PagedRuntime:
         self.compiled_ahead: set = set()  # the kinds of call `compile_ahead` ran for, with their device
         # what a generate() call in progress adds to its encoder's pass (`also_ahead`), or None
         self._also_ahead: Optional[Callable[[], None]] = None
+        self.packed: list = []  # the projection groups `patch_model` packed (`model/packing.py`)
 
     def _drop_graphs(self) -> None:
         self.runner.graphs.clear()

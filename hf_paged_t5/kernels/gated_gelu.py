@@ -28,25 +28,50 @@ def gated_gelu_config(n: int) -> tuple[int, int]:
     return 512, (8 if n >= 1 << 21 else 4)
 
 
-@triton.jit(do_not_specialize=["n"])  # n follows the token count (see kernels/__init__.py)
-def _gated_gelu_kernel(gate_ptr, linear_ptr, out_ptr, n, SQRT_2_OVER_PI: tl.constexpr, BLOCK: tl.constexpr):
-    start = tl.program_id(0).to(tl.int64) * BLOCK
-    offsets = start + tl.arange(0, BLOCK)
-    mask = offsets < n
-    x = tl.load(gate_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    y = tl.load(linear_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+@triton.jit(do_not_specialize=["rows"])  # rows follows the token count (see kernels/__init__.py)
+def _gated_gelu_kernel(
+    gate_ptr,  # [rows, cols], unit column stride
+    linear_ptr,  # [rows, cols], unit column stride
+    out_ptr,  # [rows, cols] contiguous
+    rows,
+    cols,
+    stride_gate_row,
+    stride_linear_row,
+    SQRT_2_OVER_PI: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # One program per BLOCK columns of a row: a packed projection's output (gate and linear as
+    # the two halves of each row) is read in place, with no index division per element.
+    row = tl.program_id(0).to(tl.int64)
+    cols_here = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols_here < cols
+    x = tl.load(gate_ptr + row * stride_gate_row + cols_here, mask=mask, other=0.0).to(tl.float32)
+    y = tl.load(linear_ptr + row * stride_linear_row + cols_here, mask=mask, other=0.0).to(tl.float32)
     inner = SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)
     # 0.5 * (1 + tanh(z)) = 1 / (1 + exp(-2z)): no cancellation in the negative tail, where
     # 1 + tanh(z) loses most of its digits; exp's argument capped below float32's overflow
     out = x / (1.0 + tl.exp(tl.minimum(-2.0 * inner, 80.0))) * y
-    tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * cols + cols_here, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _as_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` (last dim contiguous) as [rows, last dim]: a view where its leading dims are one
+    stride apart (a column slice of a wider output), else a copy."""
+    if tensor.dim() == 2:
+        return tensor
+    try:
+        return tensor.view(-1, tensor.shape[-1])
+    except RuntimeError:
+        return tensor.reshape(-1, tensor.shape[-1])
 
 
 def gated_gelu(gate: torch.Tensor, linear: torch.Tensor, config: Optional[tuple[int, int]] = None) -> torch.Tensor:
     """gelu_tanh(gate) * linear, elementwise, in gate's dtype (as HF's `hidden_gelu * hidden_linear`).
 
-    gate, linear: the same shape, dtype and device (any layout: made contiguous)
+    gate, linear: the same shape, dtype and device, last dim contiguous (rows of any stride, e.g.
+        the two halves of a packed [tokens, 2 * d_ff] projection, are read in place)
     config: (elements per program, a power of two; warps), or None: `gated_gelu_config`'s (tuning)
+    returns: a contiguous tensor of gate's shape
     """
     check_float("gate", gate, gate.dim())
     check_float("linear", linear, linear.dim())
@@ -54,11 +79,15 @@ def gated_gelu(gate: torch.Tensor, linear: torch.Tensor, config: Optional[tuple[
     if gate.shape != linear.shape or gate.dtype != linear.dtype:
         raise ValueError(f"gate {tuple(gate.shape)} {gate.dtype} and linear {tuple(linear.shape)} {linear.dtype} "
                          "must have one shape and dtype")
-    gate, linear = gate.contiguous(), linear.contiguous()
-    out = torch.empty_like(gate)
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     n = gate.numel()
     if n:
+        gate_rows, linear_rows = _as_rows(gate), _as_rows(linear)
+        rows, cols = gate_rows.shape
         block, warps = config if config is not None else gated_gelu_config(n)
-        _gated_gelu_kernel[(triton.cdiv(n, block),)](gate, linear, out, n, SQRT_2_OVER_PI=math.sqrt(2.0 / math.pi),
-                                                     BLOCK=block, num_warps=warps)
+        block = min(block, triton.next_power_of_2(cols))
+        _gated_gelu_kernel[(rows, triton.cdiv(cols, block))](
+            gate_rows, linear_rows, out, rows, cols, gate_rows.stride(0), linear_rows.stride(0),
+            SQRT_2_OVER_PI=math.sqrt(2.0 / math.pi), BLOCK=block, num_warps=warps,
+        )  # fmt: skip
     return out

@@ -14,8 +14,10 @@ from typing import Callable, Optional
 
 import torch
 from torch import nn
+import torch.nn.functional as F
 
 from ..kv.pool import StepMetadata
+from . import packing
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +128,19 @@ def project(ops: ModuleType, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return layer(x)
 
 
+def project_group(ops: ModuleType, group: tuple[nn.Module, ...], x: torch.Tensor) -> list[torch.Tensor]:
+    """`[layer(x) for layer in group]`, as one GEMM (or GEMV) over the group's weights where
+    `packing` laid them out as one tensor; the results are column slices of its output (views).
+
+    x: [..., in_features]; returns one [..., out_features] tensor per layer
+    """
+    weight = packing.packed_weight(group)
+    if weight is None or weight.dtype != x.dtype or weight.device != x.device:
+        return [project(ops, layer, x) for layer in group]
+    y = ops.gemv(x, weight) if ops.gemv_supports(x, weight) else F.linear(x, weight)
+    return list(y.split([layer.out_features for layer in group], dim=-1))
+
+
 # HF's gated feed-forward classes and its tanh-approximated GELUs (`gelu_new`, `gelu_pytorch_tanh`)
 _GATED_FF = frozenset({"T5DenseGatedActDense", "MT5DenseGatedActDense", "UMT5DenseGatedActDense",
                        "LongT5DenseGatedActDense"})
@@ -153,13 +168,20 @@ def feed_forward(ops: ModuleType, dense: nn.Module, x: torch.Tensor) -> torch.Te
     names = {cls.__name__ for cls in type(dense).__mro__}
     if hasattr(dense, "_hf_hook") or not names & {"T5DenseActDense", "T5DenseGatedActDense"}:
         return dense(x)
-    if hasattr(dense, "wi_0") and fused_gated_gelu(ops, dense, x.dtype):
-        h = ops.gated_gelu(gate=project(ops, dense.wi_0, x), linear=project(ops, dense.wi_1, x))
-    elif hasattr(dense, "wi_0"):
-        h = dense.act(project(ops, dense.wi_0, x)) * project(ops, dense.wi_1, x)
+    if hasattr(dense, "wi_0"):
+        h = gated_middle(ops, dense, x)
     else:
         h = dense.act(project(ops, dense.wi, x))
     return project(ops, dense.wo, to_wo_dtype(dense, dense.dropout(h)))
+
+
+def gated_middle(ops: ModuleType, dense: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`act(wi_0(x)) * wi_1(x)` of a gated feed-forward (both projections as one GEMM where they are
+    packed; the product as one kernel where `fused_gated_gelu` allows)."""
+    gate, linear = project_group(ops, (dense.wi_0, dense.wi_1), x)
+    if fused_gated_gelu(ops, dense, x.dtype):
+        return ops.gated_gelu(gate=gate, linear=linear)
+    return dense.act(gate) * linear
 
 
 def to_wo_dtype(dense: nn.Module, h: torch.Tensor) -> torch.Tensor:
@@ -191,7 +213,7 @@ def encoder_self_attention(
     bias_table: [num_heads, 2 * D + 1] float32 (see bias.py); band_memo: the table's memo for
     what the kernel derives from it (`BiasTableCache.memos`), or None
     """
-    q, k, v = _heads(attn.q(hidden), attn), _heads(attn.k(hidden), attn), _heads(attn.v(hidden), attn)
+    q, k, v = (_heads(y, attn) for y in project_group(ops, (attn.q, attn.k, attn.v), hidden))
     out = ops.prefill(
         query=q, key=k, value=v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
         scale=1.0, causal=False, bias_table=bias_table, band_memo=band_memo,
@@ -231,7 +253,7 @@ def decoder_self_attention(
     state: the call's `cpu_ops.DecodeState` (CPU backend: one gather plan per step), or None
     """
     rows, num_new = hidden.shape[:2]
-    q, k, v = (_heads(project(ops, lin, hidden), attn) for lin in (attn.q, attn.k, attn.v))
+    q, k, v = (_heads(y, attn) for y in project_group(ops, (attn.q, attn.k, attn.v), hidden))
     ops.store_kv(key=k, value=v, key_cache=key_cache, value_cache=value_cache, slot_mapping=meta.slot_mapping)
     table, lens = _per_token_rows(meta.self_block_table, meta.self_seq_lens, num_new, causal=True)
     kwargs = dict(query=q, key_cache=key_cache, value_cache=value_cache, block_table=table, seq_lens=lens,
@@ -273,8 +295,7 @@ def store_cross_kv(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Project the packed real encoder tokens [total_tokens, d_model] to K/V once and store them."""
-    k = _heads(attn.k(encoder_tokens), attn)
-    v = _heads(attn.v(encoder_tokens), attn)
+    k, v = (_heads(y, attn) for y in project_group(ops, (attn.k, attn.v), encoder_tokens))
     ops.store_kv(key=k, value=v, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping)
 
 
