@@ -4,11 +4,12 @@ per decoder layer, and where one step's GPU time goes.
     python benchmarks/ab_fusion.py [--models t5-large,flan-t5-xl] [--batch 1,4] [--out DIR]
 
 For each model (`common.make_model`: a real layout, bf16) and batch, patched generate() on
-512-token inputs with 128 new tokens forced, under three variants, each on a freshly patched
+512-token inputs with 128 new tokens forced, under four variants, each on a freshly patched
 model (its own graphs): `fused` (`PagedCacheConfig(fused_decode=True)`, programmatic dependent
-launches where the GPU has them: the default), `fused-no-pdl` (the same with HF_PAGED_T5_PDL=0)
-and `unfused` (`fused_decode=False`: one kernel per op). Each variant reports ms per step of the
-whole call (median of 5 calls after 2), µs per replay of its decode graph (median of 50, CUDA
+launches where the GPU has them: the default), `fused-no-pdl` (the same with HF_PAGED_T5_PDL=0),
+`unfused` (`fused_decode=False`: one kernel per op) and `unpacked` (the default with
+`pack_projections=False`: q/k/v, cross k/v and wi_0/wi_1 a GEMM each, `model/packing.py`).
+Each variant reports ms per step of the whole call (median of 5 calls after 2), µs per replay of its decode graph (median of 50, CUDA
 events), CUDA kernels per replay, the bf16 tokens' agreement with `unfused` and the first step's
 logits' relative difference from it; `fused` and `fused-no-pdl` the kernels of one replay by
 name (µs summed; with dependent launches a kernel's time includes its wait for the one before,
@@ -29,7 +30,9 @@ import common  # benchmarks/ is on sys.path
 import hf_paged_t5 as hp
 
 SRC_LEN, NEW = 512, 128
-VARIANTS = (("unfused", False, "1"), ("fused-no-pdl", True, "0"), ("fused", True, "1"))
+# (label, fused_decode, HF_PAGED_T5_PDL, pack_projections)
+VARIANTS = (("unfused", False, "1", True), ("fused-no-pdl", True, "0", True), ("fused", True, "1", True),
+            ("unpacked", True, "1", False))
 
 
 def replay_us(graph, replays: int = 50) -> float:
@@ -60,13 +63,13 @@ def replay_kernels(graph) -> tuple[int, dict]:
     return count, dict(sorted(names.items(), key=lambda kv: -kv[1]))
 
 
-def run_variant(model, batch: int, fused: bool, pdl: str) -> dict:
+def run_variant(model, batch: int, fused: bool, pdl: str, pack: bool) -> dict:
     os.environ["HF_PAGED_T5_PDL"] = pdl  # read when a graph is captured
     if hp.is_patched(model):
         hp.unpatch_model(model)
     gc.collect()
     torch.cuda.empty_cache()
-    hp.patch_model(model, hp.PagedCacheConfig(fused_decode=fused))
+    hp.patch_model(model, hp.PagedCacheConfig(fused_decode=fused, pack_projections=pack))
     ids, mask = common.random_inputs(batch, SRC_LEN)
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW,
               output_logits=True, return_dict_in_generate=True)
@@ -93,7 +96,7 @@ def main(argv=None) -> None:
     for name in args.models.split(","):
         model = common.make_model(name, "sdpa", torch.bfloat16)
         for batch in (int(b) for b in args.batch.split(",")):
-            results = {label: run_variant(model, batch, fused, pdl) for label, fused, pdl in VARIANTS}
+            results = {label: run_variant(model, batch, *knobs) for label, *knobs in VARIANTS}
             base = results["unfused"]
             for label, r in results.items():
                 rows.append(dict(
@@ -101,7 +104,7 @@ def main(argv=None) -> None:
                     kernels_per_step=r["kernels_per_step"], kernels_per_decoder_layer=r["kernels_per_decoder_layer"],
                     tokens_agree_with_unfused=float((r["tokens"] == base["tokens"]).float().mean()),
                     logits0_rel_diff=float((r["logits0"] - base["logits0"]).norm() / base["logits0"].norm()),
-                    kernels_by_name_us=r["by_name"] if label != "unfused" else None,
+                    kernels_by_name_us=r["by_name"] if label in ("fused", "fused-no-pdl") else None,
                 ))
                 print(f"{name} b{batch} {label}: {r['ms_per_step']:.3f} ms/step, replay {r['replay_us']:.0f} us, "
                       f"{r['kernels_per_decoder_layer']:.1f} kernels/layer", flush=True)

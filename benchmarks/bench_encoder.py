@@ -2,7 +2,7 @@
 and nai-t5-wrapper (when importable), in one process, one run.
 
     python benchmarks/bench_encoder.py [--models t5-v1_1-xxl,umt5-xxl] [--cases 1x77,1x512,2x512p]
-        [--systems sdpa,compile,nai-sdpa,nai-flex,paged] [--profile] [--first-call] [--out DIR]
+        [--systems sdpa,compile,nai-sdpa,nai-flex,paged[,paged-unpacked]] [--profile] [--first-call] [--out DIR]
     python benchmarks/bench_encoder.py --quick --device cpu      (a smoke run)
 
 Random weights at the real layouts, bf16 (fp32 on the CPU), called the way diffusion pipelines
@@ -53,7 +53,9 @@ MODELS = {
     "tiny-t5v1_1": ("t5v1_1", "tiny", {}, T5EncoderModel),
     "tiny-umt5": ("umt5", "tiny", {}, UMT5EncoderModel),
 }
-SYSTEMS = ("sdpa", "compile", "nai-sdpa", "nai-flex", "paged")
+SYSTEMS = ("sdpa", "compile", "nai-sdpa", "nai-flex", "paged", "paged-unpacked")
+# `paged-unpacked`: patched with `pack_projections=False` (one GEMM per projection), an A/B row
+DEFAULT_SYSTEMS = SYSTEMS[:-1]
 PADDED_LEN = 300  # real tokens of the padded row in a `...p` case
 HBM_BYTES_PER_S, BF16_FLOPS = 4.3e12, 790e12
 RESULT_PREFIX = "first-call-result: "
@@ -202,12 +204,12 @@ def bench_model(name: str, args, checkpoint_root: pathlib.Path) -> list[dict]:
         if system == "sdpa":
             for case, (ids, mask) in feeds.items():
                 record(system, case, lambda: call(model, ids, mask))
-        elif system == "paged":
-            hp.patch_model(model)
+        elif system in ("paged", "paged-unpacked"):
+            hp.patch_model(model, hp.PagedCacheConfig(pack_projections=system == "paged"))
             try:
                 for case, (ids, mask) in feeds.items():
                     record(system, case, lambda: call(model, ids, mask))
-                    if args.profile and device == "cuda":
+                    if args.profile and device == "cuda" and system == "paged":
                         rows[case]["paged_profile"] = profile(lambda: call(model, ids, mask))
             finally:
                 hp.unpatch_model(model)
@@ -249,7 +251,7 @@ def main(argv=None) -> None:
     ap.add_argument("--models", default="t5-v1_1-xxl,umt5-xxl", help=f"comma-separated, of {', '.join(MODELS)}")
     ap.add_argument("--cases", default="1x77,1x512,2x512p", help="BATCHxLENGTH[p], p: the rows after the first "
                                                                  f"padded to {PADDED_LEN} tokens")
-    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
+    ap.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--profile", action="store_true", help="profile the patched forward's kernels (GPU)")

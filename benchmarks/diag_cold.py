@@ -63,6 +63,15 @@ def _top(profiler, count: int) -> dict[str, list[dict]]:
                 own=sorted(entries, key=lambda e: -e["own_s"])[:count])
 
 
+def _spec_summary(data) -> str:
+    """One compile's kernel, constexprs and argument signature (what made it a new binary)."""
+    try:
+        spec = json.loads(data)
+    except (TypeError, ValueError):
+        return "?"
+    return f"{spec.get('name', '?')} constants={spec.get('constants')} signature={spec.get('signature')}"
+
+
 def worker(args) -> dict:
     import torch
     import triton
@@ -134,7 +143,7 @@ def worker(args) -> dict:
             ids, mask = common.random_inputs(batch, args.src_len, "cuda", model.config.vocab_size)
             if args.encoder:
                 mask = None  # as Flux and SD3 call it
-            first_compile, first_capture = len(compiles), len(captures)
+            first_compile, first_capture, first_spec = len(compiles), len(captures), len(specs)
             torch.cuda.synchronize()
             profiler = cProfile.Profile() if args.profile and not rows else None
             start = time.perf_counter()
@@ -162,7 +171,8 @@ def worker(args) -> dict:
             rows.append(dict(call=label, seconds=seconds, compiles=len(mine), compile_s=compile_s,
                              graphs=len(captures) - first_capture, capture_s=capture_s,
                              rest_s=seconds - compile_s - capture_s,
-                             compile_s_by_kernel=dict(sorted(by_kernel.items(), key=lambda kv: -kv[1]))))
+                             compile_s_by_kernel=dict(sorted(by_kernel.items(), key=lambda kv: -kv[1])),
+                             compiled=[_spec_summary(d) for _, d in specs[first_spec:]]))
 
     # the same kernels compiled again, into new empty caches: serial, threads, processes
     kernels = [(k, d) for k, d in specs if k is not None]
@@ -268,6 +278,9 @@ def main(argv=None) -> None:
         title=f"{args.encoder or args.shape}{' (stock)' if args.stock else ''}, bf16, fresh process, empty Triton cache (patch_model {report['patch_model_s']:.3f} s)")
     for r in report["rows"]:
         print(r["call"], {k: round(v, 3) for k, v in r["compile_s_by_kernel"].items()})
+        if r is not report["rows"][0]:
+            for summary in r.get("compiled", []):
+                print("    compiled:", summary)
     print("replay of", report["kernels_replayed"], "kernels:", report["replay"])
     for entry in [e for part in (report["first_call_profile"] or {}).values() for e in part]:
         print(f"{entry['cumulative_s']:8.3f} s cumulative {entry['own_s']:8.3f} s own {entry['calls']:7d} calls  "

@@ -236,6 +236,16 @@ def _per_token_rows(meta_table: torch.Tensor, seq_lens: torch.Tensor, num_new: i
     return table, (seq_lens[:, None] + offsets[None, :]).reshape(-1)
 
 
+def _decode_launch(ops: ModuleType, query: torch.Tensor, meta: StepMetadata) -> dict:
+    """The Triton backend's `paged_decode` launch options, as `fused_layer` passes them: a step of
+    any row count then launches the kernels a 1-row step compiled (where the launch knobs agree),
+    so a new batch size compiles less. Other backends take none."""
+    if not hasattr(ops, "pdl_available"):
+        return {}
+    # (the counters cover one query per row: a step of several new tokens per row goes without)
+    return dict(pdl=ops.pdl_available(query.device), tickets=meta.tickets if meta.num_new == 1 else None)
+
+
 def decoder_self_attention(
     ops: ModuleType,
     attn: nn.Module,
@@ -258,7 +268,7 @@ def decoder_self_attention(
     table, lens = _per_token_rows(meta.self_block_table, meta.self_seq_lens, num_new, causal=True)
     kwargs = dict(query=q, key_cache=key_cache, value_cache=value_cache, block_table=table, seq_lens=lens,
                   bias_table=bias_table, scale=1.0)
-    out = ops.paged_decode(**kwargs) if state is None else state.self_decode(**kwargs)
+    out = ops.paged_decode(**kwargs, **_decode_launch(ops, q, meta)) if state is None else state.self_decode(**kwargs)
     # out: [rows * num_new, num_heads, head_dim]
     return project(ops, attn.o, out.reshape(rows, num_new, -1))
 
@@ -282,7 +292,7 @@ def cross_attention(
     q = _heads(project(ops, attn.q, hidden), attn)
     table, lens = _per_token_rows(meta.cross_block_table, meta.cross_seq_lens, num_new, causal=False)
     kwargs = dict(query=q, key_cache=key_cache, value_cache=value_cache, block_table=table, seq_lens=lens, scale=1.0)
-    out = ops.paged_decode(**kwargs) if state is None else state.cross_decode(layer, **kwargs)
+    out = ops.paged_decode(**kwargs, **_decode_launch(ops, q, meta)) if state is None else state.cross_decode(layer, **kwargs)
     return project(ops, attn.o, out.reshape(rows, num_new, -1))
 
 

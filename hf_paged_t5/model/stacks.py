@@ -268,6 +268,12 @@ def store_cross(
     store_cross_packed(decoder, ops_for, cache.pool, packed, cache.store_cross_plan(lens))
 
 
+def _slot_dtype(pool: KVPool) -> torch.dtype:
+    """The cross K/V store's slot dtype: int32, as a captured decode step's self-attention store has
+    it (both stores are then one compiled kernel), unless the pool has 2^31 slots or more."""
+    return torch.int32 if pool.num_blocks * pool.block_size < 2**31 else torch.int64
+
+
 def store_cross_ahead(decoder: nn.Module, ops_for: Callable[[torch.device], ModuleType], pool: KVPool,
                       packed: torch.Tensor) -> None:
     """`store_cross_packed`'s launches for a compile-only pass (`kernels/ahead.py`): the first layer's
@@ -275,7 +281,7 @@ def store_cross_ahead(decoder: nn.Module, ops_for: Callable[[torch.device], Modu
     the same kernel; were a launch to run, it would write where no row reads)."""
     block = decoder.block[0]
     device = module_device(block)
-    slots = torch.full((packed.shape[0],), pool.scratch_block * pool.block_size, dtype=torch.int64, device=device)
+    slots = torch.full((packed.shape[0],), pool.scratch_block * pool.block_size, dtype=_slot_dtype(pool), device=device)
     attn_ops.store_cross_kv(ops_for(device), block.layer[1].EncDecAttention, packed.to(device), pool.key_caches[0],
                             pool.value_caches[0], slots)
 
@@ -291,6 +297,7 @@ def store_cross_packed(
     source by source) into the pool at `slot_mapping` [tokens] int64. The tokens and slots move
     to each layer device once."""
     on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+    slot_mapping = slot_mapping.to(_slot_dtype(pool))
     for i, block in enumerate(decoder.block):
         device = module_device(block)
         if device not in on_device:
