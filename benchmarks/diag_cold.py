@@ -69,7 +69,11 @@ def _spec_summary(data) -> str:
         spec = json.loads(data)
     except (TypeError, ValueError):
         return "?"
-    return f"{spec.get('name', '?')} constants={spec.get('constants')} signature={spec.get('signature')}"
+    constants = {str(k[0]) if len(k) == 1 else str(k): v for k, v in zip(spec.get("constant_keys", []),
+                                                                     spec.get("constant_vals", []))}
+    options = {k: spec.get("options", {}).get(k) for k in ("num_warps", "num_stages")}
+    pointers = {k: v for k, v in spec.get("signature", {}).items() if str(v).startswith("*")}
+    return f"{spec.get('name', '?').rsplit('.', 1)[-1]} {options} constants={constants} pointers={pointers}"
 
 
 def worker(args) -> dict:
