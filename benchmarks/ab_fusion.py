@@ -9,9 +9,11 @@ model (its own graphs): `fused` (`PagedCacheConfig(fused_decode=True)`, programm
 launches where the GPU has them: the default), `fused-no-pdl` (the same with HF_PAGED_T5_PDL=0),
 `unfused` (`fused_decode=False`: one kernel per op) and `unpacked` (the default with
 `pack_projections=False`: q/k/v, cross k/v and wi_0/wi_1 a GEMM each, `model/packing.py`).
-Each variant reports ms per step of the whole call (median of 5 calls after 2), µs per replay of its decode graph (median of 50, CUDA
-events), CUDA kernels per replay, the bf16 tokens' agreement with `unfused` and the first step's
-logits' relative difference from it; `fused` and `fused-no-pdl` the kernels of one replay by
+Each variant reports ms per step of the whole call (median of 5 calls after 2; with
+`output_logits`, whose [rows, vocab] float32 copy per step inflates it at 16-64 rows: compare
+replays), µs per replay of its decode graph (median of 50, CUDA events), CUDA kernels per
+replay, the bf16 tokens' agreement with `unfused` and the first step's logits' relative
+difference from it; `fused` and `fused-no-pdl` the kernels of one replay by
 name (µs summed; with dependent launches a kernel's time includes its wait for the one before,
 so the sums overlap: `fused-no-pdl`'s say where the GPU time goes).
 Writes DIR/fusion.json (default DIR: benchmarks/results/<date>-<gpu>/).

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from ..kv.pool import StepMetadata
 from . import packing
+from .packing import plain_linear, unhooked  # (what a module that runs as HF wrote it is: defined there)
 
 logger = logging.getLogger(__name__)
 
@@ -91,21 +92,6 @@ class OnDevice:
 
             self._wrapped[name] = fn
         return fn
-
-
-def unhooked(module: nn.Module) -> bool:
-    """Whether calling `module` runs its class's forward and nothing else: no accelerate hook, no
-    forward hook or pre-hook of its own or global (a user's, a quantizer's), no replaced forward."""
-    return (
-        not hasattr(module, "_hf_hook") and "forward" not in module.__dict__
-        and not module._forward_hooks and not module._forward_pre_hooks
-        and not nn.modules.module._global_forward_hooks and not nn.modules.module._global_forward_pre_hooks
-    )
-
-
-def plain_linear(layer: nn.Module) -> bool:
-    """A bias-free `nn.Linear` whose call is exactly `x @ weight.T`."""
-    return type(layer) is nn.Linear and layer.bias is None and unhooked(layer)
 
 
 # HF's T5-family RMSNorm classes: `weight * x / sqrt(mean(x^2) + variance_epsilon)`, in HF's dtype order
@@ -268,7 +254,10 @@ def decoder_self_attention(
     table, lens = _per_token_rows(meta.self_block_table, meta.self_seq_lens, num_new, causal=True)
     kwargs = dict(query=q, key_cache=key_cache, value_cache=value_cache, block_table=table, seq_lens=lens,
                   bias_table=bias_table, scale=1.0)
-    out = ops.paged_decode(**kwargs, **_decode_launch(ops, q, meta)) if state is None else state.self_decode(**kwargs)
+    if state is not None:
+        out = state.self_decode(**kwargs)
+    else:
+        out = ops.paged_decode(**kwargs, **_decode_launch(ops, q, meta))
     # out: [rows * num_new, num_heads, head_dim]
     return project(ops, attn.o, out.reshape(rows, num_new, -1))
 
@@ -292,7 +281,10 @@ def cross_attention(
     q = _heads(project(ops, attn.q, hidden), attn)
     table, lens = _per_token_rows(meta.cross_block_table, meta.cross_seq_lens, num_new, causal=False)
     kwargs = dict(query=q, key_cache=key_cache, value_cache=value_cache, block_table=table, seq_lens=lens, scale=1.0)
-    out = ops.paged_decode(**kwargs, **_decode_launch(ops, q, meta)) if state is None else state.cross_decode(layer, **kwargs)
+    if state is not None:
+        out = state.cross_decode(layer, **kwargs)
+    else:
+        out = ops.paged_decode(**kwargs, **_decode_launch(ops, q, meta))
     return project(ops, attn.o, out.reshape(rows, num_new, -1))
 
 

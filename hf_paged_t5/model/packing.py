@@ -29,10 +29,23 @@ from typing import Iterable, Optional, Sequence
 import torch
 from torch import nn
 
-from . import attention  # (which imports this module: names are read at call time)
-
 Group = tuple[nn.Linear, ...]
 _HALF = (torch.float16, torch.bfloat16)
+
+
+def unhooked(module: nn.Module) -> bool:
+    """Whether calling `module` runs its class's forward and nothing else: no accelerate hook, no
+    forward hook or pre-hook of its own or global (a user's, a quantizer's), no replaced forward."""
+    return (
+        not hasattr(module, "_hf_hook") and "forward" not in module.__dict__
+        and not module._forward_hooks and not module._forward_pre_hooks
+        and not nn.modules.module._global_forward_hooks and not nn.modules.module._global_forward_pre_hooks
+    )
+
+
+def plain_linear(layer: nn.Module) -> bool:
+    """A bias-free `nn.Linear` whose call is exactly `x @ weight.T`."""
+    return type(layer) is nn.Linear and layer.bias is None and unhooked(layer)
 
 
 def groups(model: nn.Module) -> list[Group]:
@@ -63,7 +76,7 @@ def packed_weight(group: Sequence[nn.Module]) -> Optional[torch.Tensor]:
     Also None while autograd would need the separate Parameters (grad enabled and a weight
     requiring it): a GEMM over the view would not reach them.
     """
-    if not all(map(attention.plain_linear, group)):
+    if not all(map(plain_linear, group)):
         return None
     weights = [layer.weight for layer in group]
     first = weights[0]
@@ -86,7 +99,7 @@ def packed_weight(group: Sequence[nn.Module]) -> Optional[torch.Tensor]:
 def _packable(group: Group, shared: Counter, device_types: Iterable[str]) -> bool:
     """Plain Linears with distinct, unshared, contiguous half-precision weights of one width on
     one device of an allowed type (a weight tied to another Parameter by storage stays as it is)."""
-    if not all(map(attention.plain_linear, group)):
+    if not all(map(plain_linear, group)):
         return False
     weights = [layer.weight for layer in group]
     first = weights[0]
