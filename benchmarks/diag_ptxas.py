@@ -88,7 +88,7 @@ def cases() -> list[tuple]:
         ("cross, batch 64 (async loads)", 128, 4, False, 0, 2, 3),
     ):
         const = dict(BIAS_MODE=bias, BLOCK_SIZE=16, BLOCK_N=block_n, BLOCK_D=64, SPLIT=split,
-                     SPLITS_P2=4 if split else 1, FUSED_COMBINE=split, PREFETCH=prefetch, NUM_STAGES=stages, PDL=True)
+                     MERGE_CHUNK=16, FUSED_COMBINE=split, PREFETCH=prefetch, NUM_STAGES=stages, PDL=True)
         out.append((f"paged_decode {label}", decode._paged_decode_kernel, const, decode_types, warps, True))
     out.append(("rms_norm d_model 1024", rmsnorm._rms_norm_kernel,
                 dict(HAS_RESIDUAL=False, HALF_WEIGHT=True, BLOCK=1024, PDL=True), dict(eps="fp32"), 4, True))

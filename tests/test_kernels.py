@@ -915,7 +915,7 @@ def test_gpu_new_workload_sizes_compile_nothing():
     causal_table = torch.randn(num_heads, 33, device=DEVICE)
     configs = [DecodeConfig(64, 4, 1, 1), DecodeConfig(64, 4, 1, 3), DecodeConfig(64, 4, 1, 3, fused_combine=True)]
 
-    def run(prefill_lens, decode_lens, extra_cols):
+    def run(prefill_lens, decode_lens, extra_cols, configs=configs):
         query, key, value, cu = packed(prefill_lens, num_heads, head_dim, torch.bfloat16, seed=len(prefill_lens))
         out = prefill(query=query, key=key, value=value, cu_seqlens=cu, max_seqlen=max(prefill_lens),
                       bias_table=table)
@@ -928,14 +928,17 @@ def test_gpu_new_workload_sizes_compile_nothing():
             assert rel_err(paged_decode(q, *caches, bias_table=causal_table, config=config), ref) < 2e-2
 
     # Key counts (16 x table width) where 3 requested splits stay 3 (the wrapper merges splits of
-    # fewer keys: 2 would be another configuration, SPLITS_P2): widths 9-12, 17-24 or 25-36 blocks.
+    # fewer keys, and a count of 1 is the unsplit kernel): widths 9-12, 17-24 or 25-36 blocks.
     run([40, 7], [37, 5], 7)  # width 10: compiles each configuration once
+    # other split counts merge in the same kernel (the count is a runtime value)
+    other_counts = [DecodeConfig(64, 4, 1, 2), DecodeConfig(64, 4, 1, 5, fused_combine=True)]
     knobs.runtime.jit_post_compile_hook = hook
     try:
         for prefill_lens, decode_lens, extra_cols in (  # widths 10, 21, 17, 32
             ([1], [1], 9), ([48, 16], [16, 48, 130], 12), ([33, 100, 2], [1, 17], 15), ([17], [200, 3, 64, 9], 19),
         ):
             run(prefill_lens, decode_lens, extra_cols)
+        run([48, 16], [16, 48, 130], 12, configs=other_counts)  # width 21: 2 and 5 splits
     finally:
         knobs.runtime.jit_post_compile_hook = previous
     assert compiled == []

@@ -26,6 +26,9 @@ from .launch import _PREFETCH, DecodeConfig, _num_sms, decode_config
 
 # BIAS_MODE values.
 _NO_BIAS, _TABLE_BIAS, _DENSE_BIAS = 0, 1, 2
+# Partials merged per step of the split merge: [16, head_dim] fp32 in registers; any split count
+# (up to launch._MAX_SPLITS = 128: 8 steps) runs the same compiled kernel.
+_MERGE_CHUNK = 16
 
 
 @triton.jit
@@ -78,23 +81,36 @@ def _merge_splits(
     head_dim,
     stride_out_batch,
     stride_out_head,
-    SPLITS_P2: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """Merge the partials of one (row, head) (layout: `_combine_splits_kernel`) into the output."""
-    splits = tl.arange(0, SPLITS_P2)
-    split_mask = splits < num_splits
+    """Merge the partials of one (row, head) (layout: `_combine_splits_kernel`) into the output,
+    MERGE_CHUNK splits at a time with a running log-sum-exp rescale: the split count is a runtime
+    value, so every count runs one compiled kernel (with up to MERGE_CHUNK splits the loop runs
+    once and gives the one-shot merge's bits)."""
     dims = tl.arange(0, BLOCK_D)
-    part_off = ((row * num_heads + head) * num_splits + splits) * (BLOCK_D + 2)  # [SPLITS_P2]
-    # .cg: read from L2, where other SMs' partials are (this SM's L1 may not have seen them).
-    m = tl.load(part_ptr + part_off + BLOCK_D, mask=split_mask, other=float("-inf"), cache_modifier=".cg")
-    l = tl.load(part_ptr + part_off + BLOCK_D + 1, mask=split_mask, other=0.0, cache_modifier=".cg")
-    acc_ptrs = part_ptr + part_off[:, None] + dims[None, :]  # [SPLITS_P2, BLOCK_D]
-    acc = tl.load(acc_ptrs, mask=split_mask[:, None], other=0.0, cache_modifier=".cg")
-    # Split 0 always holds key 0 (seq_len >= 1), so m_max is finite; empty splits get weight 0.
-    m_max = tl.max(m, axis=0)
-    weight = tl.exp2(m - m_max)  # [SPLITS_P2]
-    out = tl.sum(weight[:, None] * acc, axis=0) / tl.sum(weight * l, axis=0)
+    first_off = (row * num_heads + head) * num_splits
+    m_run = tl.full([], float("-inf"), tl.float32)
+    l_run = tl.full([], 0.0, tl.float32)
+    acc_run = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for first in range(0, num_splits, MERGE_CHUNK):
+        splits = first + tl.arange(0, MERGE_CHUNK)
+        split_mask = splits < num_splits
+        part_off = (first_off + splits) * (BLOCK_D + 2)  # [MERGE_CHUNK]
+        # .cg: read from L2, where other SMs' partials are (this SM's L1 may not have seen them).
+        m = tl.load(part_ptr + part_off + BLOCK_D, mask=split_mask, other=float("-inf"), cache_modifier=".cg")
+        l = tl.load(part_ptr + part_off + BLOCK_D + 1, mask=split_mask, other=0.0, cache_modifier=".cg")
+        acc_ptrs = part_ptr + part_off[:, None] + dims[None, :]  # [MERGE_CHUNK, BLOCK_D]
+        acc = tl.load(acc_ptrs, mask=split_mask[:, None], other=0.0, cache_modifier=".cg")
+        # Split 0 always holds key 0 (seq_len >= 1), so the first chunk's max is finite (and the
+        # running state's weight, exp2(-inf), is 0); empty splits and chunks get weight 0.
+        m_new = tl.maximum(m_run, tl.max(m, axis=0))
+        alpha = tl.exp2(m_run - m_new)
+        weight = tl.exp2(m - m_new)  # [MERGE_CHUNK]
+        acc_run = acc_run * alpha + tl.sum(weight[:, None] * acc, axis=0)
+        l_run = l_run * alpha + tl.sum(weight * l, axis=0)
+        m_run = m_new
+    out = acc_run / l_run
     tl.store(
         out_ptr + row * stride_out_batch + head * stride_out_head + dims,
         out.to(out_ptr.dtype.element_ty),
@@ -179,7 +195,7 @@ def _paged_decode_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SPLIT: tl.constexpr,
-    SPLITS_P2: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr,
     FUSED_COMBINE: tl.constexpr,
     PREFETCH: tl.constexpr,
     NUM_STAGES: tl.constexpr,
@@ -263,7 +279,7 @@ def _paged_decode_kernel(
             if ticket == num_splits - 1:
                 _merge_splits(
                     part_ptr, out_ptr, row, head, num_heads, num_splits, head_dim,
-                    stride_out_batch, stride_out_head, SPLITS_P2, BLOCK_D,
+                    stride_out_batch, stride_out_head, MERGE_CHUNK, BLOCK_D,
                 )  # fmt: skip
                 # Every split has counted: back to zero for the next launch over these counters.
                 tl.atomic_xchg(ticket_ptr + row * num_heads + head, 0)
@@ -277,7 +293,7 @@ def _combine_splits_kernel(
     num_splits,
     stride_out_batch,
     stride_out_head,
-    SPLITS_P2: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -288,7 +304,7 @@ def _combine_splits_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     _merge_splits(
         part_ptr, out_ptr, row, head, tl.num_programs(1), num_splits, head_dim,
-        stride_out_batch, stride_out_head, SPLITS_P2, BLOCK_D,
+        stride_out_batch, stride_out_head, MERGE_CHUNK, BLOCK_D,
     )  # fmt: skip
 
 
@@ -386,7 +402,7 @@ def paged_decode(
         *bias_strides,
         out.stride(0), out.stride(1),
         BIAS_MODE=bias_mode, BLOCK_SIZE=block_size, BLOCK_N=config.block_n, BLOCK_D=padded_d, SPLIT=splits > 1,
-        SPLITS_P2=triton.next_power_of_2(splits) if fused else 1, FUSED_COMBINE=fused,
+        MERGE_CHUNK=_MERGE_CHUNK, FUSED_COMBINE=fused,
         PREFETCH=_PREFETCH[config.prefetch],
         NUM_STAGES=config.num_stages, PDL=pdl, num_warps=config.num_warps, **launch,
     )  # fmt: skip
@@ -394,7 +410,7 @@ def paged_decode(
         _combine_splits_kernel[(batch, num_heads)](
             part, out,
             head_dim, splits, out.stride(0), out.stride(1),
-            SPLITS_P2=triton.next_power_of_2(splits), BLOCK_D=padded_d, PDL=pdl,
+            MERGE_CHUNK=_MERGE_CHUNK, BLOCK_D=padded_d, PDL=pdl,
             num_warps=4, **launch,
         )  # fmt: skip
     return out
