@@ -33,6 +33,22 @@ def test_predicted_key_is_the_first_steps(source_lens, expand, max_self_tokens, 
     cache.release()
 
 
+@pytest.mark.parametrize("batch", [1, 2, 3, 4, 16, 33])
+def test_static_step_views_are_16_byte_aligned(batch):
+    """Every view of a captured step's packed metadata starts 16-byte aligned at any batch, so a
+    1-row step's kernels get the pointer specialization a 16-row step's do (the same binaries)."""
+    from hf_paged_t5.decode.graphs import _lane, _views
+
+    for self_width, cross_width in ((4, 4), (8, 32)):
+        packed = torch.zeros(4 * _lane(batch) + batch * (self_width + cross_width), dtype=torch.int32)
+        views = _views(packed, batch, self_width, cross_width)
+        assert [tuple(v.shape) for v in views] == [(batch,)] * 3 + [(batch, self_width), (batch, cross_width)]
+        assert all(v.data_ptr() % 16 == 0 for v in views)
+        ends = sorted((v.data_ptr(), v.data_ptr() + v.numel() * 4) for v in views)
+        assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(ends, ends[1:]))  # disjoint
+        assert ends[-1][1] <= packed.data_ptr() + packed.numel() * 4
+
+
 def test_the_encoder_pass_runs_the_calls_extra_work_only_inside_that_call(monkeypatch):
     """generate() registers its first step and cross store for its encoder's compile pass; a pass
     outside a call (a standalone encoder call) runs only the encoder; the work is gone after the call."""

@@ -56,10 +56,10 @@ class _StaticStep:
     """Static buffers of one captured graph.
 
     input_ids: [batch, 1] int64 on the device
-    packed: [4 * batch + batch * (self_width + cross_width)] int32 on the device; `meta`'s
-        tensors are views of it: slot_mapping [batch], self_seq_lens [batch],
-        cross_seq_lens [batch], self_block_table [batch, self_width],
-        cross_block_table [batch, cross_width] (one spare [batch] region keeps views aligned)
+    packed: [4 * lane + batch * (self_width + cross_width)] int32 on the device (lane: `_lane`);
+        `meta`'s tensors are views of it: slot_mapping [batch], self_seq_lens [batch] and
+        cross_seq_lens [batch] each at the start of a lane, self_block_table [batch, self_width],
+        cross_block_table [batch, cross_width] after the fourth (spare) lane: every view 16-byte aligned
     host: pinned CPU twin of `packed`, filled on the host and copied with one transfer
     copied: event recorded after that transfer; the host waits on it before refilling (None on CPU)
     graph: the captured step, or None for buffers that `DecodeGraphs.replay` runs eagerly
@@ -75,10 +75,18 @@ class _StaticStep:
     logits: Optional[torch.Tensor]
 
 
+def _lane(batch: int) -> int:
+    """Elements per per-row region of `_StaticStep.packed`: `batch` rounded up to 4 int32, so every
+    view starts 16-byte aligned. Triton specializes pointer arguments on 16-byte alignment: a
+    1-row step's seq_lens at a 4-byte offset would be another binary than a 16-row step's."""
+    return -(-batch // 4) * 4
+
+
 def _views(packed: torch.Tensor, batch: int, self_width: int, cross_width: int) -> list[torch.Tensor]:
     """slot_mapping, self_seq_lens, cross_seq_lens, self_block_table, cross_block_table of `packed`."""
-    slot, self_lens, cross_lens = packed[:batch], packed[batch : 2 * batch], packed[2 * batch : 3 * batch]
-    start = 4 * batch
+    lane = _lane(batch)
+    slot, self_lens, cross_lens = (packed[i * lane : i * lane + batch] for i in range(3))
+    start = 4 * lane
     self_table = packed[start : start + batch * self_width].view(batch, self_width)
     start += batch * self_width
     cross_table = packed[start : start + batch * cross_width].view(batch, cross_width)
@@ -226,7 +234,7 @@ class DecodeGraphs:
     def _buffers(pool: KVPool, key: tuple, device) -> _StaticStep:
         """A step's static buffers (no graph, no logits yet), every row on the scratch block."""
         batch, self_width, cross_width = key
-        size = 4 * batch + batch * (self_width + cross_width)
+        size = 4 * _lane(batch) + batch * (self_width + cross_width)
         pin = torch.device(device).type == "cuda"
         host = torch.zeros(size, dtype=torch.int32, pin_memory=pin)
         slot, s_lens, c_lens, s_table, c_table = _views(host, *key)
