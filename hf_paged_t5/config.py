@@ -48,9 +48,11 @@ class PagedCacheConfig:
         pack_projections: on a GPU in float16 / bfloat16, lay each attention's q/k/v weights,
             each cross-attention's k/v and each gated feed-forward's wi_0/wi_1 out as slices of
             one tensor (`model/packing.py`), so each group runs as one GEMM. The parameters stay
-            the same objects with the same values and memory does not grow; `save_pretrained`
-            and `torch.save` work as before, and `unpatch_model` gives each weight its own tensor
-            again. Float32 and CPU models are never packed (their GEMMs stay HF's, bit for bit).
+            the same objects with the same values and memory does not grow; `state_dict()` (and
+            so every saver) gives each weight a tensor of its own, and `unpatch_model` gives each
+            weight its own tensor again. Packing happens in `patch_model`: patch a model after
+            moving it to its GPU. Float32 and CPU models are never packed (their GEMMs stay HF's,
+            bit for bit).
     """
 
     block_size: int = 16

@@ -106,6 +106,55 @@ def test_pack_projections_off(monkeypatch):
     assert storages(model) == count
 
 
+def _patched_packed(monkeypatch, family="t5v1_1"):
+    model = make_model(family, dtype=torch.float16)
+    real = packing.pack_model
+    monkeypatch.setattr(packing, "pack_model", lambda m: real(m, device_types=CPU))
+    return hp.patch_model(model, hp.PagedCacheConfig(backend="cpu"))
+
+
+def test_state_dict_gives_each_weight_its_own_tensor(monkeypatch, tmp_path):
+    """Savers that refuse (safetensors' save_file) or silently drop (accelerate's save_model keeps
+    one name per storage) tensors sharing a storage see separate tensors from a patched model."""
+    from accelerate.utils import clean_state_dict_for_safetensors
+    from safetensors.torch import load_file, save_file
+
+    model = _patched_packed(monkeypatch)
+    params = dict(model.named_parameters())
+    assert len({p.untyped_storage().data_ptr() for p in params.values()}) < len(params)  # packed
+    state = model.state_dict()  # (also names tied weights that named_parameters lists once)
+    assert len({state[n].untyped_storage().data_ptr() for n in params}) == len(params)
+    assert all(torch.equal(state[n], p) for n, p in params.items())
+    untied = {n: state[n] for n in params}
+    assert clean_state_dict_for_safetensors(dict(untied)).keys() == untied.keys()  # nothing dropped
+    save_file(untied, tmp_path / "model.safetensors")
+    loaded = load_file(tmp_path / "model.safetensors")
+    assert all(torch.equal(loaded[n], p) for n, p in params.items())
+    # keep_vars asks for the Parameters themselves; a prefix (a parent module's call) is honoured
+    assert all(model.state_dict(keep_vars=True)[n] is p for n, p in params.items())
+    nested = model.state_dict(None, "t5.")
+    assert len({nested["t5." + n].untyped_storage().data_ptr() for n in params}) == len(params)
+    hp.unpatch_model(model)
+    assert "state_dict" not in model.__dict__
+
+
+def test_pickled_and_copied_patched_model(monkeypatch, tmp_path):
+    """torch.save of a packed patched model loads unpatched (no patched state_dict), with the same
+    weights; a deep copy is patched and packed on its own."""
+    import copy
+
+    model = _patched_packed(monkeypatch)
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert not hp.is_patched(loaded) and "state_dict" not in loaded.__dict__
+    assert all(torch.equal(p, dict(model.named_parameters())[n]) for n, p in loaded.named_parameters())
+    clone = copy.deepcopy(model)
+    assert hp.is_patched(clone) and clone._hf_paged_t5.packed
+    with torch.no_grad():
+        assert all(packing.packed_weight(g) is not None and g[0].weight.data_ptr() != h[0].weight.data_ptr()
+                   for g, h in zip(clone._hf_paged_t5.packed, model._hf_paged_t5.packed))
+
+
 def test_save_pretrained_round_trip(tmp_path):
     model, _ = packed_fp16()
     model.save_pretrained(tmp_path)

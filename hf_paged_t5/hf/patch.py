@@ -71,6 +71,9 @@ def patch_model(model: nn.Module, config: Optional[PagedCacheConfig] = None) -> 
     runtime = PagedRuntime(model, config)
     if config.pack_projections:
         runtime.packed = packing.pack_model(model)
+    if runtime.packed:
+        own = _own_state_dict(model.state_dict, model, runtime)
+        set_attr(runtime, model, "state_dict", types.MethodType(own, model))
     encoder = model.encoder if hasattr(model, "encoder") else model.get_encoder()
     if _paged_encoder(encoder):
         set_attr(runtime, encoder, "forward", types.MethodType(make_encoder_forward(runtime, encoder.forward), encoder))
@@ -84,6 +87,22 @@ def patch_model(model: nn.Module, config: Optional[PagedCacheConfig] = None) -> 
     set_attr(runtime, model, "__deepcopy__", _patched_deepcopy(runtime, model))
     setattr(model, _ATTR, runtime)
     return model
+
+
+def _own_state_dict(original, model: nn.Module, runtime: PagedRuntime):
+    """`model.state_dict` while weights are packed: the same dict, each packed weight a tensor of
+    its own (`packing.own_tensors`; not with keep_vars, whose caller asks for the Parameters)."""
+    keys = packing.packed_names(model, runtime.packed)
+
+    def state_dict(self, *args, **kwargs):
+        result = original(*args, **kwargs)
+        # state_dict(destination=None, prefix="", keep_vars=False), the first two also positional
+        prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "")
+        if not kwargs.get("keep_vars", args[2] if len(args) > 2 else False):
+            packing.own_tensors(result, [prefix + key for key in keys])
+        return result
+
+    return state_dict
 
 
 def _unpatched_reduce(runtime: PagedRuntime, module: nn.Module):

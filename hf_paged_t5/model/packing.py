@@ -13,9 +13,11 @@ or `load_state_dict(assign=True)` that gives a weight a tensor of its own simply
 group's packing (its GEMMs run one by one again) and frees the old buffer with the weights.
 `unpack` gives every weight its own tensor again (`unpatch_model`).
 
-What else sees the slices: `save_pretrained` clones slices of one storage before writing
-(transformers' shared-tensor check treats disjoint slices as separate tensors), `torch.save`
-stores them as slices of one storage, an optimizer's in-place update writes through them.
+What else sees the slices: `state_dict()` of a patched model gives each packed weight a tensor
+of its own (`own_tensors`, called by the patched model's `state_dict`), so savers that refuse
+or drop tensors sharing a storage (safetensors' `save_file`; accelerate's `save_model`, which
+keeps one name per storage) see what they saw before packing; `torch.save(model)` stores the
+slices of one storage; an optimizer's in-place update writes through them.
 
 Only half-precision weights on a GPU are packed by default: a float32 model keeps HF's own
 GEMMs, so its tokens stay HF's bit for bit, and a CPU model has no launches to save.
@@ -148,3 +150,20 @@ def _still_sliced(group: Group) -> bool:
     plain, unhooked Linears, and a hook added since must not keep the group packed)."""
     storages = {layer.weight.untyped_storage().data_ptr() for layer in group if isinstance(layer, nn.Linear)}
     return len(storages) == 1 and len(group) > 1
+
+
+def packed_names(model: nn.Module, packed: Iterable[Group]) -> list[str]:
+    """The state_dict keys (no prefix) of the weights in `packed` groups of `model`."""
+    names = {id(module): name for name, module in model.named_modules()}
+    return [f"{names[id(layer)]}.weight" for group in packed for layer in group if id(layer) in names]
+
+
+def own_tensors(state_dict: dict, keys: Iterable[str]) -> None:
+    """Replace each of `keys` in `state_dict` that is a slice of a larger storage (a packed weight)
+    by a copy of its own, in place (what `state_dict()` gave before packing)."""
+    with torch.no_grad():
+        for key in keys:
+            tensor = state_dict.get(key)
+            if isinstance(tensor, torch.Tensor) and not isinstance(tensor, nn.Parameter) and tensor.device.type != "meta" \
+                    and tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
+                state_dict[key] = tensor.clone()
