@@ -45,6 +45,26 @@ def test_pack_keeps_parameters_and_values():
     assert packing.pack_model(model, device_types=CPU) == []  # already packed
 
 
+def test_a_full_gpu_leaves_the_rest_unpacked(monkeypatch):
+    """Packing moves each group through one new buffer: where none fits, that group and the rest
+    stay as they are (their GEMMs one by one) instead of patch_model failing."""
+    model = make_model("t5v1_1", dtype=torch.float16)
+    real_empty, calls = torch.empty, []
+
+    def empty(*args, **kwargs):
+        calls.append(args)
+        if len(calls) > 3:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    groups = packing.pack_model(model, device_types=CPU)
+    monkeypatch.setattr(torch, "empty", real_empty)
+    assert len(groups) == 3
+    with torch.no_grad():
+        assert [packing.packed_weight(g) is not None for g in packing.groups(model)] == [True] * 3 + [False] * 7
+
+
 def test_only_half_precision_on_allowed_devices():
     assert packing.pack_model(make_model("t5v1_1"), device_types=CPU) == []  # float32: HF's GEMMs stay
     assert packing.pack_model(make_model("t5v1_1", dtype=torch.float16)) == []  # CPU is not packed by default

@@ -26,10 +26,13 @@ GEMMs, so its tokens stay HF's bit for bit, and a CPU model has no launches to s
 from __future__ import annotations
 
 from collections import Counter
+import logging
 from typing import Iterable, Optional, Sequence
 
 import torch
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 Group = tuple[nn.Linear, ...]
 _HALF = (torch.float16, torch.bfloat16)
@@ -123,8 +126,15 @@ def pack_model(model: nn.Module, device_types: Iterable[str] = ("cuda",)) -> lis
             if packed_weight(group) is not None or not _packable(group, shared, device_types):
                 continue
             weights = [layer.weight for layer in group]
-            whole = torch.empty((sum(w.shape[0] for w in weights), weights[0].shape[1]),
-                                dtype=weights[0].dtype, device=weights[0].device)
+            try:
+                whole = torch.empty((sum(w.shape[0] for w in weights), weights[0].shape[1]),
+                                    dtype=weights[0].dtype, device=weights[0].device)
+            except torch.cuda.OutOfMemoryError:
+                # a group's weights move through one new buffer; a GPU too full for it keeps the
+                # rest as they are (separate GEMMs, the same results)
+                logger.info("hf_paged_t5: projection weights left unpacked: no room on %s for a "
+                            "%d-weight group", weights[0].device, len(weights))
+                break
             start = 0
             for layer, w in zip(group, weights):
                 rows = w.shape[0]
