@@ -49,6 +49,26 @@ def test_static_step_views_are_16_byte_aligned(batch):
         assert ends[-1][1] <= packed.data_ptr() + packed.numel() * 4
 
 
+def test_op_by_op_decode_launches_like_the_fused_layer():
+    """A step of more than 4 rows passes paged_decode the fused layer's launch options (dependent
+    launch where the GPU has it, the step's counters), so both launch the same binaries; the
+    counters cover one query per row, and backends without those options get none."""
+    from hf_paged_t5 import kernels, reference
+    from hf_paged_t5.kv.pool import StepMetadata
+    from hf_paged_t5.model.attention import _decode_launch
+
+    tickets = torch.zeros(8, dtype=torch.int32)
+    one = torch.zeros(2, dtype=torch.int32)
+    meta = StepMetadata(1, one, one[:, None], one, one[:, None], one, tickets)
+    query = torch.zeros(2, 4, 8)
+    launch = _decode_launch(kernels, query, meta)
+    assert launch.keys() == {"pdl", "tickets"} and launch["tickets"] is tickets
+    assert launch["pdl"] == kernels.pdl_available(query.device)
+    meta.num_new = 3
+    assert _decode_launch(kernels, query, meta)["tickets"] is None
+    assert _decode_launch(reference, query, meta) == {}
+
+
 def test_the_encoder_pass_runs_the_calls_extra_work_only_inside_that_call(monkeypatch):
     """generate() registers its first step and cross store for its encoder's compile pass; a pass
     outside a call (a standalone encoder call) runs only the encoder; the work is gone after the call."""
