@@ -81,12 +81,13 @@ def packed_weight(group: Sequence[nn.Module]) -> Optional[torch.Tensor]:
     Also None while autograd would need the separate Parameters (grad enabled and a weight
     requiring it): a GEMM over the view would not reach them.
     """
-    if not all(map(plain_linear, group)):
+    # (asked per group on eager steps: the cheap dtype test first, so fp32 and CPU models,
+    # never packed, pay almost nothing)
+    first = getattr(group[0], "weight", None)
+    if not isinstance(first, torch.Tensor) or first.dtype not in _HALF or first.dim() != 2 \
+            or first.device.type == "meta" or not all(map(plain_linear, group)):
         return None
     weights = [layer.weight for layer in group]
-    first = weights[0]
-    if first.dim() != 2 or first.dtype not in _HALF or first.device.type == "meta":
-        return None
     if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
         return None
     cols = first.shape[1]
