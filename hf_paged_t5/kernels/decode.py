@@ -170,8 +170,8 @@ def _paged_decode_kernel(
     block_table_ptr,  # [batch, max_blocks] int32
     seq_lens_ptr,  # [batch] int32
     bias_ptr,  # table [num_heads, max_distance + 1] | dense [batch|1, num_heads|1, dense_len] | unused
-    out_ptr,  # [batch, num_heads, head_dim], written without SPLIT (with FUSED_COMBINE, by the last split)
-    part_ptr,  # [batch, num_heads, num_splits, BLOCK_D + 2] fp32, written with SPLIT (layout: _combine_splits_kernel)
+    out_ptr,  # [batch, num_heads, head_dim], written with one split (with several and FUSED_COMBINE, by the last split)
+    part_ptr,  # [batch, num_heads, num_splits, BLOCK_D + 2] fp32, written with several splits (layout: _combine_splits_kernel)
     ticket_ptr,  # [batch, num_heads] int32 zeros, with FUSED_COMBINE: splits of (row, head) done so far (left at zero)
     scale,
     head_dim,
@@ -194,7 +194,6 @@ def _paged_decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    SPLIT: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,
     FUSED_COMBINE: tl.constexpr,
     PREFETCH: tl.constexpr,
@@ -261,7 +260,10 @@ def _paged_decode_kernel(
             acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, k, v, tile_start, end, *bias_args, BIAS_MODE, BLOCK_N)
             k, v = k_next, v_next
 
-    if not SPLIT:
+    # The split count is read at run time (the grid's third axis), not specialized on: one binary
+    # serves a launch of one split (a wide batch) and of several (a narrow one), so a new batch
+    # size does not compile the kernel again.
+    if num_splits == 1:
         out = acc / l_i
         out_off = row * stride_out_batch + head * stride_out_head + dims
         tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=dim_mask)
@@ -382,12 +384,16 @@ def paged_decode(
         bias_mode, bias, bias_strides, dense_len = _NO_BIAS, query, [0, 0, 0], 0
 
     pdl, launch = pdl_options(pdl)
-    part = ticket = out  # unused placeholders when there is one split
-    fused = splits > 1 and (config.fused_combine or tickets is not None)
-    if splits > 1:
-        # One buffer for the three partials: one allocation, one pointer argument.
-        part = torch.empty((batch, num_heads, splits, padded_d + 2), dtype=torch.float32, device=query.device)
-    if fused and tickets is not None:
+    # With tickets (a decode step's launch) the fused merge is compiled in whatever the split
+    # count: the kernel branches on the count at run time, so one and several splits share one
+    # binary. The partials' placeholder is float32 even for one split, as pointer types are part
+    # of a binary's signature.
+    fused = tickets is not None or (splits > 1 and config.fused_combine)
+    # One buffer for the three partials: one allocation, one pointer argument.
+    part = torch.empty((batch, num_heads, splits, padded_d + 2) if splits > 1 else (1,), dtype=torch.float32,
+                       device=query.device)
+    ticket = out  # unused placeholder without the fused merge
+    if tickets is not None:
         _check_tickets(tickets, batch * num_heads, query.device)
         ticket = tickets
     elif fused:
@@ -401,7 +407,7 @@ def paged_decode(
         block_table.stride(0),
         *bias_strides,
         out.stride(0), out.stride(1),
-        BIAS_MODE=bias_mode, BLOCK_SIZE=block_size, BLOCK_N=config.block_n, BLOCK_D=padded_d, SPLIT=splits > 1,
+        BIAS_MODE=bias_mode, BLOCK_SIZE=block_size, BLOCK_N=config.block_n, BLOCK_D=padded_d,
         MERGE_CHUNK=_MERGE_CHUNK, FUSED_COMBINE=fused,
         PREFETCH=_PREFETCH[config.prefetch],
         NUM_STAGES=config.num_stages, PDL=pdl, num_warps=config.num_warps, **launch,
