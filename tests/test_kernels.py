@@ -273,6 +273,9 @@ def test_decode_config_heuristic_on_an_h200():
     assert decode_config(1, 16, 64, 128, sms) == DecodeConfig(128, 4, 1, 1)
     assert decode_config(1, 16, 64, 512, sms).num_splits == 4
     assert decode_config(16, 16, 64, 512, sms) == DecodeConfig(128, 4, 1, 1)
+    # batch 1's split launch and batch 16's unsplit one differ only in the split count, which
+    # the kernel reads at run time: one binary (a new batch size compiles no decode kernel)
+    assert dataclasses.replace(decode_config(1, 16, 64, 512, sms), num_splits=1) == decode_config(16, 16, 64, 512, sms)
     assert decode_config(64, 16, 64, 2048, sms) == DecodeConfig(128, 4, 1, 1)
     assert decode_config(64, 16, 64, 512, sms) == DecodeConfig(128, 4, 3, 1, prefetch="async")
     assert decode_config(64, 16, 128, 2048, sms) == DecodeConfig(64, 4, 1, 2)
@@ -942,3 +945,20 @@ def test_gpu_new_workload_sizes_compile_nothing():
     finally:
         knobs.runtime.jit_post_compile_hook = previous
     assert compiled == []
+
+    # A decode step's launch (tickets given: the fused merge compiled in) of one split and of
+    # several is one binary: a new batch size, whose split count differs, compiles nothing.
+    tickets = torch.zeros(64, dtype=torch.int32, device=DEVICE)
+    caches = make_paged_kv([37, 5], 16, num_heads, head_dim, torch.bfloat16, extra_cols=7)
+    q = torch.randn(2, num_heads, head_dim, device=DEVICE).bfloat16()
+    ref = decode_reference(q, *caches)
+    step_compiles = []
+    knobs.runtime.jit_post_compile_hook = lambda *a, **k: step_compiles.append(k.get("repr", "?"))
+    try:
+        for splits in (3, 1, 2):
+            out = paged_decode(q, *caches, config=DecodeConfig(64, 4, 1, splits), tickets=tickets, pdl=True)
+            assert rel_err(out, ref) < 2e-2
+    finally:
+        knobs.runtime.jit_post_compile_hook = previous
+    assert len(step_compiles) <= 1  # the first launch's, where no earlier test compiled it
+    assert int(tickets.count_nonzero()) == 0

@@ -86,8 +86,13 @@ def decode_config(batch: int, num_heads: int, head_dim: int, max_keys: int, num_
     From the H200 sweep (`benchmarks/tune_kernels.py`, bf16, 16 heads, block_size 16):
     - Few (row, head) pairs over short keys (graph-replayed decode at small batch): latency
       of a few dependent memory round trips. 128-key tiles, and up to 4 splits of ~128 keys
-      while they add programs (1 x 512 cross: 6.9 µs with 4 splits vs 7.7 with one, the
-      combine launch included); 4 warps at head_dim 64 with one split, else 8.
+      while they add programs; 4 warps at head_dim 64, split or not, else 8. Per call in a
+      graph, as a decode step launches it (PDL, the fused merge; H200, 2026-12-03, code
+      1f19caf + the run-time split count): 1 x 512 cross 5.25 µs on 4 splits of 4 warps (8 warps:
+      5.76; one split: 7.12), 2 x 512 5.87 (6.36), 4 x 512 7.54 (2 splits of 8 warps: 8.17);
+      8 and 16 x 512 one split of 4 warps (9.8, 13.2 µs) was best. One warp count for split
+      and unsplit launches makes them one binary (the split count is read at run time), so a
+      new batch size compiles no decode kernel.
     - Many pairs (64 x 2048): bandwidth; 8K-element tiles (128 keys at d64, 64 at d128) on
       4 warps: 82% of copy bandwidth at d64; up to 1024 keys over 4+ programs per SM (a
       batch-64 decode step) the loads pipelined 3 deep through shared memory ("async"); d128
@@ -100,7 +105,7 @@ def decode_config(batch: int, num_heads: int, head_dim: int, max_keys: int, num_
     programs = batch * num_heads
     if programs < num_sms and max_keys <= 1024:
         splits = max(1, min(4, triton.cdiv(max_keys, 128), num_sms // programs))
-        warps = 4 if padded_d <= 64 and splits == 1 else 8
+        warps = 4 if padded_d <= 64 else 8
         return DecodeConfig(block_n=max(16, min(128, 16384 // padded_d)), num_warps=warps, num_splits=splits)
     splits = max(1, triton.cdiv(max_keys * padded_d, 2**17))
     if programs < _PROGRAMS_PER_SM * num_sms:
