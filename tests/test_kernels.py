@@ -241,6 +241,33 @@ def test_paged_decode_leaves_given_tickets_at_zero(num_splits):
         paged_decode(*args, num_splits=3, tickets=tickets[:4])
 
 
+@pytest.mark.parametrize("num_splits", [2, 4])
+def test_paged_decode_rows_within_the_first_split_skip_the_merge(num_splits):
+    """With the fused merge, a row whose keys all lie in the first split is finished by that
+    split: its output has the bits of a one-split launch (no merge's rescaling), and its counters
+    are never taken; longer rows in the same launch still merge right."""
+    lens = [3, 16, 17, 60, 1]  # a 64-key table: 2 splits of 32 keys or 4 of 16
+    key_cache, value_cache, block_table, seq_lens = make_paged_kv(lens, 4, 3, 16, torch.float16, extra_cols=1)
+    assert block_table.shape[1] * 4 == 64
+    query = torch.randn(len(lens), 3, 16, device=DEVICE).half()
+    args = (query, key_cache, value_cache, block_table, seq_lens)
+    keys_per_split = 64 // num_splits
+    whole = [i for i, n in enumerate(lens) if n <= keys_per_split]
+    assert whole and len(whole) < len(lens)
+    # The whole rows' counters hold a value no merge could start from: had any of their splits
+    # taken a ticket, the count would move and no split would merge (garbage out).
+    tickets = torch.zeros(len(lens), 3, dtype=torch.int32, device=DEVICE)
+    tickets[whole] = 1000
+    config = DecodeConfig(16, 4, 1, num_splits)
+    one = paged_decode(*args, config=DecodeConfig(16, 4, 1, 1))
+    split = paged_decode(*args, config=config, tickets=tickets.view(-1))
+    assert torch.equal(split[whole], one[whole])
+    assert rel_err(split, decode_reference(*args)) < TOLERANCE[torch.float16]
+    assert (tickets[whole] == 1000).all() and not tickets[[i for i in range(len(lens)) if i not in whole]].any()
+    # the separate combine kernel (no tickets, no fused merge) merges every row as before
+    assert rel_err(paged_decode(*args, config=config), decode_reference(*args)) < TOLERANCE[torch.float16]
+
+
 def test_paged_decode_num_splits_overrides_config():
     lens = [70, 3]
     key_cache, value_cache, block_table, seq_lens = make_paged_kv(lens, 8, 2, 16, torch.float32)
