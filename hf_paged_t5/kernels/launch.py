@@ -87,8 +87,8 @@ def decode_config(batch: int, num_heads: int, head_dim: int, max_keys: int, num_
     - Few (row, head) pairs over short keys (graph-replayed decode at small batch): latency
       of a few dependent memory round trips. 128-key tiles, and up to 4 splits of ~128 keys
       while they add programs; 4 warps at head_dim 64, split or not, else 8. Per call in a
-      graph, as a decode step launches it (PDL, the fused merge; H200, 2026-12-03, code
-      1f19caf + the run-time split count): 1 x 512 cross 5.25 µs on 4 splits of 4 warps (8 warps:
+      graph, as a decode step launches it (PDL, the fused merge; H200, 2026-12-03,
+      `benchmarks/tune_step_decode.py`, code d0a4d62): 1 x 512 cross 5.25 µs on 4 splits of 4 warps (8 warps:
       5.76; one split: 7.12), 2 x 512 5.87 (6.36), 4 x 512 7.54 (2 splits of 8 warps: 8.17);
       8 and 16 x 512 one split of 4 warps (9.8, 13.2 µs) was best. One warp count for split
       and unsplit launches makes them one binary (the split count is read at run time), so a
