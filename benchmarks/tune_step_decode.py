@@ -22,17 +22,22 @@ import argparse
 import torch
 
 import common  # benchmarks/ is on sys.path
+import tune_kernels as tk  # its inputs, timing and tolerances (without CUDA it sets TRITON_INTERPRET)
+from hf_paged_t5 import reference
+from hf_paged_t5.kernels import paged_decode, prefill
+from hf_paged_t5.kernels.decode import DecodeConfig, decode_config
+from hf_paged_t5.kernels.prefill import PrefillConfig, prefill_config
 
 DECODE_SHAPES = [dict(name=f"{b}x512 cross", batch=b, keys=512, head_dim=64, bias=False) for b in (1, 2, 4, 8, 16, 32)]
 DECODE_SHAPES += [dict(name=f"{b}x128 self", batch=b, keys=128, head_dim=64, bias=True, capacity=256) for b in (1, 16)]
 PREFILL_SHAPES = [dict(name="4x512", batch=4, length=512, head_dim=64), dict(name="4x77", batch=4, length=77, head_dim=64)]
 
 
-def decode_rows(tk, DecodeConfig, decode_config, paged_decode, reference, triton) -> list[dict]:
+def decode_rows() -> list[dict]:
     rows = []
     for shape in DECODE_SHAPES:
         kv_bytes = 2 * shape["batch"] * shape["keys"] * tk.HEADS * shape["head_dim"] * 2
-        copies = max(1, min(256, triton.cdiv(3 * tk.l2_bytes(), kv_bytes)))
+        copies = max(1, min(256, -(-3 * tk.l2_bytes() // kv_bytes)))
         data = tk.decode_inputs(shape, torch.bfloat16, copies)
         args, tables = tk.decode_args(data), data["tables"]
         order = tk.graph_calls_per_copy(copies)
@@ -63,7 +68,7 @@ def decode_rows(tk, DecodeConfig, decode_config, paged_decode, reference, triton
     return rows
 
 
-def prefill_rows(tk, PrefillConfig, prefill_config, prefill) -> list[dict]:
+def prefill_rows() -> list[dict]:
     rows = []
     for shape in PREFILL_SHAPES:
         args = tk.prefill_args(shape, torch.bfloat16)
@@ -97,17 +102,8 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=None, help="folder for step_decode.json (default: benchmarks/results/<date>-<gpu>)")
     args = ap.parse_args(argv)
     common.require_cuda("tune_step_decode.py")
-    import triton
-
-    import tune_kernels as tk
-    from hf_paged_t5 import reference
-    from hf_paged_t5.kernels import paged_decode, prefill
-    from hf_paged_t5.kernels.decode import DecodeConfig, decode_config
-    from hf_paged_t5.kernels.prefill import PrefillConfig, prefill_config
-
     out_dir = common.start_suite(args.out, "step-decode")
-    result = {"decode": decode_rows(tk, DecodeConfig, decode_config, paged_decode, reference, triton),
-              "prefill": prefill_rows(tk, PrefillConfig, prefill_config, prefill)}
+    result = {"decode": decode_rows(), "prefill": prefill_rows()}
     common.write_json(out_dir / "step_decode.json", result)
 
 

@@ -294,8 +294,8 @@ def store_cross_packed(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Every decoder layer's cross-attention K/V of `packed` [tokens, d_model] (real encoder tokens,
-    source by source) into the pool at `slot_mapping` [tokens] int64. The tokens and slots move
-    to each layer device once."""
+    source by source) into the pool at `slot_mapping` [tokens] int (stored as int32 where the pool
+    allows: `_slot_dtype`). The tokens and slots move to each layer device once."""
     on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
     slot_mapping = slot_mapping.to(_slot_dtype(pool))
     for i, block in enumerate(decoder.block):
