@@ -65,15 +65,18 @@ def cases() -> list[tuple]:
     out = []
     shapes = [("t5-large", 1024, 4096, False), ("flan-t5-xl", 2048, 5120, True)]
     for model, d_model, d_ff, gated in shapes:
-        steps = [("qkv+store", d_model, d_model, linear._STORE_KV, True), ("o+residual", d_model, d_model,
-                 linear._RESIDUAL, False), ("wi+act", d_ff, d_model, linear._GATED_GELU if gated else linear._RELU,
-                 True), ("wo+residual", d_model, d_ff, linear._RESIDUAL, False)]
-        for what, n, k, epilogue, norm in steps:  # one binary for 1-4 rows
-            block_n, sub_n, block_k, warps = linear.fused_linear_config(n, k, epilogue)
-            const = dict(NORM=norm, EPILOGUE=epilogue, CACHE_BLOCK=16, BLOCK_N=block_n, SUB_N=sub_n, BLOCK_K=block_k,
-                         PDL=True)
-            out.append((f"fused_linear {model} {what}", linear._fused_linear_kernel, const,
-                        dict(eps="fp32", slot_mapping_ptr="*i32"), warps, True))
+        for rows in (1, 4):
+            block_m = 1 if rows == 1 else 4
+            steps = [("qkv+store", d_model, d_model, linear._STORE_KV, True), ("o+residual", d_model, d_model,
+                     linear._RESIDUAL, False), ("wi+act", d_ff, d_model, linear._GATED_GELU if gated else linear._RELU,
+                     True), ("wo+residual", d_model, d_ff, linear._RESIDUAL, False)]
+            for what, n, k, epilogue, norm in steps:
+                block_n, block_k, warps = gemv_config(rows, n, k)
+                block_n = min(block_n, max(1, 8 // (block_m * (2 if epilogue == linear._GATED_GELU else 1))))
+                const = dict(NORM=norm, EPILOGUE=epilogue, CACHE_BLOCK=16, BLOCK_M=block_m, BLOCK_N=block_n,
+                             BLOCK_K=block_k, PDL=True)
+                out.append((f"fused_linear {model} {what} rows {rows}", linear._fused_linear_kernel, const,
+                            dict(eps="fp32", slot_mapping_ptr="*i32"), warps, True))
         block_n, block_k, warps = gemv_config(1, d_model, d_model)
         out.append((f"gemv {model} rows 1", gemv._gemv_kernel, dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k),
                     {}, warps, False))

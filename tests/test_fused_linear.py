@@ -21,7 +21,6 @@ from conftest import make_batch, make_model  # noqa: E402
 import hf_paged_t5 as hp  # noqa: E402
 from hf_paged_t5 import kernels, reference  # noqa: E402
 from hf_paged_t5.model import fused_layer  # noqa: E402
-import triton  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -136,29 +135,6 @@ def test_fused_linear_refuses_what_it_does_not_serve():
         kernels.fused_linear(x=x, weights=ws, slot_mapping=torch.zeros(2, dtype=torch.int32, device=DEVICE))
 
 
-def test_fused_linear_launches_one_configuration_for_one_to_four_rows(monkeypatch):
-    """The row count is a run-time argument: rows 1-4 launch the same constexprs, warps and grid
-    (one binary; a first beam search of 4 after a batch-1 call compiles nothing)."""
-    from hf_paged_t5.kernels import linear
-
-    launches = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append((grid, args[10], kwargs))
-
-    monkeypatch.setattr(linear, "_fused_linear_kernel", Recorder())
-    for epilogue, (count, opts) in EPILOGUES.items():
-        launches.clear()
-        for rows in (1, 2, 3, 4):
-            (x, norm, residual), ws = operands(rows, 96, 1100, torch.bfloat16, count, seed=rows)
-            kernels.fused_linear(x=x, weights=ws, norm_weight=norm if opts.get("norm") else None, eps=1e-6,
-                                 residual=residual if opts.get("residual") else None,
-                                 activation=opts.get("activation"))
-        assert [launch[1] for launch in launches] == [1, 2, 3, 4]  # `rows`, passed as an argument
-        assert all(launch[0] == launches[0][0] and launch[2] == launches[0][2] for launch in launches), epilogue
-
-
 # ---- the fused decode layer under generate() ----------------------------------------------
 def spy_fused(monkeypatch) -> list:
     calls = []
@@ -248,32 +224,6 @@ def test_gpu_programmatic_dependent_launches_give_the_same_bits(epilogue):
     torch.cuda.synchronize()
     for a, b, c in zip(plain, eager, captured):
         assert torch.equal(a, b) and torch.equal(a, c)
-
-
-@gpu_test
-def test_gpu_one_to_four_rows_compile_one_binary():
-    """Compiled: after one row's launch, 2-4 rows of each epilogue compile nothing and match the reference."""
-    knobs = getattr(triton, "knobs", None)
-    if knobs is None or not hasattr(knobs.runtime, "jit_post_compile_hook"):
-        pytest.skip("this Triton has no post-compile hook (triton.knobs)")
-    for epilogue, (count, opts) in EPILOGUES.items():
-        def run(rows):
-            (x, norm, residual), ws = operands(rows, 1024, 1024, torch.bfloat16, count, seed=rows)
-            kw = dict(norm_weight=norm if opts.get("norm") else None, eps=1e-6,
-                      residual=residual if opts.get("residual") else None, activation=opts.get("activation"))
-            out = kernels.fused_linear(x=x, weights=ws, pdl=True, **kw)
-            assert error(out, reference.fused_linear(x, ws, **kw)) < 1e-2
-
-        run(1)
-        compiled = []
-        previous = knobs.runtime.jit_post_compile_hook
-        knobs.runtime.jit_post_compile_hook = lambda *a, **k: compiled.append(k.get("repr", "?"))
-        try:
-            for rows in (4, 2, 3):
-                run(rows)
-        finally:
-            knobs.runtime.jit_post_compile_hook = previous
-        assert compiled == [], epilogue
 
 
 def hf_init_model(family, **overrides):

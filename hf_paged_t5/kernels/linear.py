@@ -4,8 +4,7 @@ A graphed decode step at small batch is bound by kernel launches, not bytes: a T
 ran ~17 kernels (three norms, seven projections, the K/V store, residual adds, the activation)
 at ~3 us each. Here one kernel computes `x @ W.T` for at most `MAX_ROWS` rows, as `gemv.py`
 does (each program streams BLOCK_N whole weight rows and dots them with every row of x, in
-float32). The row count is read at run time, so one binary serves 1 to 4 rows: a first beam
-search or batch of 2-4 after a batch-1 call compiles nothing. Together with the product:
+float32), together with:
 
 - `norm_weight`: T5's RMSNorm of x first (HF's arithmetic: variance in float32, `x * rsqrt(var +
   eps)` rounded to the activations' dtype, times the norm weight, rounded). Every program reads
@@ -40,7 +39,6 @@ from .gemv import MAX_ROWS, gemv_config
 _PLAIN, _RESIDUAL, _RELU, _GATED_GELU, _STORE_KV = 0, 1, 2, 3, 4
 _ACTIVATIONS = MappingProxyType({None: _PLAIN, "relu": _RELU, "gelu_tanh": _GATED_GELU})
 SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
-_ROWS_PER_PASS = tl.constexpr(MAX_ROWS)
 # Past this many weight elements, a step of 2-4 rows ran slower fused than on cuBLAS's GEMMs with
 # the op-by-op kernels (H200, benchmarks/ab_fusion.py: flan-t5-xl's 10.5M-element FF weights at 4
 # rows, 2.77 vs 2.28 ms per step replay; t5-large's 4.2M, 1.28 vs 1.43).
@@ -53,18 +51,63 @@ def _round(x, like_ptr):
     return x.to(like_ptr.dtype.element_ty).to(tl.float32)
 
 
-@triton.jit
-def _project(
-    x_ptr, norm_weight_ptr, w_rows, w1_rows, w, w1, offs_n, mask_n, segment, rows, K, eps, head_dim,
-    residual_ptr, out_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
-    stride_x_row, stride_residual_row, stride_out_row, stride_cache_block, stride_cache_slot, stride_cache_head,
-    NORM: tl.constexpr, EPILOGUE: tl.constexpr, CACHE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+@triton.jit(do_not_specialize=["rows"])  # workload sizes: see kernels/__init__.py
+def _fused_linear_kernel(
+    x_ptr,  # [rows, K]
+    norm_weight_ptr,  # [K] (NORM)
+    w0_ptr,  # [N, K]
+    w1_ptr,  # [N, K], the second weight (k, or the gated FF's linear half); w0_ptr when unused
+    w2_ptr,  # [N, K], the third weight (v); w0_ptr when unused
+    residual_ptr,  # [rows, N] (EPILOGUE == RESIDUAL)
+    out_ptr,  # [rows, N]
+    key_cache_ptr,  # [num_blocks, CACHE_BLOCK, num_heads, head_dim] (EPILOGUE == STORE_KV)
+    value_cache_ptr,  # like key_cache_ptr
+    slot_mapping_ptr,  # [rows] int32 / int64; a negative slot stores nothing (STORE_KV)
+    rows,
+    N,
+    K,
+    eps,
+    head_dim,
+    stride_x_row,
+    stride_w_row,
+    stride_residual_row,
+    stride_out_row,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    NORM: tl.constexpr,
+    EPILOGUE: tl.constexpr,
+    CACHE_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """The outputs `offs_n` of rows [0, min(rows, BLOCK_M)): normed, projected, the epilogue applied,
-    stored. w_rows / w1_rows: pointers to those outputs' weight rows; w / w1: their first K tile,
-    already loaded."""
+    # Programs [0, tiles) read w0, then w1 and w2 (STORE_KV: q, k, v side by side). The gated
+    # FF pairs w0 and w1 in every program instead: both halves of one output column meet here.
+    tiles = tl.cdiv(N, BLOCK_N)
+    pid = tl.program_id(0)
+    segment = pid // tiles
+    offs_n = (pid % tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_ptr = w0_ptr
+    if segment == 1:
+        w_ptr = w1_ptr
+    if segment == 2:
+        w_ptr = w2_ptr
     offs_k = tl.arange(0, BLOCK_K)
+    mask_n = offs_n < N
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w_row  # [BLOCK_N, 1]
+    w1_rows = w1_ptr + offs_n.to(tl.int64)[:, None] * stride_w_row
+    w_mask = mask_n[:, None] & (offs_k < K)[None, :]
+    w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)  # [BLOCK_N, BLOCK_K]
+    w1 = w
+    if EPILOGUE == 3:
+        w1 = tl.load(w1_rows + offs_k[None, :], mask=w_mask, other=0.0)
+    if PDL:
+        # Everything below reads what earlier kernels wrote, and writes what they may still read.
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
     offs_m = tl.arange(0, BLOCK_M)
     mask_m = offs_m < rows
     x_rows = x_ptr + offs_m[:, None] * stride_x_row  # [BLOCK_M, 1]
@@ -77,12 +120,12 @@ def _project(
             sum_sq += tl.sum(xf * xf, axis=1)
         inv_rms = tl.math.rsqrt(sum_sq / K + eps)
 
-    acc = tl.zeros((BLOCK_M, offs_n.shape[0]), dtype=tl.float32)
-    acc1 = tl.zeros((BLOCK_M, offs_n.shape[0]), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
         mask_k = k < K
-        if k0 > 0:  # the first tile came with the call
+        if k0 > 0:  # the first tile came before the wait
             w_mask = mask_n[:, None] & mask_k[None, :]
             w = tl.load(w_rows + k[None, :], mask=w_mask, other=0.0)
             if EPILOGUE == 3:
@@ -119,102 +162,6 @@ def _project(
         row_off = (slot // CACHE_BLOCK) * stride_cache_block + (slot % CACHE_BLOCK) * stride_cache_slot
         col_off = (offs_n // head_dim) * stride_cache_head + offs_n % head_dim
         tl.store(cache_ptr + row_off[:, None] + col_off[None, :], y, mask=out_mask & (slot >= 0)[:, None])
-
-
-@triton.jit(do_not_specialize=["rows"])  # workload sizes: see kernels/__init__.py
-def _fused_linear_kernel(
-    x_ptr,  # [rows, K]
-    norm_weight_ptr,  # [K] (NORM)
-    w0_ptr,  # [N, K]
-    w1_ptr,  # [N, K], the second weight (k, or the gated FF's linear half); w0_ptr when unused
-    w2_ptr,  # [N, K], the third weight (v); w0_ptr when unused
-    residual_ptr,  # [rows, N] (EPILOGUE == RESIDUAL)
-    out_ptr,  # [rows, N]
-    key_cache_ptr,  # [num_blocks, CACHE_BLOCK, num_heads, head_dim] (EPILOGUE == STORE_KV)
-    value_cache_ptr,  # like key_cache_ptr
-    slot_mapping_ptr,  # [rows] int32 / int64; a negative slot stores nothing (STORE_KV)
-    rows,  # 1 to MAX_ROWS, read at run time: one binary serves them all
-    N,
-    K,
-    eps,
-    head_dim,
-    stride_x_row,
-    stride_w_row,
-    stride_residual_row,
-    stride_out_row,
-    stride_cache_block,
-    stride_cache_slot,
-    stride_cache_head,
-    NORM: tl.constexpr,
-    EPILOGUE: tl.constexpr,
-    CACHE_BLOCK: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    SUB_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    # Programs [0, tiles) read w0, then w1 and w2 (STORE_KV: q, k, v side by side). The gated
-    # FF pairs w0 and w1 in every program instead: both halves of one output column meet here.
-    tiles = tl.cdiv(N, BLOCK_N)
-    pid = tl.program_id(0)
-    segment = pid // tiles
-    first_n = (pid % tiles) * BLOCK_N
-    offs_n = first_n + tl.arange(0, BLOCK_N)
-    w_ptr = w0_ptr
-    if segment == 1:
-        w_ptr = w1_ptr
-    if segment == 2:
-        w_ptr = w2_ptr
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_n = offs_n < N
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w_row  # [BLOCK_N, 1]
-    w1_rows = w1_ptr + offs_n.to(tl.int64)[:, None] * stride_w_row
-    w_mask = mask_n[:, None] & (offs_k < K)[None, :]
-    w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)  # [BLOCK_N, BLOCK_K]
-    w1 = w
-    if EPILOGUE == 3:
-        w1 = tl.load(w1_rows + offs_k[None, :], mask=w_mask, other=0.0)
-    if PDL:
-        # Everything below reads what earlier kernels wrote, and writes what they may still read.
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-
-    # One binary for 1 to MAX_ROWS rows, the row count read at run time. One row: the program's
-    # BLOCK_N outputs at once. More: SUB_N outputs at a time for all rows (each weight element
-    # feeds every row; the registers of BLOCK_M x SUB_N x BLOCK_K products stay those of one row's
-    # BLOCK_N x BLOCK_K), their weight rows read again from cache after the tile above.
-    if rows == 1:
-        _project(x_ptr, norm_weight_ptr, w_rows, w1_rows, w, w1, offs_n, mask_n, segment, rows, K, eps, head_dim,
-                 residual_ptr, out_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
-                 stride_x_row, stride_residual_row, stride_out_row, stride_cache_block, stride_cache_slot,
-                 stride_cache_head, NORM, EPILOGUE, CACHE_BLOCK, 1, BLOCK_K)
-    else:
-        for j in tl.static_range(BLOCK_N // SUB_N):
-            offs_s = first_n + j * SUB_N + tl.arange(0, SUB_N)
-            mask_s = offs_s < N
-            s_rows = w_ptr + offs_s.to(tl.int64)[:, None] * stride_w_row  # [SUB_N, 1]
-            s1_rows = w1_ptr + offs_s.to(tl.int64)[:, None] * stride_w_row
-            s_mask = mask_s[:, None] & (offs_k < K)[None, :]
-            ws = tl.load(s_rows + offs_k[None, :], mask=s_mask, other=0.0)
-            ws1 = ws
-            if EPILOGUE == 3:
-                ws1 = tl.load(s1_rows + offs_k[None, :], mask=s_mask, other=0.0)
-            _project(x_ptr, norm_weight_ptr, s_rows, s1_rows, ws, ws1, offs_s, mask_s, segment, rows, K, eps,
-                     head_dim, residual_ptr, out_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
-                     stride_x_row, stride_residual_row, stride_out_row, stride_cache_block, stride_cache_slot,
-                     stride_cache_head, NORM, EPILOGUE, CACHE_BLOCK, _ROWS_PER_PASS, BLOCK_K)
-
-
-def fused_linear_config(N: int, K: int, epilogue: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, SUB_N, BLOCK_K, num_warps) of an [N, K] weight, for every row count (the rows are
-    a run-time value of one binary): one row's GEMV configuration (`gemv_config`), BLOCK_N at most
-    8 weight rows (4 pairs for the gated FF), and SUB_N the outputs per pass of 2-4 rows. Past
-    8 x 1024 products per two warps the norm's extra registers spill (ptxas, sm_90): one row holds
-    BLOCK_N x BLOCK_K of them, 2-4 rows MAX_ROWS x SUB_N x BLOCK_K."""
-    block_n, block_k, num_warps = gemv_config(1, N, K)
-    pairs = 2 if epilogue == _GATED_GELU else 1
-    block_n = min(block_n, 8 // pairs)
-    return block_n, max(1, min(block_n, 8 // (MAX_ROWS * pairs))), block_k, num_warps
 
 
 def fused_linear_supports(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> bool:
@@ -340,9 +287,13 @@ def fused_linear(
     cache = key_cache if key_cache is not None else out.view(1, 1, 1, -1)
     values = value_cache if value_cache is not None else cache
     slots = slot_mapping if slot_mapping is not None else out
-    block_n, sub_n, block_k, num_warps = fused_linear_config(N, K, epilogue)
-    if interpreting():  # the interpreter's cost is per program: fewer, wider ones on the CPU
-        block_n, sub_n = 16, 8
+    block_n, block_k, num_warps = gemv_config(rows, N, K)
+    block_m = triton.next_power_of_2(rows)
+    # Each program holds BLOCK_M x BLOCK_N x BLOCK_K products per weight: past 8 x 1024 per two
+    # warps the norm's extra registers spill (ptxas, sm_90), where the plain GEMV's do not.
+    block_n = min(block_n, max(1, 8 // (block_m * (2 if epilogue == _GATED_GELU else 1))))
+    if interpreting():
+        block_n = 16  # the interpreter's cost is per program: fewer, wider ones on the CPU
     segments = 3 if epilogue == _STORE_KV else 1
     pdl, launch = pdl_options(pdl)
     _fused_linear_kernel[(segments * triton.cdiv(N, block_n),)](
@@ -351,7 +302,7 @@ def fused_linear(
         x2.stride(0), w0.stride(0), residual2.stride(0), out.stride(0),
         cache.stride(0), cache.stride(1), cache.stride(2),
         NORM=norm_weight is not None, EPILOGUE=epilogue, CACHE_BLOCK=cache.shape[1],
-        BLOCK_N=block_n, SUB_N=sub_n, BLOCK_K=block_k, PDL=pdl,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl,
         num_warps=num_warps, **launch,
     )  # fmt: skip
     return out.reshape(*x.shape[:-1], N)
