@@ -149,6 +149,8 @@ def batch_job(args) -> dict:
         argv.append("--quick")
     if args.batch_inputs:
         argv += ["--num-inputs", str(args.batch_inputs)]
+    if args.batch_time_budget:
+        argv += ["--time-budget", str(args.batch_time_budget)]
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, cwd=common.REPO, env=env, check=False)
         if proc.returncode != 0:
@@ -189,6 +191,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-batch-job", action="store_true", help="skip the BatchGenerator job in a fresh process")
     ap.add_argument("--batch-inputs", type=int, default=None,
                     help="inputs of the batch job (default: bench_batch's, 2000; 40 with --shape tiny)")
+    ap.add_argument("--batch-time-budget", type=float, default=None,
+                    help="seconds for the batch job, roughly (default: bench_batch's --time-budget)")
     ap.add_argument("--out", default=None, help="folder for cold.json (default: benchmarks/results/<date>-<gpu>)")
     ap.add_argument("--worker", choices=SYSTEMS, default=None, help=argparse.SUPPRESS)  # one fresh process's part
     args = ap.parse_args(argv)
