@@ -205,3 +205,25 @@ def test_close_with_a_timeout_cancels_what_is_left():
     engine.close(timeout=0.2)
     assert long.cancelled() and not engine._thread.is_alive()
     assert model._hf_paged_t5.pool.is_idle()
+
+
+def test_warm_up_runs_its_waves_and_leaves_nothing_behind(monkeypatch):
+    """On the CPU warm_up does nothing unless forced; forced, every wave's requests run (1, 2, 4
+    and the large wave at once, short and long inputs, 3 new tokens each), every block is given
+    back, and a request after it is generate()'s on that input alone."""
+    from hf_paged_t5.batch import online
+
+    model = patched()
+    with hp.OnlineEngine(model, max_new_tokens=5, max_batch_rows=8) as engine:
+        submitted = []
+        real_submit = engine.submit
+        monkeypatch.setattr(engine, "submit", lambda item, **kw: submitted.append(item) or real_submit(item, **kw))
+        assert engine.warm_up() == 0.0 and submitted == []  # a CPU model: skipped
+        monkeypatch.setattr(online, "WARM_UP_WAVES", ((1, (6,)), (2, (6,)), ("many", (6, 40))))
+        assert engine.warm_up(force=True) > 0
+        assert [len(r.inputs) for r in submitted] == [6, 6, 6, 6, 40, 6, 40, 6, 40, 6, 40]  # many = 8 rows
+        assert all(r.max_new_tokens == r.min_new_tokens == online.WARM_UP_NEW_TOKENS for r in submitted)
+        wait_until(lambda: engine.stats() == dict(queued=0, running=0, rows=0))
+        assert engine.kv_blocks()["used"] == 0
+        ids = inputs([11])[0]
+        assert real_submit(ids).result(timeout=60).sequences == alone(model, ids, 5)

@@ -33,14 +33,22 @@ import concurrent.futures
 import contextlib
 import logging
 import threading
+import time
 from typing import Any, Callable, Optional
 
 from ..kv.block_manager import PoolExhaustedError
 from .generator import BatchGenerator, InputItem
-from .requests import Request
+from .requests import BatchRequest, Request
 from .run import BatchRun
 
 logger = logging.getLogger(__name__)
+
+# `OnlineEngine.warm_up`'s waves: (requests at once, their input lengths in turn). One row, two and
+# four (the fused decode layer's row counts), a large batch (the op-by-op layer, the batch-64 decode
+# attention), each with short inputs and inputs past 1,024 tokens (prefill's and decode attention's
+# next launch configurations: `kernels/launch.py`); "many" is min(64, max_batch_rows) rows.
+WARM_UP_WAVES = ((1, (32,)), (1, (1100,)), (2, (32,)), (4, (32, 1100)), ("many", (32, 1100)))
+WARM_UP_NEW_TOKENS = 3
 
 
 class _OnlineRun(BatchRun):
@@ -101,6 +109,31 @@ class OnlineEngine:
             self._cond.notify()
         future.add_done_callback(lambda f, request=request: f.cancelled() and self._on_cancel(request))
         return future
+
+    def warm_up(self, force: bool = False) -> float:
+        """Run `WARM_UP_WAVES` of synthetic requests (token ids, 3 new tokens forced) through the
+        engine and wait for them, so the Triton kernels and CUDA graphs of the row counts and input
+        lengths a server meets are built before its first request, not while requests wait behind a
+        compile (~1 s each on an H200, a dozen of them). Only on a CUDA device (the CPU backend
+        compiles nothing) unless `force`; returns the seconds it took (0.0 when skipped)."""
+        if self.generator.device.type != "cuda" and not force:
+            return 0.0
+        start = time.perf_counter()
+        vocab = int(self.generator.model.config.vocab_size)
+        many = max(1, min(64, self.generator.max_batch_rows) // self.generator.expand)
+        for count, lengths in WARM_UP_WAVES:
+            count = many if count == "many" else count
+            futures = []
+            for i in range(count):
+                length = lengths[i % len(lengths)]
+                ids = [2 + (7 * j + i) % (vocab - 2) for j in range(length)]  # no pad (0) or EOS (1) ids
+                futures.append(self.submit(BatchRequest(ids, max_new_tokens=WARM_UP_NEW_TOKENS,
+                                                        min_new_tokens=WARM_UP_NEW_TOKENS)))
+            for future in futures:
+                future.result()
+        seconds = time.perf_counter() - start
+        logger.info("warm-up: %d waves of synthetic requests in %.1f s", len(WARM_UP_WAVES), seconds)
+        return seconds
 
     @property
     def error(self) -> Optional[BaseException]:

@@ -49,6 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run the model and its engine in a process of their own, the HTTP server and the "
                              "tokenizer in this one, so that the two do not share one GIL (default); "
                              "--no-engine-process: one process, the engine in a thread")
+    parser.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=True,
+                        help="on a GPU, run a few waves of synthetic requests (1-64 rows, short and 1,100-token "
+                             "inputs) before serving, so that kernel compiles and graph captures happen before the "
+                             "first request, not while requests wait (default); --no-warm-up: serve at once")
 
 
 def check_options(args: argparse.Namespace) -> None:
@@ -117,7 +121,7 @@ def _engine_process(args: argparse.Namespace, device: str, kwargs: dict):
         raise CliError(f"--model {args.model}: the tokenizer does not load: {exc}") from exc
     options = EngineOptions(model=args.model, device=device, dtype=args.dtype, max_batch_tokens=args.batch_tokens,
                             max_batch_rows=args.batch_rows, gpu_memory_utilization=args.gpu_memory_utilization,
-                            generate_kwargs=kwargs, log_level=logging.getLogger().level)
+                            generate_kwargs=kwargs, log_level=logging.getLogger().level, warm_up=args.warm_up)
     try:
         return EngineClient.start(options, tokenizer)
     except EngineStartError as exc:
@@ -136,10 +140,13 @@ def _engine_here(args: argparse.Namespace, device: str, model_config: dict, kwar
     try:
         if not is_patched(model):
             patch_model(model)  # (a model of another type: its one-line TypeError)
-        return OnlineEngine(model, tokenizer, max_batch_tokens=args.batch_tokens, max_batch_rows=args.batch_rows,
-                            gpu_memory_utilization=args.gpu_memory_utilization, **kwargs)
+        engine = OnlineEngine(model, tokenizer, max_batch_tokens=args.batch_tokens, max_batch_rows=args.batch_rows,
+                              gpu_memory_utilization=args.gpu_memory_utilization, **kwargs)
     except (TypeError, ValueError) as exc:
         raise CliError(str(exc)) from exc
+    if args.warm_up:
+        engine.warm_up()
+    return engine
 
 
 def _server_class():

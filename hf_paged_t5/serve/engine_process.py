@@ -44,7 +44,8 @@ class EngineOptions:
 
     model: checkpoint directory; device: as resolved by the CLI; dtype: the --dtype choice
     ("auto" is resolved here, where CUDA may be touched); generate_kwargs: the task's generation
-    defaults; log_level: the HTTP process's root log level."""
+    defaults; log_level: the HTTP process's root log level; warm_up: run `OnlineEngine.warm_up` before
+    answering "ready"."""
 
     model: str
     device: str
@@ -54,6 +55,7 @@ class EngineOptions:
     gpu_memory_utilization: float = 0.9
     generate_kwargs: dict = dataclasses.field(default_factory=dict)
     log_level: int = logging.WARNING
+    warm_up: bool = True
 
 
 def carried(exc: BaseException) -> tuple[str, str]:
@@ -102,6 +104,8 @@ def _start(options: EngineOptions, send) -> tuple[Any, "_Outbox"]:
                           max_batch_rows=options.max_batch_rows,
                           gpu_memory_utilization=options.gpu_memory_utilization, on_step=outbox.flush,
                           **options.generate_kwargs)
+    if options.warm_up:
+        engine.warm_up()  # (the outbox sends nothing of it: its engine is not set yet)
     outbox.engine = engine
     return engine, outbox
 
