@@ -1,9 +1,9 @@
 """Where the serve command's time goes under load: the server's threads sampled by py-spy.
 
-Starts `python -m hf_paged_t5 serve` (bench_serve's checkpoint, workload and client processes)
-under `py-spy record --threads --subprocesses` (the HTTP process and the engine process, each
-thread named "http: ..." or "engine: ..."), runs `--warmup` seconds of unmeasured load, then `--duration`
-seconds at `--rate` while reading /metrics every second, and prints: the load's row (as
+Starts `python -m hf_paged_t5 serve` (bench_serve's checkpoint, workload and client processes),
+runs `--warmup` seconds of unmeasured load at `--rate`, then attaches `py-spy record --threads
+--subprocesses` to the server (the HTTP process and the engine process) for `--duration` seconds
+at `--rate` while reading /metrics every second, and prints: the load's row (as
 bench_serve's), the running requests and rows seen, each thread's share of the samples (a thread
 waiting for the GIL counts as busy; one idle in a wait does not), and per thread the functions
 with the most samples under them.
@@ -94,11 +94,6 @@ def main(argv=None) -> None:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     out = common.start_suite(args.out, "serve-profile")
     raw = out / "serve-profile.txt"
-    popen = subprocess.Popen
-
-    def under_spy(command, **kw):  # bench_serve.start's server process, under the sampler
-        return popen([spy, "record", "--threads", "--subprocesses", "--rate", "200", "--format", "raw", "--output", str(raw),
-                      "--"] + command, **kw)
 
     with tempfile.TemporaryDirectory() as folder:
         checkpoint = tiny.save_demo_checkpoint(pathlib.Path(folder) / args.shape, shape=args.shape)
@@ -106,14 +101,14 @@ def main(argv=None) -> None:
         clients = concurrent.futures.ProcessPoolExecutor(
             args.clients, mp_context=multiprocessing.get_context("spawn"),
             initializer=bench_serve._client_init, initargs=(vocab, False))
-        bench_serve.subprocess.Popen = under_spy
-        try:
-            proc, base = bench_serve.start("paged-server", checkpoint, device)
-        finally:
-            bench_serve.subprocess.Popen = popen
+        proc, base = bench_serve.start("paged-server", checkpoint, device)  # answers /health after its warm-up
         seen: list[dict] = []
+        spy_proc = None
         try:
-            bench_serve.load(clients, args.clients, base, min(args.rate, 4.0), args.warmup, True)
+            bench_serve.load(clients, args.clients, base, args.rate, args.warmup, True)
+            # the sampler joins now: the profile holds the timed load, not the start or the warm-up
+            spy_proc = subprocess.Popen([spy, "record", "--pid", str(proc.pid), "--threads", "--subprocesses",
+                                         "--rate", "200", "--format", "raw", "--output", str(raw)])
             stop = threading.Event()
 
             def watch():
@@ -127,7 +122,13 @@ def main(argv=None) -> None:
             watcher.join()
         finally:
             clients.shutdown()
-            os.kill(proc.pid, signal.SIGINT)  # py-spy stops, writes its file and ends the server
+            if spy_proc is not None:
+                spy_proc.send_signal(signal.SIGINT)  # py-spy stops and writes its file
+                try:
+                    spy_proc.wait(120)
+                except subprocess.TimeoutExpired:
+                    spy_proc.kill()
+            os.kill(proc.pid, signal.SIGINT)  # the server drains and exits
             try:
                 proc.wait(120)
             except subprocess.TimeoutExpired:
