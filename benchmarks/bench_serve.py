@@ -178,16 +178,29 @@ def load(clients, k: int, base: str, rate: float, duration: float, stream: bool)
                 e2e_p99=pct("e2e", 0.99))
 
 
+def kernel_binaries(base: str) -> int:
+    """The paged server's hf_paged_t5_kernel_binaries gauge."""
+    import urllib.request
+
+    with urllib.request.urlopen(base + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return int(next(line.split()[-1] for line in text.splitlines() if line.startswith("hf_paged_t5_kernel_binaries ")))
+
+
 def sweep(clients, k: int, system: str, base: str, rates, duration: float, slo: float, warmup: float) -> list[dict]:
     stream = system in PAGED
     if warmup:  # kernel compiles and graph captures of the shapes the load meets, not measured
         load(clients, k, base, min(rates[0], 4.0), warmup, stream)
     rows = []
     for rate in rates:
+        binaries = kernel_binaries(base) if stream else None
         row = load(clients, k, base, rate, duration, stream)
+        if binaries is not None:  # kernels met for the first time under this load (each a compile stall)
+            row["kernel_binaries_added"] = kernel_binaries(base) - binaries
         rows.append(row)
         print(f"{system} rate {rate}/s: {row['completed']}/{row['requests']} done, {row['tokens_per_s']:.0f} tok/s, "
               f"ttft p99 {row['ttft_p99']}, e2e p50 {row['e2e_p50']} p99 {row['e2e_p99']}"
+              + (f", kernel binaries added {row['kernel_binaries_added']}" if "kernel_binaries_added" in row else "")
               + (f", errors {row['error_statuses']}" if row["errors"] else ""), flush=True)
         if row["errors"] or row["e2e_p99"] is None or row["e2e_p99"] > 5 * slo:
             break

@@ -962,6 +962,9 @@ def test_gpu_new_workload_sizes_compile_nothing():
     run([40, 7], [37, 5], 7)  # width 10: compiles each configuration once
     # other split counts merge in the same kernel (the count is a runtime value)
     other_counts = [DecodeConfig(64, 4, 1, 2), DecodeConfig(64, 4, 1, 5, fused_combine=True)]
+    from hf_paged_t5.kernels import ahead
+
+    loaded = ahead.binaries()  # the server's hf_paged_t5_kernel_binaries gauge
     knobs.runtime.jit_post_compile_hook = hook
     try:
         for prefill_lens, decode_lens, extra_cols in (  # widths 10, 21, 17, 32
@@ -971,7 +974,7 @@ def test_gpu_new_workload_sizes_compile_nothing():
         run([48, 16], [16, 48, 130], 12, configs=other_counts)  # width 21: 2 and 5 splits
     finally:
         knobs.runtime.jit_post_compile_hook = previous
-    assert compiled == []
+    assert compiled == [] and ahead.binaries() == loaded
 
     # A decode step's launch (tickets given: the fused merge compiled in) of one split and of
     # several is one binary: a new batch size, whose split count differs, compiles nothing.
@@ -988,4 +991,5 @@ def test_gpu_new_workload_sizes_compile_nothing():
     finally:
         knobs.runtime.jit_post_compile_hook = previous
     assert len(step_compiles) <= 1  # the first launch's, where no earlier test compiled it
+    assert ahead.binaries() == loaded + len(step_compiles)
     assert int(tickets.count_nonzero()) == 0

@@ -227,3 +227,17 @@ def test_warm_up_runs_its_waves_and_leaves_nothing_behind(monkeypatch):
         assert engine.kv_blocks()["used"] == 0
         ids = inputs([11])[0]
         assert real_submit(ids).result(timeout=60).sequences == alone(model, ids, 5)
+
+
+def test_kernel_binaries_counts_each_device_cache(monkeypatch):
+    """The count the server exports: the entries of every kernel's per-device binary cache (Triton
+    keeps (binaries, ...) per device), 0 for a kernel that has none."""
+    pytest.importorskip("triton")
+    from hf_paged_t5.kernels import ahead
+
+    kernels = [type("K", (), {"device_caches": {0: ({"a": 1, "b": 2}, None), 1: ({"c": 3}, None)}})(),
+               type("K", (), {"device_caches": {}})(), object()]
+    monkeypatch.setattr(ahead, "_kernels", lambda: kernels)
+    assert ahead.binaries() == 3
+    with hp.OnlineEngine(patched(), max_new_tokens=2) as engine:
+        assert engine.kernel_binaries() == 3  # the kernels package is loaded in this process

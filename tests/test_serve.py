@@ -137,7 +137,8 @@ def test_models_health_metrics(served):
     text = client.get("/metrics").text
     for name in ("hf_paged_t5_queue_depth 0", "hf_paged_t5_running_rows 0", "hf_paged_t5_kv_blocks_free",
                  "hf_paged_t5_generated_tokens_total", 'hf_paged_t5_requests_total{code="200"}',
-                 'hf_paged_t5_request_seconds_bucket{le="+Inf"}', "hf_paged_t5_request_seconds_count"):
+                 'hf_paged_t5_request_seconds_bucket{le="+Inf"}', "hf_paged_t5_request_seconds_count",
+                 "hf_paged_t5_kernel_binaries "):
         assert name in text, text
     generated = int(next(line.split()[-1] for line in text.splitlines()
                          if line.startswith("hf_paged_t5_generated_tokens_total")))

@@ -32,6 +32,7 @@ import collections
 import concurrent.futures
 import contextlib
 import logging
+import sys
 import threading
 import time
 from typing import Any, Callable, Optional
@@ -144,6 +145,16 @@ class OnlineEngine:
         """queued: submitted, not yet admitted; running: admitted, not finished; rows: decoder rows now."""
         with self._cond:
             return dict(queued=len(self._queue), running=len(self._run.running), rows=self._run.live_rows)
+
+    def kernel_binaries(self) -> int:
+        """Triton binaries of this package's kernels loaded in this process so far (0 where no
+        Triton kernel ran, e.g. the CPU backend): a rise while serving is a launch that met a new
+        configuration, and waited for its compile unless Triton's cache held it."""
+        if f"{__package__.rsplit('.', 1)[0]}.kernels" not in sys.modules:
+            return 0
+        from ..kernels import ahead
+
+        return ahead.binaries()
 
     def kv_blocks(self) -> dict[str, int]:
         """used: KV pool blocks held by requests now; free: blocks free (both 0 before the first step)."""

@@ -69,6 +69,18 @@ def _kernels() -> list:
     return found
 
 
+def binaries() -> int:
+    """Binaries of this package's kernels loaded in this process (compiled here or read from
+    Triton's cache), on every device: a count that rises only when a launch met a new
+    configuration."""
+    total = 0
+    for kernel in _kernels():
+        for entry in getattr(kernel, "device_caches", {}).values():
+            cache = entry[0] if isinstance(entry, tuple) and entry else None  # (kernel cache, ...)
+            total += len(cache) if isinstance(cache, dict) else 0
+    return total
+
+
 def _run(self, *args, grid, warmup, **kwargs):
     """`JITFunction.run` that only compiles inside this thread's pass."""
     return JITFunction.run(self, *args, grid=grid, warmup=warmup or _COMPILE_ONLY.get(), **kwargs)

@@ -100,6 +100,9 @@ class Metrics:
             "# TYPE hf_paged_t5_kv_blocks_used gauge", f"hf_paged_t5_kv_blocks_used {used}",
             "# HELP hf_paged_t5_kv_blocks_free KV pool blocks free.",
             "# TYPE hf_paged_t5_kv_blocks_free gauge", f"hf_paged_t5_kv_blocks_free {free}",
+            "# HELP hf_paged_t5_kernel_binaries Triton kernel binaries loaded by the engine; a rise while "
+            "serving is a new launch configuration (a compile stall on a cold cache).",
+            "# TYPE hf_paged_t5_kernel_binaries gauge", f"hf_paged_t5_kernel_binaries {engine.kernel_binaries()}",
         ]
         with self.lock:
             lines += ["# HELP hf_paged_t5_generated_tokens_total Tokens generated for finished requests.",

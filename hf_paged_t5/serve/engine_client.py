@@ -150,6 +150,11 @@ class EngineClient:
             unseen = sum(1 for ident in self._open if ident > stats["received"])
         return dict(queued=stats["queued"] + unseen, running=stats["running"], rows=stats["rows"])
 
+    def kernel_binaries(self) -> int:
+        """As `OnlineEngine.kernel_binaries`, in the engine's process, from its last step."""
+        with self._lock:
+            return int(self._stats.get("kernel_binaries", 0))
+
     def kv_blocks(self) -> dict[str, int]:
         """As `OnlineEngine.kv_blocks`, from the engine's last step."""
         with self._lock:

@@ -203,7 +203,8 @@ class _Outbox:
         if engine is None:
             return
         received = self.received  # (read before the stats: a request counted twice, never missed)
-        stats = dict(engine.stats(), received=received, **{f"kv_blocks_{k}": v for k, v in engine.kv_blocks().items()})
+        stats = dict(engine.stats(), received=received, kernel_binaries=engine.kernel_binaries(),
+                     **{f"kv_blocks_{k}": v for k, v in engine.kv_blocks().items()})
         error = None if engine.error is None else carried(engine.error)
         with self.lock:
             tokens, self.tokens = self.tokens, []
