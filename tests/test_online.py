@@ -241,3 +241,31 @@ def test_kernel_binaries_counts_each_device_cache(monkeypatch):
     assert ahead.binaries() == 3
     with hp.OnlineEngine(patched(), max_new_tokens=2) as engine:
         assert engine.kernel_binaries() == 3  # the kernels package is loaded in this process
+
+
+def test_warm_up_skips_inputs_the_engine_cannot_hold(caplog):
+    """A warm-up input too large for the pool (or the token budget) is skipped with one log line,
+    not an error that would stop a server from starting; the engine serves on."""
+    from hf_paged_t5.batch import online
+
+    model = patched(num_blocks=12, grow=False)  # 48 tokens of K/V
+    with hp.OnlineEngine(model, max_new_tokens=3, max_batch_rows=4) as engine:
+        with caplog.at_level("INFO", logger=online.__name__):
+            assert engine.warm_up(force=True) > 0
+        assert "inputs of [1100] tokens skipped" in caplog.text
+        wait_until(lambda: engine.stats() == dict(queued=0, running=0, rows=0))
+        ids = inputs([9])[0]
+        forced = hp.BatchRequest(ids, max_new_tokens=3, min_new_tokens=3)
+        assert engine.submit(forced).result(timeout=60).sequences == alone(model, ids, 3)
+
+
+def test_a_request_held_back_for_room_runs_when_the_others_finish():
+    """An input that had to wait for room (token budget) while others ran is admitted once they
+    finish, with nothing else submitted after it (the engine must not sleep while it waits)."""
+    model = patched()
+    a_ids, b_ids = inputs([20, 20])
+    with hp.OnlineEngine(model, max_new_tokens=3, max_batch_tokens=30) as engine:  # one 24-token input at a time
+        a, b = engine.submit(a_ids), engine.submit(b_ids)
+        assert a.result(timeout=60).sequences == alone(model, a_ids, 3)
+        assert b.result(timeout=60).sequences == alone(model, b_ids, 3)
+        wait_until(lambda: engine.stats() == dict(queued=0, running=0, rows=0))

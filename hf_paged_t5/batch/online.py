@@ -120,18 +120,30 @@ class OnlineEngine:
         if self.generator.device.type != "cuda" and not force:
             return 0.0
         start = time.perf_counter()
-        vocab = int(self.generator.model.config.vocab_size)
-        many = max(1, min(64, self.generator.max_batch_rows) // self.generator.expand)
+        gen = self.generator
+        specials = {gen.pad_id, *gen.eos}
+        tokens = [t for t in range(min(int(gen.model.config.vocab_size), 1024)) if t not in specials]
+        many = max(1, min(64, gen.max_batch_rows) // gen.expand)
+        skipped: set[int] = set()
         for count, lengths in WARM_UP_WAVES:
             count = many if count == "many" else count
             futures = []
             for i in range(count):
                 length = lengths[i % len(lengths)]
-                ids = [2 + (7 * j + i) % (vocab - 2) for j in range(length)]  # no pad (0) or EOS (1) ids
-                futures.append(self.submit(BatchRequest(ids, max_new_tokens=WARM_UP_NEW_TOKENS,
-                                                        min_new_tokens=WARM_UP_NEW_TOKENS)))
-            for future in futures:
-                future.result()
+                ids = [tokens[(7 * j + i) % len(tokens)] for j in range(length)]
+                request = BatchRequest(ids, max_new_tokens=WARM_UP_NEW_TOKENS, min_new_tokens=WARM_UP_NEW_TOKENS)
+                try:
+                    futures.append((length, self.submit(request)))
+                except ValueError:  # more than the engine's token budget takes: not a shape it will meet
+                    skipped.add(length)
+            for length, future in futures:
+                try:
+                    future.result()
+                except PoolExhaustedError:  # nor one its pool can hold
+                    skipped.add(length)
+        if skipped:
+            logger.info("warm-up: inputs of %s tokens skipped (too large for this engine's budget or pool)",
+                        sorted(skipped))
         seconds = time.perf_counter() - start
         logger.info("warm-up: %d waves of synthetic requests in %.1f s", len(WARM_UP_WAVES), seconds)
         return seconds
@@ -144,7 +156,8 @@ class OnlineEngine:
     def stats(self) -> dict[str, int]:
         """queued: submitted, not yet admitted; running: admitted, not finished; rows: decoder rows now."""
         with self._cond:
-            return dict(queued=len(self._queue), running=len(self._run.running), rows=self._run.live_rows)
+            return dict(queued=len(self._queue) + len(self._run.waiting), running=len(self._run.running),
+                        rows=self._run.live_rows)
 
     def kernel_binaries(self) -> int:
         """Triton binaries of this package's kernels loaded in this process so far (0 where no
@@ -237,7 +250,9 @@ class OnlineEngine:
                 self.generator.runtime.check_weights()
             while True:
                 with self._cond:
-                    while not (self._queue or run.running or self._cancelled or self._closing):
+                    # (run.waiting: a request taken from the queue that waits for room; it runs once
+                    # the others finish, with nothing new submitted)
+                    while not (self._queue or run.waiting or run.running or self._cancelled or self._closing):
                         self._cond.wait()
                     cancelled, self._cancelled = self._cancelled, []
                 for request in cancelled:
