@@ -72,7 +72,9 @@ def _kernels() -> list:
 def binaries() -> int:
     """Binaries of this package's kernels loaded in this process (compiled here or read from
     Triton's cache), on every device: a count that rises only when a launch met a new
-    configuration."""
+    configuration (0 with a Triton older than this module's pass needs)."""
+    if JITFunction is None:
+        return 0
     total = 0
     for kernel in _kernels():
         for entry in getattr(kernel, "device_caches", {}).values():
