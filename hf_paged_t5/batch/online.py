@@ -32,12 +32,12 @@ import collections
 import concurrent.futures
 import contextlib
 import logging
-import sys
 import threading
 import time
 from typing import Any, Callable, Optional
 
 from ..kv.block_manager import PoolExhaustedError
+from ..model.attention import kernel_binaries
 from .generator import BatchGenerator, InputItem
 from .requests import BatchRequest, Request
 from .run import BatchRun
@@ -163,11 +163,7 @@ class OnlineEngine:
         """Triton binaries of this package's kernels loaded in this process so far (0 where no
         Triton kernel ran, e.g. the CPU backend): a rise while serving is a launch that met a new
         configuration, and waited for its compile unless Triton's cache held it."""
-        if f"{__package__.rsplit('.', 1)[0]}.kernels" not in sys.modules:
-            return 0
-        from ..kernels import ahead
-
-        return ahead.binaries()
+        return kernel_binaries()
 
     def kv_blocks(self) -> dict[str, int]:
         """used: KV pool blocks held by requests now; free: blocks free (both 0 before the first step)."""

@@ -9,6 +9,7 @@ backend namespace (`hf_paged_t5.reference` or `hf_paged_t5.kernels`) with `store
 from __future__ import annotations
 
 import logging
+import sys
 from types import ModuleType
 from typing import Callable, Optional
 
@@ -46,6 +47,16 @@ def compile_ahead_for(device: torch.device, backend: str):
     from ..kernels import ahead
 
     return ahead.compile_ahead if ahead.available(device) else None
+
+
+def kernel_binaries() -> int:
+    """`kernels.ahead.binaries()`: the package's Triton binaries loaded in this process; 0 where its
+    Triton kernels were never imported (the CPU backend)."""
+    if f"{__package__.rsplit('.', 1)[0]}.kernels" not in sys.modules:
+        return 0
+    from ..kernels import ahead
+
+    return ahead.binaries()
 
 
 def run_compiled_ahead(device: torch.device, backend: str, forward: Callable[[], object], what: str,
