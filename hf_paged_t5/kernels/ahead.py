@@ -27,7 +27,7 @@ import os
 import sys
 import threading
 import types
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 import triton
@@ -51,6 +51,7 @@ class _Process:
     lock = threading.Lock()
     active = 0  # passes in progress
     started = False
+    kernels: Optional[list] = None  # `_kernels()`, once every kernel module is imported
 
 
 def available(device: torch.device) -> bool:
@@ -59,13 +60,18 @@ def available(device: torch.device) -> bool:
 
 
 def _kernels() -> list:
-    """This package's JITFunctions (launched ones and the device functions they call)."""
+    """This package's JITFunctions (launched ones and the device functions they call); the list is
+    kept once every kernel module is imported (it cannot change after that)."""
+    if _Process.kernels is not None:
+        return _Process.kernels
     found = []
-    for name in _KERNEL_MODULES:
-        module = sys.modules.get(f"{__package__}.{name}")
+    modules = [sys.modules.get(f"{__package__}.{name}") for name in _KERNEL_MODULES]
+    for module in modules:
         for value in vars(module).values() if module is not None else ():
             if isinstance(value, JITFunction) and value.module.startswith(__package__):
                 found.append(value)
+    if all(module is not None for module in modules):
+        _Process.kernels = found
     return found
 
 
