@@ -8,7 +8,8 @@ in a process of its own (the default; `paged-server-one-process`, not run unless
 --patched`); (c) `stock-server`: the same over stock HF. One random-weight checkpoint
 (`tiny.save_demo_checkpoint`, `--shape`), bf16 on a GPU. Requests: token-id prompts of long-tailed
 lengths, each with its own forced length (min_tokens = max_tokens), arriving as a Poisson process
-at each `--rates` value (the stock server: `--stock-rates`) for `--duration` seconds, after
+at each `--rates` value (the stock server: `--stock-rates`; the per-request server: `--generate-rates`,
+default `--rates`) for `--duration` seconds, after
 `--warmup` seconds of unmeasured load (kernel compiles, graph captures), sent by `--clients`
 processes that share the rate (one process parsing every streamed event would be what limits the
 measured rate); (a) streams (time to first token = first event),
@@ -18,7 +19,7 @@ end-to-end latency. A system's sustained rate is the highest rate whose p99 end-
 stays under `--slo` seconds with no errors; its sweep stops at the first rate past 5x that.
 
     python benchmarks/bench_serve.py [--shape t5-large] [--rates 1,2,4,8,16,32,64] [--duration 30]
-        [--stock-rates 0.125,0.25,0.5,1] [--warmup 10] [--clients 4]
+        [--stock-rates 0.125,0.25,0.5,1] [--generate-rates R,...] [--warmup 10] [--clients 4]
         [--systems paged-server,generate-server,stock-server] [--quick] [--out DIR]
     python benchmarks/bench_serve.py --systems paged-server,paged-server-one-process   # the two modes
 
@@ -233,6 +234,8 @@ def main(argv=None) -> None:
     ap.add_argument("--rates", default=None, help="requests per second, comma-separated (default: 1,2,4,...,64)")
     ap.add_argument("--stock-rates", default=None,
                     help="the stock server's rates (default: 0.125,0.25,0.5,1; quick: as --rates)")
+    ap.add_argument("--generate-rates", default=None,
+                    help="the patched per-request server's rates (default: as --rates)")
     ap.add_argument("--duration", type=float, default=None, help="seconds of load per rate (default 30; quick 3)")
     ap.add_argument("--slo", type=float, default=2.0, help="p99 end-to-end seconds of a sustained rate (default 2)")
     ap.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
@@ -258,6 +261,8 @@ def main(argv=None) -> None:
     duration = args.duration or (3.0 if args.quick else 30.0)
     stock_rates = [float(r) for r in args.stock_rates.split(",")] if args.stock_rates else (
         rates if args.quick else [0.125, 0.25, 0.5, 1.0])
+    generate_rates = [float(r) for r in args.generate_rates.split(",")] if args.generate_rates else rates
+    rates_of = {"stock-server": stock_rates, "generate-server": generate_rates}
     out = common.start_suite(args.out, "serve")
     with tempfile.TemporaryDirectory() as folder:
         checkpoint = tiny.save_demo_checkpoint(pathlib.Path(folder) / shape, shape=shape)
@@ -272,7 +277,7 @@ def main(argv=None) -> None:
         def report() -> dict:  # written after each system: a run cut short keeps what it measured
             rate_of = {s: sustained(rows, args.slo) for s, rows in results.items()}
             out_ = dict(shape=shape, device=device, slo_s=args.slo, duration_s=duration, warmup_s=warmup,
-                        client_processes=workers, rates=rates, stock_rates=stock_rates,
+                        client_processes=workers, rates=rates, stock_rates=stock_rates, generate_rates=generate_rates,
                         sustained_rate=rate_of, systems=results, server_output_on_errors=logs,
                         paged_server_modes={s: PAGED[s] for s in results if s in PAGED})
             if "paged-server" in rate_of:
@@ -289,8 +294,8 @@ def main(argv=None) -> None:
         for system in systems:
             proc, base = start(system, checkpoint, device)
             try:
-                results[system] = sweep(clients, workers, system, base, stock_rates if system == "stock-server" else rates,
-                                        duration, args.slo, warmup)
+                results[system] = sweep(clients, workers, system, base, rates_of.get(system, rates), duration,
+                                        args.slo, warmup)
             finally:
                 proc.send_signal(signal.SIGTERM)
                 try:

@@ -521,7 +521,8 @@ def test_refusals():
 @pytest.mark.parametrize("num_beams, max_graph_batch", [(1, 256), (1, 4), (3, 256)])
 def test_cuda_graph_steps_match_generate_alone(num_beams, max_graph_batch):
     """Rows come and go under captured graphs (and, with max_graph_batch=4, switch between graph and
-    eager steps as their count crosses it); each result equals patched generate() alone (fp32)."""
+    eager steps as their count crosses it), inputs admitted after the first wave are encoded by
+    bucket graphs (padded); each result equals patched generate() alone (fp32)."""
     model = make_model("t5", seed=10, device="cuda")
     hp.patch_model(model, hp.PagedCacheConfig(block_size=16, max_graph_batch=max_graph_batch))
     inputs = make_inputs([5, 40, 3, 17, 90, 30, 2, 64, 8, 33], seed=10)
@@ -533,6 +534,7 @@ def test_cuda_graph_steps_match_generate_alone(num_beams, max_graph_batch):
         assert result.sequences == ref.tolist()
     runtime = model._hf_paged_t5
     assert runtime.runner.graphs.num_steps, "no decode step ran as a CUDA graph"
+    assert runtime.bucket_graphs.replays, "no input admitted alone was encoded by a bucket graph"
     assert runtime.pool.is_idle()
 
 

@@ -38,6 +38,8 @@ from typing import Any, Callable, Optional
 
 from ..kv.block_manager import PoolExhaustedError
 from ..model.attention import kernel_binaries
+from ..hf import forward as hf_forward
+from ..model import encoder_graphs
 from .generator import BatchGenerator, InputItem
 from .requests import BatchRequest, Request
 from .run import BatchRun
@@ -125,11 +127,17 @@ class OnlineEngine:
         tokens = [t for t in range(min(int(gen.model.config.vocab_size), 1024)) if t not in specials]
         many = max(1, min(64, gen.max_batch_rows) // gen.expand)
         skipped: set[int] = set()
-        for count, lengths in WARM_UP_WAVES:
+        # then one lone input per encoder bucket, one at a time: the batch engine's encoder graphs
+        # (one per bucket, `BatchRun._encode_graphed`) are captured now, not under load
+        graphed = gen.runtime.config.cuda_graphs and gen.device.type in hf_forward.GRAPH_DEVICE_TYPES
+        buckets = tuple((1, (length,)) for length in encoder_graphs.BUCKETS) if graphed else ()
+        for count, lengths in (*WARM_UP_WAVES, *buckets):
             count = many if count == "many" else count
             futures = []
             for i in range(count):
                 length = lengths[i % len(lengths)]
+                if length in skipped:
+                    continue
                 ids = [tokens[(7 * j + i) % len(tokens)] for j in range(length)]
                 request = BatchRequest(ids, max_new_tokens=WARM_UP_NEW_TOKENS, min_new_tokens=WARM_UP_NEW_TOKENS)
                 try:
@@ -145,7 +153,8 @@ class OnlineEngine:
             logger.info("warm-up: inputs of %s tokens skipped (too large for this engine's budget or pool)",
                         sorted(skipped))
         seconds = time.perf_counter() - start
-        logger.info("warm-up: %d waves of synthetic requests in %.1f s", len(WARM_UP_WAVES), seconds)
+        logger.info("warm-up: %d waves of synthetic requests and %d encoder buckets in %.1f s", len(WARM_UP_WAVES),
+                    len(buckets), seconds)
         return seconds
 
     @property

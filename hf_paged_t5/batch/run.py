@@ -6,7 +6,10 @@ for the step, never for the whole job) and:
    allow (the pool grows if its config lets it). Admission waits until an eighth of the rows and of
    the token budget are free, so the encoder runs on batches rather than one input at a time;
 2. runs the encoder over the admitted inputs, packed (varlen), in chunks sorted by length, and
-   stores each source's cross-attention K/V once in freshly allocated blocks;
+   stores each source's cross-attention K/V once in freshly allocated blocks. A chunk of a few
+   inputs (what a server admits between two steps) replays one CUDA graph per input instead, its
+   ids padded to the next of `encoder_graphs.BUCKETS` (an eager forward of t5-large is ~12 ms of
+   host launches, and the decode steps of every running request wait behind it);
 3. runs one decode step (`DecodeRunner.decode`, a CUDA graph on the GPU) for every live row, each at its
    own position;
 4. picks the next tokens and retires finished rows and requests, whose blocks go back to the pool.
@@ -31,12 +34,19 @@ from .cache import BatchCache, blocks_for
 from .decoding import BeamGroup
 from .rows import DecodeRows
 from ..kv.block_manager import PoolExhaustedError
+from ..hf import forward as hf_forward
 from ..kv.pool import KVPool
+from ..model.bias import is_local, self_attention
+from ..model.encoder_graphs import bucket_of
 from ..model.stacks import encoder_forward, store_cross_ahead, store_cross_packed, upload
 
 from .requests import BatchResult, Request
 
 logger = logging.getLogger(__name__)
+
+# A chunk of at most this many inputs is encoded input by input as bucket graphs (`_encode_graphed`);
+# a larger one (a job's first admission) runs one eager packed forward, whose launches it shares.
+GRAPH_CHUNK_INPUTS = 4
 
 
 class BatchRun:
@@ -200,6 +210,19 @@ class BatchRun:
 
     def _encode_chunk(self, chunk: list[Request], pool: KVPool) -> None:
         """Encoder over `chunk` (longest first), then each source's cross K/V into new blocks."""
+        model, runtime = self.gen.model, self.gen.runtime
+        packed = self._encode_graphed(chunk) if len(chunk) <= GRAPH_CHUNK_INPUTS else None
+        if packed is None:
+            packed = self._encode_eager(chunk, pool)  # [total_tokens, d_model]
+        slots = []
+        for request in chunk:
+            request.source, source_slots = self.cache.add_source(len(request.ids))
+            slots.append(source_slots)
+        slot_mapping = torch.cat(slots)  # [total_tokens] int64, source by source as packed
+        store_cross_packed(model.decoder, runtime.ops_for, pool, packed, slot_mapping)
+
+    def _encode_eager(self, chunk: list[Request], pool: KVPool) -> torch.Tensor:
+        """The packed encoder forward over `chunk`: [total_tokens, d_model], source by source."""
         model, runtime, device = self.gen.model, self.gen.runtime, self.gen.device
         encoder = model.get_encoder()
         lengths = np.array([len(r.ids) for r in chunk])
@@ -216,15 +239,43 @@ class BatchRun:
         # the mask stays on the host: the encoder then packs the tokens without reading anything back
         # from the device, so the host queues the encoder behind the decode steps instead of waiting
         # for them to finish
-        packed = encoder_forward(encoder, runtime.ops_for, tables, None, torch.from_numpy(real), input_ids=ids,
-                                 packed=True, band_memos=runtime.band_memos(encoder),
-                                 side_tables=runtime.side_tables(encoder))  # [total_tokens, d_model]
-        slots = []
-        for request in chunk:
-            request.source, source_slots = self.cache.add_source(len(request.ids))
-            slots.append(source_slots)
-        slot_mapping = torch.cat(slots)  # [total_tokens] int64, source by source as packed
-        store_cross_packed(model.decoder, runtime.ops_for, pool, packed, slot_mapping)
+        return encoder_forward(encoder, runtime.ops_for, tables, None, torch.from_numpy(real), input_ids=ids,
+                               packed=True, band_memos=runtime.band_memos(encoder),
+                               side_tables=runtime.side_tables(encoder))
+
+    def _encode_graphed(self, chunk: list[Request]) -> Optional[torch.Tensor]:
+        """The packed encoder output of `chunk` from the runtime's bucket graphs, one replay per
+        input (`hf.forward.bucket_forward`: its ids padded to `bucket_of` its length; a bucket's
+        first call captures its graph), or None where they do not serve it: graphs off, not a CUDA
+        device, an input past the longest bucket, LongT5's local attention, a module in training
+        mode, or a graph refused (a hook, weights on several devices, a failed capture)."""
+        gen, runtime, device = self.gen, self.gen.runtime, self.gen.device
+        encoder = gen.model.get_encoder()
+        buckets = [bucket_of(len(r.ids)) for r in chunk]
+        if (device.type not in hf_forward.GRAPH_DEVICE_TYPES or not runtime.config.cuda_graphs or None in buckets
+                or encoder.training or is_local(self_attention(encoder.block[0].layer[0]))):
+            return None
+        graphs, outputs = runtime.bucket_graphs, []
+        for request, length in zip(chunk, buckets):
+            n = len(request.ids)
+            src = np.full(length + 3, gen.pad_id, dtype=np.int64)  # the ids, padded; cu_seqlens [0, n, length]
+            src[:n] = request.ids
+            src[length:] = (0, n, length)
+            src = upload(torch.from_numpy(src), device)
+            key = (length, device)
+            hidden = graphs.replay(key, encoder, src)
+            if hidden is None:
+                graphs.seen(key)
+                if graphs.would_capture(key):
+                    forward = hf_forward.bucket_forward(runtime, encoder, length)
+                    if forward is not None:
+                        # a cold process: the bucket's kernels compiled at once before its capture runs them
+                        runtime.compile_ahead(device, ("batch encoder graph", length), lambda: forward(src))
+                        hidden = graphs.capture(key, encoder, forward, src)
+            if hidden is None:
+                return None
+            outputs.append(hidden[:n])
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
     def _form_groups(self, admitted: list[Request]) -> None:
         """Beam search: one `BeamGroup` per (max length, EOS ids) among requests admitted together."""

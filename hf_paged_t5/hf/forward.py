@@ -76,11 +76,11 @@ def _graph_key(runtime: PagedRuntime, stack: nn.Module, input_ids, inputs_embeds
     return tuple(source.shape), source.dtype, source.device, inputs_embeds is not None, layout
 
 
-def _graph_forward(runtime: PagedRuntime, stack: nn.Module, embeds: bool, mask=None, device=None):
-    """`source -> last_hidden_state` for a capture: the bias tables gathered from the weights inside
-    the graph (a replay sees in-place writes to them with no check), checked once against the
-    tables HF's `compute_bias` gives; None (logged) if they differ. With a padded call's `mask`,
-    its packing (which positions are real) is made once here and read by every replay."""
+def _gathered_tables(runtime: PagedRuntime, stack: nn.Module):
+    """For a capture: a function that gives the encoder's per-layer bias tables gathered from its
+    weights (inside a graph: a replay sees in-place writes to them with no check) and a fresh band
+    memo per table, made for that capture; checked once here against the tables HF's
+    `compute_bias` gives; None (logged once) if they differ."""
     modules = bias_mod.layer_bias_modules(stack)
     distinct = {id(m): m for m in modules}
     buckets = {key: bias_mod.bidirectional_buckets(m) for key, m in distinct.items()}
@@ -92,15 +92,48 @@ def _graph_forward(runtime: PagedRuntime, stack: nn.Module, embeds: bool, mask=N
             logger.warning("hf_paged_t5: encoder calls run eagerly, not as CUDA graphs: %s", reason)
         return None
 
-    packing = None if mask is None else pack_tokens(mask, device)
-
-    def forward(src):
+    def gathered():
         with torch.inference_mode(False):  # tables with a version counter: the prefill keeps its tiles in the memo
             tables = {key: bias_mod.gathered_table(m, buckets[key]) for key, m in distinct.items()}
         memos = {key: {"capture_scoped": True} for key in distinct}
-        return encoder_forward(stack, runtime.ops_for, [tables[id(m)] for m in modules], src if embeds else None, None,
-                               input_ids=None if embeds else src, band_memos=[memos[id(m)] for m in modules],
-                               packing=packing)
+        return [tables[id(m)] for m in modules], [memos[id(m)] for m in modules]
+
+    return gathered
+
+
+def _graph_forward(runtime: PagedRuntime, stack: nn.Module, embeds: bool, mask=None, device=None):
+    """`source -> last_hidden_state` for a capture (bias tables: `_gathered_tables`); None where
+    those differ from HF's. With a padded call's `mask`, its packing (which positions are real) is
+    made once here and read by every replay."""
+    gathered = _gathered_tables(runtime, stack)
+    if gathered is None:
+        return None
+    packing = None if mask is None else pack_tokens(mask, device)
+
+    def forward(src):
+        tables, memos = gathered()
+        return encoder_forward(stack, runtime.ops_for, tables, src if embeds else None, None,
+                               input_ids=None if embeds else src, band_memos=memos, packing=packing)
+
+    return forward
+
+
+def bucket_forward(runtime: PagedRuntime, stack: nn.Module, length: int):
+    """`src -> packed last_hidden_state [length, d_model]` for a capture that serves every input of
+    up to `length` tokens (the batch engine's encoder graphs, `batch/run.py`): src is int64
+    [length + 3], the input's ids right-padded to `length`, then cu_seqlens [0, n, length]: the
+    input is one packed sequence and its padding another, so every row of the output is defined
+    and the first n rows are the input's. None where the bias tables differ from HF's (T5's full
+    attention only: LongT5's local attention plans from host lengths)."""
+    gathered = _gathered_tables(runtime, stack)
+    if gathered is None:
+        return None
+
+    def forward(src):
+        tables, memos = gathered()
+        cu_seqlens = src[length:].to(torch.int32)
+        return encoder_forward(stack, runtime.ops_for, tables, None, None, input_ids=src[:length].view(1, length),
+                               packed=True, band_memos=memos, packing=(None, [length], cu_seqlens, length))
 
     return forward
 

@@ -20,7 +20,7 @@ from ..decode.runner import DecodeRunner
 from ..kv.pool import KVPool, LayerSpec
 from ..model import bias as bias_mod
 from ..model.attention import OnDevice, backend_ops, run_compiled_ahead
-from ..model.encoder_graphs import EncoderGraphs
+from ..model.encoder_graphs import BUCKETS, EncoderGraphs
 from ..model.probe import output_scale
 
 logger = logging.getLogger("hf_paged_t5.hf.patch")
@@ -46,6 +46,8 @@ class PagedRuntime:
         self.runner = DecodeRunner(config, self.ops_for, self.bias_tables, self.output_scale)
         # standalone encoder calls of a recurring shape, replayed (model/encoder_graphs.py)
         self.encoder_graphs = EncoderGraphs()
+        # the batch engine's encoder calls of lone inputs, one graph per padded length (batch/run.py)
+        self.bucket_graphs = EncoderGraphs(max_graphs=len(BUCKETS), capture_after=1)
         self.tables = bias_mod.BiasTableCache(on_rebuild=self._drop_graphs)  # captured graphs read them
         self.compiled_ahead: set = set()  # the kinds of call `compile_ahead` ran for, with their device
         # what a generate() call in progress adds to its encoder's pass (`also_ahead`), or None
@@ -55,6 +57,9 @@ class PagedRuntime:
     def _drop_graphs(self) -> None:
         self.runner.graphs.clear()
         self.encoder_graphs.clear()
+        # (the bucket graphs gather their tables from the weights inside the graph and read no
+        # cached table: a table built or rebuilt leaves them valid, and the first decoder table
+        # of a job is built after its first encoder call)
 
     def compile_ahead(self, device: torch.device, kind, forward) -> None:
         """The first call of a `kind` on a CUDA device: `forward()` once inside

@@ -48,6 +48,19 @@ MAX_SEEN = 1024
 # for the capture (~2 eager forwards' host time); it stays eager.
 RECENT_CALLS = 32
 CAPTURE_MODE = "thread_local"  # another thread's GPU work does not invalidate a capture (decode/graphs.py)
+# The lengths the batch engine pads a lone input to for its encoder graphs (`batch/run.py`): one graph
+# per length serves every input up to it. Steps of 64 up to 512, then about 2^(1/4) apart (at most
+# ~19% of padding where the forward is GPU-bound), up to 4,096 tokens; longer inputs run eagerly.
+BUCKETS = (64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1216, 1472, 1728, 2048, 2432, 2880,
+           3456, 4096)
+
+
+def bucket_of(length: int) -> Optional[int]:
+    """The shortest of `BUCKETS` that holds `length` tokens, or None past the longest."""
+    for bucket in BUCKETS:
+        if length <= bucket:
+            return bucket
+    return None
 
 
 class _Registrations:
@@ -115,9 +128,12 @@ class _Captured:
 
 class EncoderGraphs:
     """Captured encoder forwards of one patched model's encoder, keyed by the caller
-    (input shape, dtype, device, kind)."""
+    (input shape, dtype, device, kind). `max_graphs`: graphs kept at once; `capture_after`: calls
+    of a key before it is captured (a caller whose keys are few and recur, as the batch engine's
+    `BUCKETS`, captures at the first)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_graphs: int = MAX_GRAPHS, capture_after: int = CAPTURE_AFTER) -> None:
+        self.max_graphs, self.capture_after = max_graphs, capture_after
         self._graphs: collections.OrderedDict[Hashable, _Captured] = collections.OrderedDict()
         self._seen: collections.Counter = collections.Counter()
         self._recent: collections.deque = collections.deque(maxlen=RECENT_CALLS)  # keys of the last calls
@@ -173,10 +189,10 @@ class EncoderGraphs:
         self._recent.append(key)
 
     def would_capture(self, key: Hashable) -> bool:
-        """Whether `key`'s graph is due: its shape seen `CAPTURE_AFTER` times, not captured yet,
+        """Whether `key`'s graph is due: its shape seen `capture_after` times, not captured yet,
         no failed capture, and the last `RECENT_CALLS` calls' shapes fit in the graphs kept."""
-        return (key not in self._graphs and key not in self._failed and self._seen[key] >= CAPTURE_AFTER
-                and len(set(self._recent)) <= MAX_GRAPHS)
+        return (key not in self._graphs and key not in self._failed and self._seen[key] >= self.capture_after
+                and len(set(self._recent)) <= self.max_graphs)
 
     def capture(self, key: Hashable, stack: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor],
                 source: torch.Tensor) -> Optional[torch.Tensor]:
@@ -193,7 +209,7 @@ class EncoderGraphs:
                 self._failed.add(key)
                 return None
             self._graphs[key] = captured
-            while len(self._graphs) > MAX_GRAPHS:
+            while len(self._graphs) > self.max_graphs:
                 self._graphs.popitem(last=False)
             return self._replay(key, source)
         finally:
