@@ -124,6 +124,9 @@ def test_private_state_reads_resolve():
     assert common.graphs_captured(model) == 0 and common.decode_graphs(model) == {}
     assert common.kv_pool(model) is not None
     assert common.padded_head_dim(24) == 32
+    eager, graphed = common.batch_encode_paths(model)
+    with torch.no_grad():
+        assert eager([5, 6, 7]).shape == (3, model.config.d_model) and graphed([5, 6, 7]) is None  # CPU: no graphs
     hp.unpatch_model(model)
 
 

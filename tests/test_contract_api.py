@@ -400,7 +400,8 @@ def test_runtime_stats_counts_the_pool_and_graphs():
     hp.patch_model(model, CONFIG)
     try:
         assert hp.runtime_stats(model) == dict(graphs_captured=0, decode_graphs=0, pool_blocks=0, pool_blocks_free=0,
-                                               encoder_graphs=0, encoder_graphs_captured=0, encoder_replays=0)
+                                               encoder_graphs=0, encoder_graphs_captured=0, encoder_replays=0,
+                                               bucket_graphs=0, bucket_graphs_captured=0, bucket_replays=0)
         ids, mask = make_batch([5, 9])
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4)
         stats = hp.runtime_stats(model)

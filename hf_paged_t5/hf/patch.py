@@ -169,7 +169,9 @@ def runtime_stats(model: nn.Module) -> dict[str, int]:
     pool_blocks / pool_blocks_free: KV pool blocks allocated / free now (0 before the first paged call;
         an idle pool holds its scratch block);
     encoder_graphs: standalone encoder forwards kept as graphs now (one per shape, or per padded
-        mask, that recurred); encoder_graphs_captured / encoder_replays: captured / replayed, ever.
+        mask, that recurred); encoder_graphs_captured / encoder_replays: captured / replayed, ever;
+    bucket_graphs / bucket_graphs_captured / bucket_replays: the same of the batch engine's encoder
+        graphs per padded input length (`BatchGenerator`, `OnlineEngine`).
     """
     runtime = getattr(model, _ATTR, None)
     if runtime is None:
@@ -183,4 +185,7 @@ def runtime_stats(model: nn.Module) -> dict[str, int]:
         "encoder_graphs": encoder.num_graphs,
         "encoder_graphs_captured": encoder.captures,
         "encoder_replays": encoder.replays,
+        "bucket_graphs": runtime.bucket_graphs.num_graphs,
+        "bucket_graphs_captured": runtime.bucket_graphs.captures,
+        "bucket_replays": runtime.bucket_graphs.replays,
     }
