@@ -102,7 +102,7 @@ def test_lone_inputs_replay_one_graph_per_bucket_and_give_generate_alone():
 
 def test_what_the_bucket_graphs_leave_to_the_eager_forward(monkeypatch):
     """A chunk of more than GRAPH_CHUNK_INPUTS inputs (a job's first admission), an input past the
-    longest bucket, and LongT5's local attention run the eager packed forward."""
+    longest bucket, an encoder with a hook and LongT5's local attention run the eager packed forward."""
     calls = []
     original = BatchRun._encode_eager
     monkeypatch.setattr(BatchRun, "_encode_eager", lambda self, chunk, pool: calls.append(len(chunk)) or
@@ -116,6 +116,11 @@ def test_what_the_bucket_graphs_leave_to_the_eager_forward(monkeypatch):
     forced = hp.BatchRequest(long, max_new_tokens=3, min_new_tokens=3)
     assert [r.sequences for r in hp.BatchGenerator(model).generate([forced])] == [alone(model, long, 3)]
     assert calls == [1] and model._hf_paged_t5.bucket_graphs.captures == 0
+    calls.clear()
+    hooked = patched()
+    hooked.get_encoder().block[0].register_forward_hook(lambda module, args, out: None)
+    list(hp.BatchGenerator(hooked, max_batch_rows=1, max_new_tokens=2).generate(inputs([5, 9])))
+    assert calls == [1, 1] and hooked._hf_paged_t5.bucket_graphs.captures == 0  # a hook must run on every call
     calls.clear()
     config = LongT5Config(vocab_size=384, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4, local_radius=3,
                           decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)

@@ -266,9 +266,13 @@ class BatchRun:
             hidden = graphs.replay(key, encoder, src)
             if hidden is None:
                 graphs.seen(key)
-                if graphs.would_capture(key):
+                # (a model on several devices or with hooks is told here, before the forward's
+                # bias-table check reads the device: it runs eagerly, with no host sync)
+                if graphs.would_capture(key) and graphs.usable(encoder, device):
                     forward = hf_forward.bucket_forward(runtime, encoder, length)
-                    if forward is not None:
+                    if forward is None:  # (the bias tables differ from HF's: logged once, eager from now on)
+                        graphs.refuse(key)
+                    else:
                         # a cold process: the bucket's kernels compiled at once before its capture runs them
                         runtime.compile_ahead(device, ("batch encoder graph", length), lambda: forward(src))
                         hidden = graphs.capture(key, encoder, forward, src)

@@ -169,6 +169,16 @@ class EncoderGraphs:
         self._watch = watch
         return watch.devices == {device} and not _hooked(watch.modules[1:])  # the stack's own: our forward, inside its hooks
 
+    def usable(self, stack: nn.Module, device: torch.device) -> bool:
+        """Whether graphs of `stack` may run on `device` now (all weights there, no hooks; False
+        while another thread replays): a caller asks before it builds a forward to capture."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            return self._usable(stack, device)
+        finally:
+            self._lock.release()
+
     def replay(self, key: Hashable, stack: nn.Module, source: torch.Tensor) -> Optional[torch.Tensor]:
         """The last_hidden_state of `source` from the graph kept for `key`; None where there is
         none, the weights moved, a hook is set or another thread is replaying."""
@@ -187,6 +197,10 @@ class EncoderGraphs:
             self._seen.clear()
         self._seen[key] += 1
         self._recent.append(key)
+
+    def refuse(self, key: Hashable) -> None:
+        """Never capture `key` (its forward cannot be built): its calls stay eager."""
+        self._failed.add(key)
 
     def would_capture(self, key: Hashable) -> bool:
         """Whether `key`'s graph is due: its shape seen `capture_after` times, not captured yet,
