@@ -1,5 +1,6 @@
-"""Shared test helpers: small T5-family models with real structure and random weights, and a spy
-on the device-resident decode loops. The compare-with-stock oracle is tests/oracle.py."""
+"""Shared test helpers: small T5-family models with real structure and random weights, a spy on the
+device-resident decode loops, and encoder graphs "captured" on the CPU. The compare-with-stock
+oracle is tests/oracle.py."""
 
 from __future__ import annotations
 
@@ -107,6 +108,34 @@ def one_thread_per_module():
     """`one_thread` for a whole test module (`pytestmark = pytest.mark.usefixtures(...)`)."""
     with torch_threads(1):
         yield
+
+
+class _ReplayedOnCpu:
+    """Stands in for a captured encoder graph: replay() runs the captured forward on the static input."""
+
+    def __init__(self, forward, static, out):
+        self.forward, self.static, self.out = forward, static, out
+
+    def replay(self):
+        self.out.copy_(self.forward(self.static))
+
+
+@pytest.fixture
+def cpu_encoder_graphs(monkeypatch):
+    """Encoder graphs on the CPU (`model/encoder_graphs.py`): calls on the CPU may take them, and a
+    "capture" keeps the forward, which each replay runs eagerly; what is left to test is everything
+    around a graph (which call captures, which replays, what the captured forward computes)."""
+    from hf_paged_t5.hf import forward as forward_mod
+    from hf_paged_t5.model import encoder_graphs
+
+    def capture(self, forward, source):
+        static = source.clone()
+        out = forward(static)
+        self.captures += 1
+        return encoder_graphs._Captured(_ReplayedOnCpu(forward, static, out), static, out, forward)
+
+    monkeypatch.setattr(forward_mod, "GRAPH_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(encoder_graphs.EncoderGraphs, "_capture", capture)
 
 
 @pytest.fixture

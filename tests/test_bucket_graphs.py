@@ -25,25 +25,9 @@ pytestmark = pytest.mark.usefixtures("one_thread_per_module")  # conftest: tiny 
 BUCKETS = (8, 16, 32, 64)
 
 
-class _Replayed:
-    def __init__(self, forward, static, out):
-        self.forward, self.static, self.out = forward, static, out
-
-    def replay(self):
-        self.out.copy_(self.forward(self.static))
-
-
 @pytest.fixture(autouse=True)
-def cpu_graphs(monkeypatch):
-    """Graphs "captured" on the CPU, and small buckets (a test model's inputs are short)."""
-    def capture(self, forward, source):
-        static = source.clone()
-        out = forward(static)
-        self.captures += 1
-        return encoder_graphs._Captured(_Replayed(forward, static, out), static, out, forward)
-
-    monkeypatch.setattr(forward_mod, "GRAPH_DEVICE_TYPES", ("cuda", "cpu"))
-    monkeypatch.setattr(encoder_graphs.EncoderGraphs, "_capture", capture)
+def cpu_graphs(cpu_encoder_graphs, monkeypatch):
+    """Encoder graphs "captured" on the CPU (conftest), and small buckets (a test model's inputs are short)."""
     monkeypatch.setattr(encoder_graphs, "BUCKETS", BUCKETS)
 
 
