@@ -78,56 +78,22 @@ def test_the_encoder_pass_runs_the_calls_extra_work_only_inside_that_call(monkey
 
     def fake_pass(device, backend, forward, what, before=None):
         passes.append(what)
-        with torch.no_grad():  # as the real pass
-            forward()
+        forward()
 
     monkeypatch.setattr(runtime_mod, "run_compiled_ahead", fake_pass)
     model = hp.patch_model(make_model("t5"), hp.PagedCacheConfig(block_size=4, backend="torch"))
     runtime = model._hf_paged_t5  # private: the runtime patch_model attaches
-    ran, cpu = [], torch.device("cpu")
-    with runtime.runner.owning(), runtime.also_ahead(cpu, "step-1", lambda: ran.append("extra")):
-        runtime.compile_ahead(cpu, "kind-a", lambda: ran.append("encoder"))
+    ran = []
+    with runtime.runner.owning(), runtime.also_ahead(lambda: ran.append("extra")):
+        runtime.compile_ahead(torch.device("cpu"), "kind-a", lambda: ran.append("encoder"))
     assert ran == ["encoder", "extra"] and passes == ["kind-a"]
-    assert (cpu, "step-1") in runtime.compiled_ahead  # the encoder's pass was that kind's
-    with runtime.also_ahead(cpu, "step-1", lambda: ran.append("extra")):  # not owning: a standalone call
-        runtime.compile_ahead(cpu, "kind-b", lambda: ran.append("encoder"))
-    assert ran == ["encoder", "extra", "encoder"] and passes == ["kind-a", "kind-b"]
+    with runtime.also_ahead(lambda: ran.append("extra")):  # not owning: a standalone call
+        runtime.compile_ahead(torch.device("cpu"), "kind-b", lambda: ran.append("encoder"))
+    assert ran == ["encoder", "extra", "encoder"]
     assert runtime._also_ahead is None
     ids, mask = make_batch([5, 3])
     model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3)  # wiring in place: no error
     assert runtime._also_ahead is None
-
-
-def test_a_first_call_at_a_new_row_count_compiles_its_first_step_ahead(monkeypatch):
-    """The process's first generate() leaves its first decode step to its encoder's pass (one pass);
-    a later call at a row count not seen before (a beam search after greedy calls) runs a pass of its
-    first step before its encoder, whose kind is by then compiled: its step kernels compile at once,
-    not one by one; a row count seen before runs none."""
-    from hf_paged_t5.hf import runtime as runtime_mod
-
-    passes = []
-
-    def fake_pass(device, backend, forward, what, before=None):
-        passes.append(what)
-        with torch.no_grad():  # as the real pass
-            forward()
-
-    monkeypatch.setattr(runtime_mod, "run_compiled_ahead", fake_pass)
-    model = hp.patch_model(make_model("t5"), hp.PagedCacheConfig(block_size=4, backend="torch"))
-    ids = make_batch([6])[0]
-    model.generate(input_ids=ids, max_new_tokens=3)
-    assert passes == ["('encoder', True)"]  # the first step (1 row) ran in the encoder's pass
-    model.generate(input_ids=ids, max_new_tokens=3)
-    model.generate(input_ids=ids, max_new_tokens=3, num_beams=4)
-    assert passes == ["('encoder', True)", "('first decode step', 4)"]
-    model.generate(input_ids=ids, max_new_tokens=3, num_beams=4)
-    runner, steps = model._hf_paged_t5.runner, []  # private: the runtime's decode runner
-    real_step_ahead = runner.step_ahead
-    monkeypatch.setattr(runner, "step_ahead", lambda *a, **kw: steps.append(a[-1]) or real_step_ahead(*a, **kw))
-    padded, mask = make_batch([6, 4])  # two rows, and a padded batch: a new encoder kind
-    model.generate(input_ids=padded, attention_mask=mask, max_new_tokens=3)
-    assert passes[2:] == ["('first decode step', 2)", "('encoder', False)"]
-    assert steps == [6]  # one first-step pass (cross length 6): the encoder's pass leaves it out
 
 
 _COLD_GENERATE = r"""
@@ -162,11 +128,8 @@ first = cold.generate(input_ids=ids, max_new_tokens=8, min_new_tokens=8)
 first_threads, first_passes = list(threads), list(passes)
 warm = hp.patch_model(models[1])
 again = warm.generate(input_ids=ids, max_new_tokens=8, min_new_tokens=8)
-later = threads[len(first_threads):]
-before_beams = len(threads)
-cold.generate(input_ids=ids, max_new_tokens=8, min_new_tokens=8, num_beams=4)
-print(json.dumps(dict(first_threads=first_threads, passes=first_passes, later=later, equal=bool(torch.equal(first, again)),
-                      beam_threads=threads[before_beams:])))
+print(json.dumps(dict(first_threads=first_threads, passes=first_passes, later=threads[len(first_threads):],
+                      equal=bool(torch.equal(first, again)))))
 """
 
 
@@ -175,11 +138,9 @@ print(json.dumps(dict(first_threads=first_threads, passes=first_passes, later=la
 def test_a_cold_generate_compiles_every_kernel_in_its_encoders_pass(tmp_path):
     """A fresh process with an empty Triton cache: the first generate() compiles every kernel on
     the pool, all of them in its encoder's pass (the decode step's own pass, at its capture, finds
-    them compiled), and gives the tokens a second model gets once the kernels are compiled; a first
-    beam search after it compiles what its 4-row step needs on the pool too."""
+    them compiled), and gives the tokens a second model gets once the kernels are compiled."""
     report = run_cold(_COLD_GENERATE, tmp_path)
     assert report["first_threads"], "the cold call compiled nothing: the Triton cache was not empty"
     assert all(name.startswith("hf_paged_t5-compile") for name in report["first_threads"]), report
     assert report["passes"] and report["passes"][0] == len(report["first_threads"]), report
     assert report["later"] == [] and report["equal"], report
-    assert all(name.startswith("hf_paged_t5-compile") for name in report["beam_threads"]), report

@@ -117,10 +117,7 @@ def _paged_generate(runtime, model, original, inputs, generation_config, gen_con
             if loop is not None:
                 kwargs = {**_stop_strings_as_criteria(kwargs, gen_config), "custom_generate": loop}
             ahead = _first_step_ahead(runtime, model, cache, source, source_lens)
-            # (the first decode step's kernels follow the row count: a 1-row step and a 2-4-row
-            # fused layer are different binaries)
-            step_kind = ("first decode step", cache.num_rows)
-            with _encoder_outputs_per_source(model, expand), runtime.also_ahead(source.device, step_kind, ahead):
+            with _encoder_outputs_per_source(model, expand), runtime.also_ahead(ahead):
                 result = original(inputs, generation_config, **kwargs, **{runtime.cache_kwarg: cache})
             # an output that holds the cache gets HF's own, filled from the blocks released below
             result = cache_export.replace_paged_cache(result, cache, model_kwargs.get("attention_mask"), source.shape[1])

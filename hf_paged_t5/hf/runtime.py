@@ -50,8 +50,8 @@ class PagedRuntime:
         self.bucket_graphs = EncoderGraphs(max_graphs=len(BUCKETS), capture_after=1)
         self.tables = bias_mod.BiasTableCache(on_rebuild=self._drop_graphs)  # captured graphs read them
         self.compiled_ahead: set = set()  # the kinds of call `compile_ahead` ran for, with their device
-        # what a generate() call in progress adds to its encoder's pass, and as which kind (`also_ahead`), or None
-        self._also_ahead: Optional[tuple[Callable[[], None], Any]] = None
+        # what a generate() call in progress adds to its encoder's pass (`also_ahead`), or None
+        self._also_ahead: Optional[Callable[[], None]] = None
         self.packed: list = []  # the projection groups `patch_model` packed (`model/packing.py`)
 
     def _drop_graphs(self) -> None:
@@ -73,33 +73,21 @@ class PagedRuntime:
             return
         self.compiled_ahead.add(key)
         extra = self._also_ahead if self.runner.owned_here() else None
-        if extra is not None and (device, extra[1]) in self.compiled_ahead:
-            extra = None  # its kind had a pass already
-        elif extra is not None:
-            self.compiled_ahead.add((device, extra[1]))  # that kind's pass is this one
 
         def everything():
             forward()
             if extra is not None:
-                extra[0]()
+                extra()
 
         # (after Triton's start-up, begun on a thread at import: its sources hashed once, not twice)
         run_compiled_ahead(device, self.config.resolve_backend(device), everything, str(kind),
                            before=triton_start.wait)
 
     @contextlib.contextmanager
-    def also_ahead(self, device: torch.device, kind, work: Callable[[], None]) -> Iterator[None]:
-        """Within (a generate() call, which owns the runner): compile-only launches of what the call
-        will run after its encoder (`work`: its cross K/V store and first decode step), as `kind`.
-        An encoder pass of `compile_ahead` runs them too (their kernels compile on the same pool,
-        at once). A call whose encoder runs no pass (not the first of its encoder's kind, or an
-        encoder graph's replay) runs them as a pass of their own first, where `kind` is new on
-        `device` (a first call at a new row count, e.g. the first beam search after greedy calls,
-        compiles its step's kernels at once, not one by one as its first step meets them); the
-        process's first call leaves them to its encoder's pass."""
-        if any(d == device for d, _ in self.compiled_ahead):
-            self.compile_ahead(device, kind, work)
-        self._also_ahead = (work, kind)
+    def also_ahead(self, work: Callable[[], None]) -> Iterator[None]:
+        """Within (a generate() call, which owns the runner): an encoder pass of `compile_ahead`
+        also runs `work` (compile-only launches of what the call will run after its encoder)."""
+        self._also_ahead = work
         try:
             yield
         finally:
