@@ -447,6 +447,26 @@ def test_prefill_toeplitz_table(block_m, block_n, tile_ranges, band_split, causa
     assert rel_err(out, ref) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("n", [1, 37, 63, 64])
+def test_prefill_bucket_layout_gives_the_lone_rows(n):
+    """The batch engine's encoder graphs (`hf.forward.bucket_forward`): an input of n tokens padded
+    to a bucket of 64, its padding a packed sequence of its own (empty when n is the bucket's length)
+    and max_seqlen the bucket's, gives the input's rows bit for bit as its own launch does."""
+    num_heads, head_dim, bucket = 2, 16, 64
+    query, key, value, _ = packed([bucket], num_heads, head_dim, torch.float32, seed=9)
+    table = torch.randn(num_heads, 2 * 7 + 1, device=DEVICE)
+    config = PrefillConfig(32, 16, 4, 2, band_tiles=True)
+    padded = torch.tensor([0, n, bucket], dtype=torch.int32, device=DEVICE)
+    alone = torch.tensor([0, n], dtype=torch.int32, device=DEVICE)
+    out = prefill(query=query, key=key, value=value, cu_seqlens=padded, max_seqlen=bucket, scale=0.3, bias_table=table,
+                  config=config)
+    want = prefill(query=query[:n], key=key[:n], value=value[:n], cu_seqlens=alone, max_seqlen=n, scale=0.3,
+                   bias_table=table, config=config)
+    assert torch.equal(out[:n], want)
+    ref = prefill_reference(query, key, value, padded, bucket, scale=0.3, bias_table=table)
+    assert rel_err(out, ref) < TOLERANCE[torch.float32]  # the padding's rows too
+
+
 @pytest.mark.parametrize("block_m, block_n", [(16, 16), (32, 16), (64, 16), (16, 32), (32, 32)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_prefill_band_tiles(block_m, block_n, dtype):
