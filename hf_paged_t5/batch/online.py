@@ -37,9 +37,9 @@ import time
 from typing import Any, Callable, Optional
 
 from ..kv.block_manager import PoolExhaustedError
-from ..model.attention import kernel_binaries
 from ..hf import forward as hf_forward
 from ..model import encoder_graphs
+from ..model.attention import kernel_binaries
 from .generator import BatchGenerator, InputItem
 from .requests import BatchRequest, Request
 from .run import BatchRun
@@ -115,7 +115,8 @@ class OnlineEngine:
 
     def warm_up(self, force: bool = False) -> float:
         """Run `WARM_UP_WAVES` of synthetic requests (token ids, 3 new tokens forced) through the
-        engine and wait for them, so the Triton kernels and CUDA graphs of the row counts and input
+        engine, then (where the engine's encoder graphs run) one lone input per `encoder_graphs.BUCKETS`
+        length, and wait for them, so the Triton kernels and CUDA graphs of the row counts and input
         lengths a server meets are built before its first request, not while requests wait behind a
         compile (~1 s each on an H200, a dozen of them). Only on a CUDA device (the CPU backend
         compiles nothing) unless `force`; returns the seconds it took (0.0 when skipped)."""

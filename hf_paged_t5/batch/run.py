@@ -22,6 +22,7 @@ for the step, never for the whole job) and:
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import defaultdict, deque
 from collections.abc import Iterable
@@ -262,24 +263,20 @@ class BatchRun:
             src[:n] = request.ids
             src[length:] = (0, n, length)
             src = upload(torch.from_numpy(src), device)
-            key = (length, device)
-            hidden = graphs.replay(key, encoder, src)
-            if hidden is None:
-                graphs.seen(key)
-                # (a model on several devices or with hooks is told here, before the forward's
-                # bias-table check reads the device: it runs eagerly, with no host sync)
-                if graphs.would_capture(key) and graphs.usable(encoder, device):
-                    forward = hf_forward.bucket_forward(runtime, encoder, length)
-                    if forward is None:  # (the bias tables differ from HF's: logged once, eager from now on)
-                        graphs.refuse(key)
-                    else:
-                        # a cold process: the bucket's kernels compiled at once before its capture runs them
-                        runtime.compile_ahead(device, ("batch encoder graph", length), lambda: forward(src))
-                        hidden = graphs.capture(key, encoder, forward, src)
+            hidden = graphs.serve((length, device), encoder, src, functools.partial(self._bucket_forward, length))
             if hidden is None:
                 return None
             outputs.append(hidden[:n])
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+    def _bucket_forward(self, length: int, src: torch.Tensor):
+        """The capture of bucket `length` (`hf.forward.bucket_forward`; None where the bias tables
+        differ from HF's), its kernels compiled at once first in a cold process."""
+        runtime, device = self.gen.runtime, self.gen.device
+        forward = hf_forward.bucket_forward(runtime, self.gen.model.get_encoder(), length)
+        if forward is not None:
+            runtime.compile_ahead(device, ("batch encoder graph", length), lambda: forward(src))
+        return forward
 
     def _form_groups(self, admitted: list[Request]) -> None:
         """Beam search: one `BeamGroup` per (max length, EOS ids) among requests admitted together."""

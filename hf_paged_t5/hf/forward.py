@@ -195,13 +195,8 @@ def make_encoder_forward(runtime: PagedRuntime, original):
         layout = None if attention_mask is None else (tuple(firsts), tuple(lens))
         key = _graph_key(runtime, self, input_ids, inputs_embeds, kwargs, layout)
         if key is not None:  # (an all-ones mask, and a padded call whose mask recurs, reach their graph here)
-            graphs = runtime.encoder_graphs
-            hidden = graphs.replay(key, self, source)
-            if hidden is None:
-                graphs.seen(key)
-                if graphs.would_capture(key):
-                    captured = _graph_forward(runtime, self, inputs_embeds is not None, attention_mask, source.device)
-                    hidden = None if captured is None else graphs.capture(key, self, captured, source)
+            hidden = runtime.encoder_graphs.serve(key, self, source, lambda src: _graph_forward(
+                runtime, self, inputs_embeds is not None, attention_mask, src.device))
             if hidden is not None:
                 return hidden
         tables, sides = runtime.bias_tables(self, causal=False), runtime.side_tables(self)

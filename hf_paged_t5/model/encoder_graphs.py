@@ -198,9 +198,23 @@ class EncoderGraphs:
         self._seen[key] += 1
         self._recent.append(key)
 
-    def refuse(self, key: Hashable) -> None:
-        """Never capture `key` (its forward cannot be built): its calls stay eager."""
-        self._failed.add(key)
+    def serve(self, key: Hashable, stack: nn.Module, source: torch.Tensor,
+              build: Callable[[torch.Tensor], Optional[Callable[[torch.Tensor], torch.Tensor]]]) -> Optional[torch.Tensor]:
+        """`key`'s graph replayed on `source`; else, once its capture is due (`would_capture`) and
+        graphs of `stack` may run (`usable`, asked before `build` does any work), `build(source)`
+        makes the forward to capture (None: `key` is never captured), captured and replayed now;
+        else None: the caller runs its eager forward. Every call is counted (`seen`)."""
+        hidden = self.replay(key, stack, source)
+        if hidden is not None:
+            return hidden
+        self.seen(key)
+        if not (self.would_capture(key) and self.usable(stack, source.device)):
+            return None
+        forward = build(source)
+        if forward is None:
+            self._failed.add(key)
+            return None
+        return self.capture(key, stack, forward, source)
 
     def would_capture(self, key: Hashable) -> bool:
         """Whether `key`'s graph is due: its shape seen `capture_after` times, not captured yet,

@@ -51,8 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "--no-engine-process: one process, the engine in a thread")
     parser.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=True,
                         help="on a GPU, run a few waves of synthetic requests (1-64 rows, short and 1,100-token "
-                             "inputs) before serving, so that kernel compiles and graph captures happen before the "
-                             "first request, not while requests wait (default); --no-warm-up: serve at once")
+                             "inputs, then one input per encoder length bucket) before serving, so that kernel "
+                             "compiles and graph captures happen before the first request, not while requests "
+                             "wait (default); --no-warm-up: serve at once")
 
 
 def check_options(args: argparse.Namespace) -> None:
