@@ -59,28 +59,55 @@ def test_first_call_of_each_kind_compiles_ahead_once_and_output_is_unchanged(pas
     assert model._hf_paged_t5.compiled_ahead == {(ids.device, ("encoder", True)), (ids.device, ("encoder", False))}
 
 
-def test_a_batch_jobs_first_encoder_chunk_compiles_ahead_once_and_results_are_unchanged(passes):
-    """BatchGenerator's encoder chunks are a kind of their own: the first chunk of the model's first
-    job runs a pass (the packed encoder and a cross K/V store onto scratch slots), later chunks and
-    jobs none, and the results are a job's without the pass."""
+def test_a_batch_job_compiles_ahead_per_new_prefill_configuration_and_results_are_unchanged(passes, monkeypatch):
+    """A BatchGenerator admission runs a pass (its encoder once per prefill configuration of its
+    inputs' lengths, a cross K/V store onto scratch slots, its next decode step) when its inputs
+    need more configurations than every pass before it: the first admission of the model's first
+    job, then an input past a configuration boundary; other admissions and later jobs none. The
+    pass's step has the graph key the next step gets, and the results are a job's without passes."""
     from transformers import T5ForConditionalGeneration
+
+    from hf_paged_t5.batch import run as run_mod
+    from hf_paged_t5.decode.graphs import graph_key
 
     def seq2seq():
         torch.manual_seed(0)
         return T5ForConditionalGeneration(tiny.build_config("tiny", num_layers=2, vocab_size=100)).eval()
 
+    def lengths(attention, dtype, longest):  # a configuration boundary at 10 tokens (the CPU's fp32 has none)
+        return [longest] if longest <= 10 else [10, longest]
+
+    predicted, stepped = [], []
+
+    def predict(cache, rows, self_tokens, cross_tokens):
+        predicted.append(run_mod.predicted_key.__wrapped__(cache, rows, self_tokens, cross_tokens))
+        return predicted[-1]
+
+    predict.__wrapped__ = run_mod.predicted_key
+    monkeypatch.setattr(run_mod, "prefill_lengths", lengths)
+    monkeypatch.setattr(run_mod, "predicted_key", predict)
     g = torch.Generator().manual_seed(1)
     inputs = [torch.randint(2, 100, (n,), generator=g).tolist() for n in (9, 4, 13, 6)]
-    kind = (torch.device("cpu"), ("batch encoder",))
     plain = hp.patch_model(seq2seq(), CPU)
-    plain._hf_paged_t5.compiled_ahead.add(kind)
+    plain._hf_paged_t5.compiled_ahead.update({(torch.device("cpu"), ("batch job", n)) for n in (1, 2)})
     want = [r.sequences for r in hp.BatchGenerator(plain, max_new_tokens=5, max_batch_tokens=20).generate(inputs)]
     assert passes == []
     model = hp.patch_model(seq2seq(), CPU)
+    runner = model._hf_paged_t5.runner
+    decode = runner.decode
+
+    def recording(model_, cache, ids):
+        if len(stepped) < len(predicted):  # the first step after a pass
+            stepped.append(graph_key(cache, ids.shape[0], cache.host_tables()))
+        return decode(model_, cache, ids)
+
+    monkeypatch.setattr(runner, "decode", recording)
     for _ in range(2):
         got = [r.sequences for r in hp.BatchGenerator(model, max_new_tokens=5, max_batch_tokens=20).generate(inputs)]
         assert got == want
-    assert len(passes) == 1 and kind in model._hf_paged_t5.compiled_ahead
+    assert len(passes) == 2  # the 9-token input's admission, then the 13-token one's
+    assert {k for _, k in model._hf_paged_t5.compiled_ahead if k[0] == "batch job"} == {("batch job", 1), ("batch job", 2)}
+    assert stepped == predicted and len(predicted) == 2
     assert model._hf_paged_t5.pool.is_idle()
 
 

@@ -533,6 +533,22 @@ def test_prefill_config_rejects_bad_knobs(knobs, words):
         PrefillConfig(**knobs)
 
 
+@pytest.mark.parametrize("head_dim,dtype", [(64, torch.bfloat16), (64, torch.float16), (128, torch.bfloat16),
+                                             (64, torch.float32)])
+@pytest.mark.parametrize("longest", [1, 77, 1024, 1025, 2000, 4096, 4097, 9000])
+def test_prefill_lengths_hit_every_configuration_once(head_dim, dtype, longest):
+    """`prefill_lengths`: one length per configuration `prefill_config` gives 1..longest tokens
+    (what a compile-only pass runs the encoder at), none past `longest`, shortest first."""
+    from hf_paged_t5.kernels.launch import prefill_lengths
+
+    lengths = prefill_lengths(head_dim, dtype, longest)
+    configs = [prefill_config(head_dim, dtype, n) for n in lengths]
+    assert lengths == sorted(lengths) and 1 <= lengths[0] and lengths[-1] <= longest
+    assert len(set(configs)) == len(configs)
+    probes = {1, longest} | {n + d for n in (1024, 4096) for d in (-1, 0, 1) if 1 <= n + d <= longest}
+    assert {prefill_config(head_dim, dtype, n) for n in probes} == set(configs)
+
+
 def test_prefill_fp16_large_scores_do_not_overflow():
     query, key, value, cu_seqlens = packed([20, 9], 2, 32, torch.float16)
     query = torch.full_like(query, 60.0)

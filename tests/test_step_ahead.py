@@ -27,7 +27,7 @@ def test_predicted_key_is_the_first_steps(source_lens, expand, max_self_tokens, 
     pool = KVPool(config, [LayerSpec(torch.device("cpu"), torch.float32, num_heads=2, head_dim=8)])
     pool.reserve(PagedEncoderDecoderCache.blocks_needed(source_lens, expand, max_self_tokens, pool.block_size))
     cache = PagedEncoderDecoderCache(pool, len(source_lens), expand, max_self_tokens)
-    predicted = predicted_key(cache, max(source_lens))
+    predicted = predicted_key(cache, cache.num_rows, cache.max_self_blocks * block_size, max(source_lens))
     cache.store_cross_plan(source_lens)  # what the encoder's call does next
     assert predicted == graph_key(cache, cache.num_rows, cache.host_tables(), capture=True)
     cache.release()

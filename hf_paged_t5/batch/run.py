@@ -37,6 +37,8 @@ from .rows import DecodeRows
 from ..kv.block_manager import PoolExhaustedError
 from ..hf import forward as hf_forward
 from ..kv.pool import KVPool
+from ..decode.graphs import predicted_key
+from ..model.attention import prefill_lengths
 from ..model.bias import is_local, self_attention
 from ..model.encoder_graphs import bucket_of
 from ..model.stacks import encoder_forward, store_cross_ahead, store_cross_packed, upload
@@ -187,6 +189,7 @@ class BatchRun:
 
     # ---- 2. encoder and cross K/V ---------------------------------------------------------------
     def _encode(self, admitted: list[Request], pool: KVPool) -> None:
+        self._compile_ahead(admitted, pool)
         budget = max(self.gen.encoder_chunk_tokens, len(max(admitted, key=lambda r: len(r.ids)).ids))
         chunk: list[Request] = []
         for request in sorted(admitted, key=lambda r: -len(r.ids)):
@@ -232,17 +235,41 @@ class BatchRun:
         ids[real] = np.concatenate([r.ids for r in chunk])
         ids = upload(torch.from_numpy(ids), device)
         tables = runtime.bias_tables(encoder, causal=False)
-        # a cold process: the job's encoder and cross K/V store compile their kernels at once first
-        # (on the chunk's longest row alone: the kernels' configurations follow its length, not the
-        # row count, and the pass's cuBLAS work runs for real)
-        runtime.compile_ahead(device, ("batch encoder",),
-                              lambda: _encode_ahead(model, runtime, tables, ids[:1], real[:1], pool))
         # the mask stays on the host: the encoder then packs the tokens without reading anything back
         # from the device, so the host queues the encoder behind the decode steps instead of waiting
         # for them to finish
         return encoder_forward(encoder, runtime.ops_for, tables, None, torch.from_numpy(real), input_ids=ids,
                                packed=True, band_memos=runtime.band_memos(encoder),
                                side_tables=runtime.side_tables(encoder))
+
+    def _compile_ahead(self, admitted: list[Request], pool: KVPool) -> None:
+        """A cold process: before an admission's first chunk, the kernels of its encoder chunks,
+        cross K/V stores and next decode step compile at once on a pool, none run
+        (`PagedRuntime.compile_ahead`). The encoder runs once per prefill configuration of inputs up
+        to the longest admitted (`attention.prefill_lengths`; a chunk of shorter inputs launches
+        another binary than the longest's), the step on static buffers of the graph key the rows
+        admitted give it. Once per number of configurations, so a later admission of longer
+        inputs compiles what they add; the pass's cuBLAS work runs for real."""
+        gen, cache = self.gen, self.cache
+        model, runtime, device = gen.model, gen.runtime, gen.device
+        encoder = model.get_encoder()
+        longest = max(len(r.ids) for r in admitted)
+        lengths = prefill_lengths(self_attention(encoder.block[0].layer[0]), encoder.embed_tokens.weight.dtype, longest)
+
+        def ahead() -> None:
+            rows = self.live_rows  # the rows of the next step: the running ones and these
+            # (a table never narrows: the widths the cache has reached count too)
+            key = predicted_key(cache, rows, max(cache.self_width * cache.block_size, max(1 + r.max_new for r in admitted)),
+                                max(cache.cross_width * cache.block_size, longest))
+            tables = runtime.bias_tables(encoder, causal=False)
+            for length in lengths:
+                ids = torch.full((1, length), gen.pad_id, dtype=torch.long, device=device)
+                packed = encoder_forward(encoder, runtime.ops_for, tables, None, torch.ones(1, length, dtype=torch.bool),
+                                         input_ids=ids, packed=True, side_tables=runtime.side_tables(encoder))
+            store_cross_ahead(model.decoder, runtime.ops_for, pool, packed)
+            runtime.runner.step_ahead(model, cache, device, rows, key)
+
+        runtime.compile_ahead(device, ("batch job", len(lengths)), ahead)
 
     def _encode_graphed(self, chunk: list[Request]) -> Optional[torch.Tensor]:
         """The packed encoder output of `chunk` from the runtime's bucket graphs, one replay per
@@ -441,11 +468,3 @@ def _reserve_budget(pool: KVPool, tokens: int, rows: int) -> None:
     logger.info("hf_paged_t5: KV pool reserved for the batch budget of %d tokens: %d blocks (%.1f GiB)",
                 tokens, pool.num_blocks, pool.num_blocks * pool.bytes_per_block() / 2**30)
 
-
-def _encode_ahead(model, runtime, tables, ids: torch.Tensor, real: np.ndarray, pool: KVPool) -> None:
-    """`_encode_chunk`'s launches for a compile-only pass (`PagedRuntime.compile_ahead`): the packed
-    encoder forward (no band-tile memo: its tiles are never built) and the cross K/V store."""
-    encoder = model.get_encoder()
-    packed = encoder_forward(encoder, runtime.ops_for, tables, None, torch.from_numpy(real), input_ids=ids,
-                             packed=True, side_tables=runtime.side_tables(encoder))
-    store_cross_ahead(model.decoder, runtime.ops_for, pool, packed)

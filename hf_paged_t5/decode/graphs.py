@@ -19,14 +19,9 @@ from torch import nn
 from .late_flag import LateFlag
 from ..kv.pool import KVPool, StepMetadata
 from ..model.attention import run_compiled_ahead
+from ..model.encoder_graphs import capture
 
 logger = logging.getLogger(__name__)
-
-# How a capture treats CUDA calls: "thread_local" forbids unsafe calls in the capturing thread only,
-# so another thread's ordinary work on the GPU (a server's request threads building input tensors,
-# a notebook's data loader) neither invalidates a capture nor is refused while one runs; CUDA still
-# refuses a device-wide synchronize during any capture (README, Limits).
-CAPTURE_MODE = "thread_local"
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -43,12 +38,15 @@ def graph_key(cache, rows: int, tables, capture: bool = True) -> tuple[int, int,
     return rows_key, bucket(tables[0].shape[1], 4), bucket(tables[2].shape[1], 4)
 
 
-def predicted_key(cache, cross_tokens: int) -> tuple[int, int, int]:
-    """`graph_key` of a generate() cache's first step, before its cross K/V are stored: its rows,
-    the self width every row owns from the start, and the cross width the longest source's
-    `cross_tokens` real tokens will need."""
-    cross_width = -(-max(cross_tokens, 1) // cache.pool.block_size)
-    return bucket(cache.num_rows, cache.min_graph_rows), bucket(cache.max_self_blocks, 4), bucket(cross_width, 4)
+def predicted_key(cache, rows: int, self_tokens: int, cross_tokens: int) -> tuple[int, int, int]:
+    """`graph_key` of a step of `rows` rows of `cache` before its tables exist: the self table as
+    wide as `self_tokens` need, the cross table as wide as the longest source's `cross_tokens`
+    real tokens need (a generate() cache: its rows, their owned width, before the cross K/V are
+    stored; a batch job: its first admission's rows, decoder lengths and longest input)."""
+    def blocks(tokens: int) -> int:
+        return -(-max(tokens, 1) // cache.pool.block_size)
+
+    return bucket(rows, cache.min_graph_rows), bucket(blocks(self_tokens), 4), bucket(blocks(cross_tokens), 4)
 
 
 @dataclasses.dataclass
@@ -192,14 +190,12 @@ class DecodeGraphs:
             static.meta.self_block_table[:rows, : device_table.shape[1]].copy_(device_table)
         return static
 
-    def run_ahead(self, step_fn, cache, device: torch.device, cross_tokens: int) -> None:
-        """`step_fn` once on new static buffers of the graph key the cache's first step will have
-        (`predicted_key`), where no graph of that key exists: inside a compile-only pass its
-        kernels compile; nothing is kept."""
-        key = predicted_key(cache, cross_tokens)
+    def run_ahead(self, step_fn, pool: KVPool, key: tuple, device: torch.device) -> None:
+        """`step_fn` once on new static buffers of graph key `key` (`predicted_key`), where no
+        graph of that key exists: inside a compile-only pass its kernels compile; nothing is kept."""
         if key in self._graphs:
             return
-        static = self._buffers(cache.pool, key, device)
+        static = self._buffers(pool, key, device)
         step_fn(static.input_ids, lambda _device: static.meta)
 
     @staticmethod
@@ -266,23 +262,20 @@ class DecodeGraphs:
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             _compile_step_ahead(step_fn, static_ids, meta_for, device)
-            for _ in range(2):  # warm up: Triton compiles, cuBLAS picks algorithms, outside the capture
-                warm = step_fn(static_ids, meta_for)
+            # one warm-up outside the capture: Triton's binaries load (and compile, where the pass
+            # above could not run), cuBLAS picks its algorithms
+            warm = step_fn(static_ids, meta_for)
         torch.cuda.current_stream(device).wait_stream(side)
         if self._mempool is None:
             self._mempool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        # captured on the generation stream, not torch.cuda.graph's own: each stream cuBLAS runs on
-        # keeps a workspace of its own (32 MiB on an H200)
-        caller_stream = torch.cuda.current_stream(device)
+        # captured on the generation stream: each stream cuBLAS runs on keeps a workspace of its
+        # own (32 MiB on an H200)
         try:
-            with torch.cuda.graph(graph, pool=self._mempool, stream=side, capture_error_mode=CAPTURE_MODE):
-                logits = step_fn(static_ids, meta_for)
+            logits = capture(graph, lambda: step_fn(static_ids, meta_for), side, self._mempool)
         except RuntimeError as exc:
-            # A capture that fails leaves PyTorch's allocator recording into its pool (and the
-            # capture stream current): later captures take a new pool. This step runs eagerly on
-            # the same buffers (same values).
-            torch.cuda.set_stream(caller_stream)
+            # A capture that fails leaves PyTorch's allocator recording into its pool: later
+            # captures take a new pool. This step runs eagerly on the same buffers (same values).
             self._mempool = None
             torch.cuda.synchronize(device)
             logger.warning("hf_paged_t5: a decode step could not be captured as a CUDA graph (%s); "
@@ -309,8 +302,7 @@ def capture_update(update: Callable[[], None], state: list[torch.Tensor], side: 
     tensor it changes) is undone; the capture itself runs nothing. side: the update stream
     (`Streams.update`) of the tensors' device.
 
-    capture_begin/end rather than `torch.cuda.graph`, whose entry runs gc.collect() and
-    empty_cache(): these captures happen once per generate() call.
+    (`encoder_graphs.capture`: these captures happen once per generate() call.)
     """
     saved = [t.clone() for t in state]
     device = side.device
@@ -322,12 +314,7 @@ def capture_update(update: Callable[[], None], state: list[torch.Tensor], side: 
         t.copy_(s)
     graph = torch.cuda.CUDAGraph()
     side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        graph.capture_begin(capture_error_mode=CAPTURE_MODE)
-        try:
-            update()
-        finally:
-            graph.capture_end()
+    capture(graph, update, side)
     torch.cuda.current_stream(device).wait_stream(side)
     return graph
 

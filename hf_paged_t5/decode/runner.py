@@ -76,14 +76,15 @@ class DecodeRunner:
             plan = self._plans[cache] = self._build_plan(model, cache, device, rows)
         return plan
 
-    def step_ahead(self, model: nn.Module, cache, device: torch.device, cross_tokens: int) -> None:
-        """The first decode step of a call about to start (its plan, a static step of the graph key
-        its first step will have) run once, for a compile-only pass (`kernels/ahead.py`) that
-        also holds its encoder's launches: both passes' kernels then compile at once. Where the
-        plan replays no graph, nothing. cross_tokens: the longest source's real tokens."""
-        plan = self.plan(model, cache, device, cache.num_rows)
+    def step_ahead(self, model: nn.Module, cache, device: torch.device, rows: int, key: tuple) -> None:
+        """The first decode step of a call or job about to start (its plan for `rows` rows, a
+        static step of graph key `key`, the one its first step will have: `graphs.predicted_key`)
+        run once, for a compile-only pass (`kernels/ahead.py`) that also holds its encoder's
+        launches: both passes' kernels then compile at once. Where the plan replays no graph,
+        nothing."""
+        plan = self.plan(model, cache, device, rows)
         if plan.use_graph:
-            self.graphs.run_ahead(plan.step, cache, device, cross_tokens)
+            self.graphs.run_ahead(plan.step, cache.pool, key, device)
 
     def forget(self, cache) -> None:
         """Drop the cache's plan: its next step builds one again (e.g. its row count moved past

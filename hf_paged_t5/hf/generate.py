@@ -14,6 +14,7 @@ from transformers.generation import GenerationMode
 from transformers.generation.stopping_criteria import MaxLengthCriteria, StopStringCriteria, StoppingCriteriaList
 
 from ..decode import beam_graph, greedy_graph
+from ..decode.graphs import predicted_key
 from ..decode.loop import beam_loop, sample_loop
 from ..model.stacks import EMPTY_ROW, mask_rows, store_cross_ahead
 from . import cache_export
@@ -137,7 +138,8 @@ def _first_step_ahead(runtime: PagedRuntime, model: nn.Module, cache: PagedEncod
         packed = torch.zeros(int(sum(source_lens)), runtime.d_model, dtype=model.decoder.embed_tokens.weight.dtype,
                              device=source.device)
         store_cross_ahead(model.decoder, runtime.ops_for, cache.pool, packed)
-        runtime.runner.step_ahead(model, cache, source.device, max(source_lens))
+        key = predicted_key(cache, cache.num_rows, cache.max_self_blocks * cache.block_size, max(source_lens))
+        runtime.runner.step_ahead(model, cache, source.device, cache.num_rows, key)
 
     return ahead
 

@@ -2,7 +2,7 @@
 
 `DecodeConfig` / `decode_config` for `decode.paged_decode`, `PrefillConfig` / `prefill_config`
 for `prefill.prefill`, `LocalConfig` / `local_config` for `local.local_prefill`. The defaults come
-from H200 sweeps (`benchmarks/tune_kernels.py`; `local_config`'s not yet); a caller may pass any
+from H200 sweeps (`benchmarks/tune_kernels.py`; `local_config`'s were not swept); a caller may pass any
 config, and every config computes the same attention.
 """
 
@@ -179,6 +179,21 @@ class PrefillConfig:
         _check_tiles(self, ("block_m", "block_n"))
 
 
+# The sequence lengths past which `prefill_config` picks another configuration (head_dim <= 64).
+PREFILL_LENGTH_STEPS = (1024, 4096)
+
+
+def prefill_lengths(head_dim: int, dtype: torch.dtype, longest: int) -> list[int]:
+    """One sequence length per configuration `prefill_config` gives sequences of 1 to `longest`
+    tokens, shortest first: a compile-only pass that runs the prefill once at each compiles every
+    binary a workload of such sequences launches (lengths are run-time arguments, not part of a
+    binary's specialization)."""
+    chosen: dict = {}
+    for length in sorted({min(step, longest) for step in PREFILL_LENGTH_STEPS} | {max(longest, 1)}):
+        chosen.setdefault(prefill_config(head_dim, dtype, length), length)
+    return sorted(chosen.values())
+
+
 def prefill_config(head_dim: int, dtype: torch.dtype, max_seqlen: int) -> PrefillConfig:
     """Default knobs on a GPU, from the H200 sweep (bf16, 16 heads x 64, bidirectional table).
 
@@ -195,9 +210,9 @@ def prefill_config(head_dim: int, dtype: torch.dtype, max_seqlen: int) -> Prefil
         # IEEE fp32 dots run on FMA units with operands in registers: smaller tiles, one loop.
         return PrefillConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, tile_ranges=False)
     if head_dim <= 64:
-        if max_seqlen <= 1024:
+        if max_seqlen <= PREFILL_LENGTH_STEPS[0]:
             return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=3, band_tiles=True)
-        if max_seqlen <= 4096:
+        if max_seqlen <= PREFILL_LENGTH_STEPS[1]:
             return PrefillConfig(block_m=128, block_n=32, num_warps=8, num_stages=3, band_tiles=True)
         return PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=2, toeplitz=True)
     if head_dim <= 128:

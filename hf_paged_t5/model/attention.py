@@ -59,6 +59,15 @@ def kernel_binaries() -> int:
     return ahead.binaries()
 
 
+def prefill_lengths(attention: nn.Module, dtype: torch.dtype, longest: int) -> list[int]:
+    """One input length per configuration the Triton prefill kernel picks for `attention`'s heads
+    (a T5Attention) at 1 to `longest` tokens (`kernels.launch.prefill_lengths`): what a
+    compile-only pass runs the encoder at to compile each binary inputs of those lengths need."""
+    from ..kernels.launch import prefill_lengths as lengths
+
+    return lengths(attention.key_value_proj_dim, dtype, longest)
+
+
 def run_compiled_ahead(device: torch.device, backend: str, forward: Callable[[], object], what: str,
                        before: Optional[Callable[[], None]] = None) -> None:
     """`forward()` once inside `compile_ahead_for`'s context, where there is one (its kernels

@@ -47,12 +47,32 @@ MAX_SEEN = 1024
 # length) would otherwise capture every length seen twice and drop it before its replays paid
 # for the capture (~2 eager forwards' host time); it stays eager.
 RECENT_CALLS = 32
-CAPTURE_MODE = "thread_local"  # another thread's GPU work does not invalidate a capture (decode/graphs.py)
+# How a capture treats CUDA calls: "thread_local" forbids unsafe calls in the capturing thread only,
+# so another thread's ordinary work on the GPU (a server's request threads building input tensors,
+# a notebook's data loader) neither invalidates a capture nor is refused while one runs; CUDA still
+# refuses a device-wide synchronize during any capture (README, Limits).
+CAPTURE_MODE = "thread_local"
 # The lengths the batch engine pads a lone input to for its encoder graphs (`batch/run.py`): one graph
 # per length serves every input up to it. Steps of 64 up to 512, then about 2^(1/4) apart (at most
 # ~19% of padding where the forward is GPU-bound), up to 4,096 tokens; longer inputs run eagerly.
 BUCKETS = (64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1216, 1472, 1728, 2048, 2432, 2880,
            3456, 4096)
+
+
+def capture(graph: torch.cuda.CUDAGraph, work: Callable[[], object], stream: torch.cuda.Stream,
+            pool=None) -> object:
+    """`work()` recorded into `graph` on `stream` (into the memory pool `pool`, or the graph's
+    own); returns what `work` returned. capture_begin / capture_end, not `torch.cuda.graph`,
+    whose entry synchronizes the device and empties the allocator's device and pinned-host
+    caches: every later allocation would pay cudaMalloc / cudaHostAlloc again (a first call at
+    a new batch size captures two or three graphs). A failed capture raises RuntimeError with
+    the caller's stream current again."""
+    with torch.cuda.stream(stream):
+        graph.capture_begin(*(() if pool is None else (pool,)), capture_error_mode=CAPTURE_MODE)
+        try:
+            return work()
+        finally:
+            graph.capture_end()
 
 
 def bucket_of(length: int) -> Optional[int]:
@@ -266,11 +286,9 @@ class EncoderGraphs:
             self._mempool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self._mempool, stream=side, capture_error_mode=CAPTURE_MODE):
-                out = forward(static)
+            out = capture(graph, lambda: forward(static), side, self._mempool)
         except RuntimeError as exc:
-            torch.cuda.set_stream(caller)  # a failed capture leaves its stream current
-            self._mempool = None  # ... and PyTorch's allocator recording into its pool
+            self._mempool = None  # a failed capture leaves PyTorch's allocator recording into its pool
             torch.cuda.synchronize(device)
             logger.warning("hf_paged_t5: an encoder forward could not be captured as a CUDA graph (%s); "
                            "running it eagerly", exc)
