@@ -177,3 +177,45 @@ def test_overrides_stay_while_any_pass_runs(kernel):
     release.set()
     thread.join(10)
     assert "run" not in jit.__dict__
+
+
+def test_compiles_behind_start_after_the_pass_and_nobody_waits_for_them(monkeypatch):
+    """`compile_behind` inside a pass: its compiles are held while the pass runs, leaving the pass
+    does not wait for them, they then run on daemon threads, and a later launch that finds one's
+    placeholder in Triton's kernel cache waits for it (`FutureKernel.result`); outside a pass,
+    nothing changes."""
+    from triton.runtime._async_compile import active_mode
+
+    monkeypatch.setattr(ahead, "_start_triton", lambda device: None)
+    release, started = threading.Event(), threading.Event()
+
+    def slow_compile():
+        started.set()
+        assert release.wait(10)
+        return "binary"
+
+    with ahead.compile_behind():
+        assert active_mode.get() is None  # outside a pass: launches compile as they come
+    with ahead.compile_ahead(torch.device("cpu")):
+        with ahead.compile_behind():
+            behind = active_mode.get()
+            placeholder = behind.submit("key", slow_compile, lambda kernel: None, lambda future: None)
+        assert active_mode.get() is not behind  # the pass's own mode again
+        assert not started.wait(0.2)  # held while the pass runs
+    assert started.wait(10)  # the pass has returned; the compile runs behind it
+    assert placeholder.future.running()
+    release.set()
+    assert placeholder.result() == "binary"
+    assert all(t.daemon for t in threading.enumerate() if t.name.startswith("hf_paged_t5-compile-behind"))
+
+
+def test_compiles_behind_start_even_when_the_pass_fails(monkeypatch):
+    from triton.runtime._async_compile import active_mode
+
+    monkeypatch.setattr(ahead, "_start_triton", lambda device: None)
+    with pytest.raises(RuntimeError, match="the pass failed"):
+        with ahead.compile_ahead(torch.device("cpu")):
+            with ahead.compile_behind():
+                placeholder = active_mode.get().submit("key", lambda: "binary", lambda k: None, lambda f: None)
+            raise RuntimeError("the pass failed")
+    assert placeholder.result() == "binary"  # a launch waiting on it is never left waiting
