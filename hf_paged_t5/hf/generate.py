@@ -16,7 +16,7 @@ from transformers.generation.stopping_criteria import MaxLengthCriteria, StopStr
 from ..decode import beam_graph, greedy_graph
 from ..decode.graphs import predicted_key
 from ..decode.loop import beam_loop, sample_loop
-from ..model.attention import behind_after, compile_behind
+from ..model.attention import compile_behind
 from ..model.fused_layer import ROW_COUNTS
 from ..model.stacks import EMPTY_ROW, mask_rows, store_cross_ahead
 from . import cache_export
@@ -108,8 +108,7 @@ def _paged_generate(runtime, model, original, inputs, generation_config, gen_con
             max_self_tokens = max(max_self_tokens, c.max_length - 1)
     if model_kwargs.get("decoder_attention_mask") is not None:
         kwargs = {k: v for k, v in kwargs.items() if k != "decoder_attention_mask"}  # all ones: same as none
-    # (what a cold first call compiles behind itself starts once it has returned: `_first_step_ahead`)
-    with behind_after(source.device), runtime.runner.owning(devices), _generation_stream(runtime, devices) as hand_over:
+    with runtime.runner.owning(devices), _generation_stream(runtime, devices) as hand_over:
         cache = None
         try:
             runtime.check_weights()
@@ -147,7 +146,7 @@ def _first_step_ahead(runtime: PagedRuntime, model: nn.Module, cache: PagedEncod
         key = predicted_key(cache, cache.num_rows, self_tokens, cross_tokens)
         runtime.runner.step_ahead(model, cache, source.device, cache.num_rows, key)
         with compile_behind():
-            for rows in sorted(ROW_COUNTS, reverse=True):  # (4 rows first: a beam call's)
+            for rows in ROW_COUNTS:
                 if rows != key[0]:
                     runtime.runner.step_ahead(model, cache, source.device, cache.num_rows,
                                               predicted_key(cache, rows, self_tokens, cross_tokens))

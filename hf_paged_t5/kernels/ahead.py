@@ -14,12 +14,10 @@ starts CUDA's and cuBLAS's handles with one small GEMM (quick where `triton_star
 early; its caller waits for that thread first).
 
 `compile_behind()`, inside a pass: launches whose kernels a later call may need (another row
-count's binaries) compile on threads of their own that start once the pass's own compiles are
-done, or, inside `behind_after()`, once that context is left (a generate() call: after it
-returns); nobody waits for them. Triton keeps each such compile's future in its kernel cache, so
-a later launch of that kernel waits for what is left of the compile (starting the held ones if
-they have not started) instead of compiling it again. An exiting process starts no more of them
-and waits for the ones in progress.
+count's binaries) compile on daemon threads that start once the pass's own compiles are done;
+leaving the pass does not wait for them. Triton keeps each such compile's future in its kernel
+cache, so a later launch of that kernel waits for what is left of the compile instead of
+compiling it again; a process that exits does not wait for them.
 
 Where this Triton lacks `AsyncCompileMode`, on the CPU and under TRITON_INTERPRET=1, `available`
 is False and callers skip the pass. Compile errors inside the pass are dropped: the real call
@@ -52,42 +50,18 @@ except ImportError:  # pragma: no cover - an older Triton: no pass
 
 _COMPILE_ONLY = contextvars.ContextVar("hf_paged_t5_compile_only", default=False)
 _BEHIND = contextvars.ContextVar("hf_paged_t5_compile_behind", default=None)  # the pass's `_Behind`
-# the `_Behind`s of the passes inside a `behind_after` context, started when it is left
-_AFTER = contextvars.ContextVar("hf_paged_t5_compile_behind_after", default=None)
 _WORKERS = min(8, os.cpu_count() or 1)
-# threads compiling behind a call: fewer, since the calls after it compete with them for the interpreter
-_BEHIND_WORKERS = max(1, min(4, (os.cpu_count() or 1) // 2))
 _KERNEL_MODULES = ("decode", "gated_gelu", "gemv", "linear", "local", "prefill", "rmsnorm", "store_kv")
 
 
 class _Process:
     """What every pass of the process shares: the kernels' launch overrides (installed while any
-    pass runs, in any thread), Triton's one-time start-up, and whether the interpreter is
-    exiting (compiles behind a pass start no more; all three are the process's)."""
+    pass runs, in any thread) and Triton's one-time start-up (both are the process's)."""
 
     lock = threading.Lock()
     active = 0  # passes in progress
     started = False
     kernels: Optional[list] = None  # `_kernels()`, once every kernel module is imported
-    exiting = False
-    exit_watched = False
-
-    @classmethod
-    def watch_exit(cls) -> None:
-        """Have the interpreter's shutdown set `exiting` before it joins the threads compiling
-        behind passes (their in-progress compiles then finish; no other starts)."""
-        with cls.lock:
-            if cls.exit_watched:
-                return
-            cls.exit_watched = True
-        try:
-            threading._register_atexit(cls._exit)  # noqa: SLF001 - concurrent.futures' own hook
-        except (AttributeError, RuntimeError):  # an interpreter already shutting down: nothing to start
-            cls.exiting = True
-
-    @classmethod
-    def _exit(cls) -> None:
-        cls.exiting = True
 
 
 def available(device: torch.device) -> bool:
@@ -153,66 +127,37 @@ class _CompileAndLoad(concurrent.futures.ThreadPoolExecutor):
         return super().submit(_compile_and_load, lambda: fn(*args, **kwargs), device)
 
 
-class _Held(concurrent.futures.Future):
-    """The future of a compile held behind a pass: waiting on it starts its `_Behind`, so a launch
-    that needs the kernel before the held compiles were started never waits on nothing."""
-
-    def __init__(self, behind: "_Behind") -> None:
-        super().__init__()
-        self._behind = behind
-
-    def result(self, timeout=None):
-        self._behind.start()
-        return super().result(timeout)
-
-
 class _Behind(concurrent.futures.Executor):
-    """The compiles `compile_behind` submits: held until `start`, then run (`_compile_and_load`) in
-    submission order on up to `_BEHIND_WORKERS` threads of their own. A process that exits starts none of those not yet begun
-    and waits for the ones in progress (`_Process.exiting`), so no compile is cut off mid-way."""
+    """The compiles `compile_behind` submits: held until `start`, then run (with `_compile_and_load`)
+    on daemon threads, so neither the pass nor the process's exit waits for them."""
 
     def __init__(self) -> None:
-        self._held: collections.deque = collections.deque()
-        self._lock = threading.Lock()
-        self._started = False
-        self._running = 0
+        self._held: list = []
 
     def submit(self, fn, /, *args, **kwargs):
-        future = _Held(self)
+        future = concurrent.futures.Future()
         device = torch.cuda.current_device() if torch.cuda.is_available() else -1  # (-1: no device to make current)
-        with self._lock:
-            self._held.append((future, lambda: fn(*args, **kwargs), device))
-        if self._started:
-            self._spawn()
+        self._held.append((future, lambda: fn(*args, **kwargs), device))
         return future
 
     def start(self) -> None:
-        """Run the held compiles (and those submitted later) from now on; again: nothing."""
-        self._started = True
-        self._spawn()
+        work, self._held = collections.deque(self._held), []
 
-    def _spawn(self) -> None:
-        with self._lock:
-            count = min(len(self._held), _BEHIND_WORKERS - self._running)
-            self._running += count
-        if count:
-            _Process.watch_exit()
-        for _ in range(count):
-            threading.Thread(target=self._work, name="hf_paged_t5-compile-behind", daemon=False).start()
-
-    def _work(self) -> None:
-        while True:
-            with self._lock:
-                if not self._held or _Process.exiting:
-                    self._running -= 1
+        def worker():
+            while True:
+                try:
+                    future, compile_fn, device = work.popleft()
+                except IndexError:
                     return
-                future, compile_fn, device = self._held.popleft()
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(_compile_and_load(compile_fn, device))
-            except BaseException as exc:  # noqa: BLE001 - the launch that waits for it raises it
-                future.set_exception(exc)
+                if not future.set_running_or_notify_cancel():
+                    continue
+                try:
+                    future.set_result(_compile_and_load(compile_fn, device))
+                except BaseException as exc:  # noqa: BLE001 - the launch that waits for it raises it
+                    future.set_exception(exc)
+
+        for i in range(min(len(work), _WORKERS)):
+            threading.Thread(target=worker, name=f"hf_paged_t5-compile-behind-{i}", daemon=True).start()
 
 
 def _start_triton(device: torch.device) -> None:
@@ -252,11 +197,7 @@ def compile_ahead(device: torch.device) -> Iterator[None]:
             yield
     finally:
         _BEHIND.reset(behind_token)
-        after = _AFTER.get()
-        if after is not None:
-            after.append(behind)  # started when the call around the pass ends
-        else:
-            behind.start()
+        behind.start()  # (always: a launch may already wait on one of its futures)
         _COMPILE_ONLY.reset(token)
         with _Process.lock:
             _Process.active -= 1
@@ -280,18 +221,3 @@ def compile_behind() -> Iterator[None]:
         yield
     finally:
         _active_mode.reset(token)
-
-
-@contextlib.contextmanager
-def behind_after() -> Iterator[None]:
-    """Within: the compiles behind a pass (`compile_behind`) start when this context is left, not
-    when the pass ends: around a generate() call, they start once it has returned and do not
-    compete with it for the interpreter (a launch that waits on one starts them at once)."""
-    held: list = []
-    token = _AFTER.set(held)
-    try:
-        yield
-    finally:
-        _AFTER.reset(token)
-        for behind in held:
-            behind.start()

@@ -64,19 +64,6 @@ def compile_behind() -> Iterator[None]:
         yield
 
 
-@contextlib.contextmanager
-def behind_after(device: torch.device) -> Iterator[None]:
-    """`kernels.ahead.behind_after` on a CUDA device (the compiles behind a pass inside start when
-    this context is left); elsewhere nothing."""
-    if device.type != "cuda":
-        yield
-        return
-    from ..kernels import ahead
-
-    with ahead.behind_after():
-        yield
-
-
 def kernel_binaries() -> int:
     """`kernels.ahead.binaries()`: the package's Triton binaries loaded in this process; 0 where its
     Triton kernels were never imported (the CPU backend)."""
