@@ -16,8 +16,6 @@ from transformers.generation.stopping_criteria import MaxLengthCriteria, StopStr
 from ..decode import beam_graph, greedy_graph
 from ..decode.graphs import predicted_key
 from ..decode.loop import beam_loop, sample_loop
-from ..model.attention import compile_behind
-from ..model.fused_layer import ROW_COUNTS
 from ..model.stacks import EMPTY_ROW, mask_rows, store_cross_ahead
 from . import cache_export
 from .cache import PagedEncoderDecoderCache
@@ -134,22 +132,14 @@ def _first_step_ahead(runtime: PagedRuntime, model: nn.Module, cache: PagedEncod
                       source_lens) -> Callable[[], None]:
     """What a cold process's encoder pass compiles besides the encoder (`PagedRuntime.compile_ahead`):
     the cross K/V store of this call's real tokens and its first decode step, so their kernels
-    compile on the pool together with the encoder's, not in a second pass after it; and, behind
-    the call (`compile_behind`: after those, nobody waiting), the decode step at the fused
-    layer's other row counts, whose binaries a first beam call or a batch of 2-4 would compile."""
+    compile on the pool together with the encoder's, not in a second pass after it."""
 
     def ahead() -> None:
         packed = torch.zeros(int(sum(source_lens)), runtime.d_model, dtype=model.decoder.embed_tokens.weight.dtype,
                              device=source.device)
         store_cross_ahead(model.decoder, runtime.ops_for, cache.pool, packed)
-        self_tokens, cross_tokens = cache.max_self_blocks * cache.block_size, max(source_lens)
-        key = predicted_key(cache, cache.num_rows, self_tokens, cross_tokens)
+        key = predicted_key(cache, cache.num_rows, cache.max_self_blocks * cache.block_size, max(source_lens))
         runtime.runner.step_ahead(model, cache, source.device, cache.num_rows, key)
-        with compile_behind():
-            for rows in ROW_COUNTS:
-                if rows != key[0]:
-                    runtime.runner.step_ahead(model, cache, source.device, cache.num_rows,
-                                              predicted_key(cache, rows, self_tokens, cross_tokens))
 
     return ahead
 

@@ -13,12 +13,6 @@ first compile, Triton's source hash runs on a thread while this one builds the d
 starts CUDA's and cuBLAS's handles with one small GEMM (quick where `triton_start` began them
 early; its caller waits for that thread first).
 
-`compile_behind()`, inside a pass: launches whose kernels a later call may need (another row
-count's binaries) compile on daemon threads that start once the pass's own compiles are done;
-leaving the pass does not wait for them. Triton keeps each such compile's future in its kernel
-cache, so a later launch of that kernel waits for what is left of the compile instead of
-compiling it again; a process that exits does not wait for them.
-
 Where this Triton lacks `AsyncCompileMode`, on the CPU and under TRITON_INTERPRET=1, `available`
 is False and callers skip the pass. Compile errors inside the pass are dropped: the real call
 compiles that kernel again and raises what it raises.
@@ -26,7 +20,6 @@ compiles that kernel again and raises what it raises.
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import contextlib
 import contextvars
@@ -44,13 +37,10 @@ from ._checks import interpreting
 try:  # triton >= 3.5
     from triton.runtime.jit import JITFunction
     from triton import AsyncCompileMode
-    from triton.runtime._async_compile import active_mode as _active_mode
 except ImportError:  # pragma: no cover - an older Triton: no pass
-    JITFunction = AsyncCompileMode = _active_mode = None
+    JITFunction = AsyncCompileMode = None
 
 _COMPILE_ONLY = contextvars.ContextVar("hf_paged_t5_compile_only", default=False)
-_BEHIND = contextvars.ContextVar("hf_paged_t5_compile_behind", default=None)  # the pass's `_Behind`
-_WORKERS = min(8, os.cpu_count() or 1)
 _KERNEL_MODULES = ("decode", "gated_gelu", "gemv", "linear", "local", "prefill", "rmsnorm", "store_kv")
 
 
@@ -104,60 +94,26 @@ def _run(self, *args, grid, warmup, **kwargs):
     return JITFunction.run(self, *args, grid=grid, warmup=warmup or _COMPILE_ONLY.get(), **kwargs)
 
 
-def _compile_and_load(compile_fn, device: int):
-    """Triton's compile, then the kernel's launcher (a C compile) built and its binary loaded, on
-    `device`: the device that was current where the launch was (a layer of a device map makes its
-    own device current around its launches: `model.attention.OnDevice`)."""
-    with torch.cuda.device(device):
-        kernel = compile_fn()
-        init = getattr(kernel, "_init_handles", None)
-        if init is not None:
-            init()
-    return kernel
-
-
 class _CompileAndLoad(concurrent.futures.ThreadPoolExecutor):
-    """A pool whose compiles also build the kernel's launcher and load its binary."""
+    """A pool whose compiles also build the kernel's launcher (a C compile) and load its binary,
+    on the device that was current where the launch was (a layer of a device map makes its own
+    device current around its launches: `model.attention.OnDevice`)."""
 
     def __init__(self) -> None:
-        super().__init__(max_workers=_WORKERS, thread_name_prefix="hf_paged_t5-compile")
+        super().__init__(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="hf_paged_t5-compile")
 
     def submit(self, fn, /, *args, **kwargs):
         device = torch.cuda.current_device()  # the launching thread's: Triton keyed the compile on it
-        return super().submit(_compile_and_load, lambda: fn(*args, **kwargs), device)
 
+        def compile_and_load():
+            with torch.cuda.device(device):
+                kernel = fn(*args, **kwargs)
+                init = getattr(kernel, "_init_handles", None)
+                if init is not None:
+                    init()
+            return kernel
 
-class _Behind(concurrent.futures.Executor):
-    """The compiles `compile_behind` submits: held until `start`, then run (with `_compile_and_load`)
-    on daemon threads, so neither the pass nor the process's exit waits for them."""
-
-    def __init__(self) -> None:
-        self._held: list = []
-
-    def submit(self, fn, /, *args, **kwargs):
-        future = concurrent.futures.Future()
-        device = torch.cuda.current_device() if torch.cuda.is_available() else -1  # (-1: no device to make current)
-        self._held.append((future, lambda: fn(*args, **kwargs), device))
-        return future
-
-    def start(self) -> None:
-        work, self._held = collections.deque(self._held), []
-
-        def worker():
-            while True:
-                try:
-                    future, compile_fn, device = work.popleft()
-                except IndexError:
-                    return
-                if not future.set_running_or_notify_cancel():
-                    continue
-                try:
-                    future.set_result(_compile_and_load(compile_fn, device))
-                except BaseException as exc:  # noqa: BLE001 - the launch that waits for it raises it
-                    future.set_exception(exc)
-
-        for i in range(min(len(work), _WORKERS)):
-            threading.Thread(target=worker, name=f"hf_paged_t5-compile-behind-{i}", daemon=True).start()
+        return super().submit(compile_and_load)
 
 
 def _start_triton(device: torch.device) -> None:
@@ -190,14 +146,11 @@ def compile_ahead(device: torch.device) -> Iterator[None]:
             for kernel in kernels:
                 kernel.run = types.MethodType(_run, kernel)
         _Process.active += 1
-    token, behind = _COMPILE_ONLY.set(True), _Behind()
-    behind_token = _BEHIND.set(behind)
+    token = _COMPILE_ONLY.set(True)
     try:
         with AsyncCompileMode(pool, ignore_errors=True):
             yield
     finally:
-        _BEHIND.reset(behind_token)
-        behind.start()  # (always: a launch may already wait on one of its futures)
         _COMPILE_ONLY.reset(token)
         with _Process.lock:
             _Process.active -= 1
@@ -205,19 +158,3 @@ def compile_ahead(device: torch.device) -> Iterator[None]:
                 for kernel in kernels:
                     kernel.__dict__.pop("run", None)
         pool.shutdown(wait=True)
-
-
-@contextlib.contextmanager
-def compile_behind() -> Iterator[None]:
-    """Within a `compile_ahead` pass: launches compile after the pass's own compiles, on threads
-    the pass does not wait for (the module docstring). Outside a pass, or where this Triton has no
-    async compile mode: nothing (the kernels compile at their first launch)."""
-    behind = _BEHIND.get()
-    if behind is None or _active_mode is None:
-        yield
-        return
-    token = _active_mode.set(AsyncCompileMode(behind, ignore_errors=True))  # never left: it would wait
-    try:
-        yield
-    finally:
-        _active_mode.reset(token)

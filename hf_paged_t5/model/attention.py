@@ -8,11 +8,10 @@ backend namespace (`hf_paged_t5.reference` or `hf_paged_t5.kernels`) with `store
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import sys
 from types import ModuleType
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -48,20 +47,6 @@ def compile_ahead_for(device: torch.device, backend: str):
     from ..kernels import ahead
 
     return ahead.compile_ahead if ahead.available(device) else None
-
-
-@contextlib.contextmanager
-def compile_behind() -> Iterator[None]:
-    """`kernels.ahead.compile_behind` inside a compile-only pass (its launches compile after the
-    pass's own, on threads nobody waits for); elsewhere, and where the Triton kernels were never
-    imported, nothing."""
-    if f"{__package__.rsplit('.', 1)[0]}.kernels.ahead" not in sys.modules:
-        yield
-        return
-    from ..kernels import ahead
-
-    with ahead.compile_behind():
-        yield
 
 
 def kernel_binaries() -> int:
