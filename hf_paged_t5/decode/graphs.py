@@ -42,7 +42,7 @@ def predicted_key(cache, rows: int, self_tokens: int, cross_tokens: int) -> tupl
     """`graph_key` of a step of `rows` rows of `cache` before its tables exist: the self table as
     wide as `self_tokens` need, the cross table as wide as the longest source's `cross_tokens`
     real tokens need (a generate() cache: its rows, their owned width, before the cross K/V are
-    stored; a batch job: its first admission's rows, decoder lengths and longest input)."""
+    stored; a batch job: the rows after an admission, its decoder lengths and longest input)."""
     def blocks(tokens: int) -> int:
         return -(-max(tokens, 1) // cache.pool.block_size)
 
