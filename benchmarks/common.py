@@ -502,7 +502,7 @@ def batch_encode_paths(model) -> tuple[Callable, Callable]:
     """(eager, graphed): the batch engine's two encoder paths for one lone input, a list of token
     ids -> its packed encoder output [n, d_model]: the eager packed forward, and the bucket graph
     (None where the graphs do not serve the input). Patches `model` if it is not."""
-    # private: `hf_paged_t5.batch.run.BatchRun._encode_eager` / `._encode_graphed`, a job's runtime pool
+    # private: `hf_paged_t5.batch.run.BatchRun._encode_eager` / `._encode_graphed`
     from types import SimpleNamespace
 
     import hf_paged_t5 as hp
@@ -510,10 +510,9 @@ def batch_encode_paths(model) -> tuple[Callable, Callable]:
 
     gen = hp.BatchGenerator(model, max_new_tokens=1)
     run = BatchRun(gen, [])
-    pool = gen.runtime.get_pool(model.decoder)
 
     def eager(ids: list[int]) -> torch.Tensor:
-        return run._encode_eager([SimpleNamespace(ids=ids)], pool)
+        return run._encode_eager([SimpleNamespace(ids=ids)])
 
     def graphed(ids: list[int]):
         return run._encode_graphed([SimpleNamespace(ids=ids)])

@@ -89,8 +89,8 @@ def test_what_the_bucket_graphs_leave_to_the_eager_forward(monkeypatch):
     longest bucket, an encoder with a hook and LongT5's local attention run the eager packed forward."""
     calls = []
     original = BatchRun._encode_eager
-    monkeypatch.setattr(BatchRun, "_encode_eager", lambda self, chunk, pool: calls.append(len(chunk)) or
-                        original(self, chunk, pool))
+    monkeypatch.setattr(BatchRun, "_encode_eager", lambda self, chunk: calls.append(len(chunk)) or
+                        original(self, chunk))
     model = patched()
     many = [hp.BatchRequest(ids, max_new_tokens=2) for ids in inputs([4, 6, 3, 5, 7, 9])]
     list(hp.BatchGenerator(model, max_batch_rows=6).generate(many))

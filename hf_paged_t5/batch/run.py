@@ -38,6 +38,7 @@ from ..kv.block_manager import PoolExhaustedError
 from ..hf import forward as hf_forward
 from ..kv.pool import KVPool
 from ..decode.graphs import predicted_key
+from ..model import attention as attention_ops
 from ..model.attention import prefill_lengths
 from ..model.bias import is_local, self_attention
 from ..model.encoder_graphs import bucket_of
@@ -217,7 +218,7 @@ class BatchRun:
         model, runtime = self.gen.model, self.gen.runtime
         packed = self._encode_graphed(chunk) if len(chunk) <= GRAPH_CHUNK_INPUTS else None
         if packed is None:
-            packed = self._encode_eager(chunk, pool)  # [total_tokens, d_model]
+            packed = self._encode_eager(chunk)  # [total_tokens, d_model]
         slots = []
         for request in chunk:
             request.source, source_slots = self.cache.add_source(len(request.ids))
@@ -225,7 +226,7 @@ class BatchRun:
         slot_mapping = torch.cat(slots)  # [total_tokens] int64, source by source as packed
         store_cross_packed(model.decoder, runtime.ops_for, pool, packed, slot_mapping)
 
-    def _encode_eager(self, chunk: list[Request], pool: KVPool) -> torch.Tensor:
+    def _encode_eager(self, chunk: list[Request]) -> torch.Tensor:
         """The packed encoder forward over `chunk`: [total_tokens, d_model], source by source."""
         model, runtime, device = self.gen.model, self.gen.runtime, self.gen.device
         encoder = model.get_encoder()
@@ -252,6 +253,8 @@ class BatchRun:
         inputs compiles what they add; the pass's cuBLAS work runs for real."""
         gen, cache = self.gen, self.cache
         model, runtime, device = gen.model, gen.runtime, gen.device
+        if attention_ops.compile_ahead_for(device, runtime.config.resolve_backend(device)) is None:
+            return  # no pass here (the CPU, an older Triton): nothing to size, no Triton import
         encoder = model.get_encoder()
         longest = max(len(r.ids) for r in admitted)
         lengths = prefill_lengths(self_attention(encoder.block[0].layer[0]), encoder.embed_tokens.weight.dtype, longest)
