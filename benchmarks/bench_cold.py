@@ -73,9 +73,10 @@ def worker(args) -> dict:
     rows = {}
     with common.TritonCompiles() as compiles, common.FallbackLog() as fallbacks:
         def measure(label, fn):
-            compiled, captured = compiles.count, common.graphs_captured(model)
+            compiled, hits, captured = compiles.count, compiles.cache_hits, common.graphs_captured(model)
             seconds, result = common.timed(fn, device)
             rows[label] = dict(seconds=seconds, triton_compiles=compiles.count - compiled,
+                               triton_cache_hits=compiles.cache_hits - hits,
                                graphs_captured=common.graphs_captured(model) - captured)
             return result
 
@@ -87,15 +88,24 @@ def worker(args) -> dict:
                 measure(label, lambda: model.generate(input_ids=ids, attention_mask=mask, num_beams=kw["num_beams"],
                                                       do_sample=False, max_new_tokens=args.new_tokens,
                                                       min_new_tokens=args.new_tokens))
-    return dict(rows=rows, fallback_reasons=sorted(set(fallbacks.reasons)))
+    return dict(rows=rows, fallback_reasons=sorted(set(fallbacks.reasons)), compiles_sent=common.compiles_sent())
+
+
+def fresh_env(args, cache: str) -> dict:
+    """A fresh process's environment: its own Triton cache, this repository first on the path,
+    `--compile-workers` where given."""
+    env = {**os.environ, "TRITON_CACHE_DIR": cache,
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(common.REPO), str(common.BENCH),
+                                                       os.environ.get("PYTHONPATH")]))}
+    if args.compile_workers is not None:
+        env["HF_PAGED_T5_COMPILE_WORKERS"] = str(args.compile_workers)
+    return env
 
 
 def fresh_process(system: str, args) -> dict:
     """`worker` of `system` in a new interpreter with a new, empty Triton cache."""
     cache = tempfile.mkdtemp(prefix="triton-cold-")
-    env = {**os.environ, "TRITON_CACHE_DIR": cache,
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(common.REPO), str(common.BENCH),
-                                                       os.environ.get("PYTHONPATH")]))}
+    env = fresh_env(args, cache)
     argv = [sys.executable, __file__, "--worker", system, "--shape", args.shape, "--device", args.device,
             "--batch", str(args.batch), "--new-batch", str(args.new_batch), "--beams", str(args.beams),
             "--src-len", str(args.src_len), "--new-tokens", str(args.new_tokens)]
@@ -121,6 +131,7 @@ def summarize(runs: dict[str, list[dict]], args) -> list[dict]:
             row[f"{system}_runs_s"] = [r["seconds"] for r in found]
         patched = [run["rows"][label] for run in runs["patched"]]
         row["triton_compiles"] = max(r["triton_compiles"] for r in patched)
+        row["triton_cache_hits"] = max(r.get("triton_cache_hits", 0) for r in patched)
         row["graphs_captured"] = max(r["graphs_captured"] for r in patched)
         stock, paged = row["stock_s"], row["patched_s"]
         row["patched_over_stock"] = paged / stock if stock else None
@@ -140,9 +151,7 @@ def batch_job(args) -> dict:
     """bench_batch.py --defaults in a fresh process with an empty Triton cache: its first and second
     jobs against static batches and HF, and where its report is."""
     cache, folder = tempfile.mkdtemp(prefix="triton-cold-"), tempfile.mkdtemp(prefix="cold-batch-")
-    env = {**os.environ, "TRITON_CACHE_DIR": cache,
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(common.REPO), str(common.BENCH),
-                                                       os.environ.get("PYTHONPATH")]))}
+    env = fresh_env(args, cache)
     argv = [sys.executable, str(common.BENCH / "bench_batch.py"), "--defaults", "--shape", args.shape,
             "--device", args.device, "--out", folder]
     if args.shape == "tiny":
@@ -167,9 +176,11 @@ def batch_job(args) -> dict:
 
 def print_table(rows: list[dict], args) -> None:
     common.print_table(
-        ["call", "stock HF s", "patched s", "patched / stock", "Triton compiles", "graphs captured"],
+        ["call", "stock HF s", "patched s", "patched / stock", "Triton compiles", "of them cache hits",
+         "graphs captured"],
         ([r["call"], common.fmt(r["stock_s"], ".3f"), common.fmt(r["patched_s"], ".3f"),
-          common.fmt(r["patched_over_stock"], ".2f"), r["triton_compiles"], r["graphs_captured"]] for r in rows),
+          common.fmt(r["patched_over_stock"], ".2f"), r["triton_compiles"], r["triton_cache_hits"],
+          r["graphs_captured"]] for r in rows),
         title=f"{args.shape} layout on {args.device}, {args.src_len}-token inputs, {args.new_tokens} new tokens; "
               f"medians of {args.repeats} fresh processes each, Triton cache empty")
     first = [r for r in rows if r["call"].startswith("first") and r["patched_over_stock"] is not None]
@@ -193,6 +204,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="inputs of the batch job (default: bench_batch's, 2000; 40 with --shape tiny)")
     ap.add_argument("--batch-time-budget", type=float, default=None,
                     help="seconds for the batch job, roughly (default: bench_batch's --time-budget)")
+    ap.add_argument("--compile-workers", type=int, default=None,
+                    help="HF_PAGED_T5_COMPILE_WORKERS of the fresh processes (default: the package's own)")
     ap.add_argument("--out", default=None, help="folder for cold.json (default: benchmarks/results/<date>-<gpu>)")
     ap.add_argument("--worker", choices=SYSTEMS, default=None, help=argparse.SUPPRESS)  # one fresh process's part
     args = ap.parse_args(argv)

@@ -332,12 +332,16 @@ def num_sms(device: torch.device) -> int:
 
 class TritonCompiles:
     """Counts Triton kernel compilations while entered (a JIT compile is a one-time stall of ~0.1-1 s);
-    counts nothing where this Triton has no post-compile hook (or there is no Triton)."""
+    counts nothing where this Triton has no post-compile hook (or there is no Triton). `cache_hits`:
+    the compiles that read their binary from Triton's cache (one a compile worker wrote, say),
+    where this Triton has a compilation listener."""
 
     def __init__(self) -> None:
         self.count = 0
+        self.cache_hits = 0
         self._knobs = None
         self._previous = None
+        self._listener = None
 
     def __enter__(self) -> TritonCompiles:
         try:
@@ -352,11 +356,21 @@ class TritonCompiles:
             return previous(*args, **kwargs) if previous else None
 
         knobs.runtime.jit_post_compile_hook = hook
+        if hasattr(knobs.compilation, "listener"):
+            listener = self._listener = knobs.compilation.listener
+
+            def listen(*args, **kwargs):
+                self.cache_hits += bool(kwargs.get("cache_hit"))
+                return listener(*args, **kwargs) if listener else None
+
+            knobs.compilation.listener = listen
         return self
 
     def __exit__(self, *exc) -> None:
         if self._knobs is not None:
             self._knobs.runtime.jit_post_compile_hook = self._previous
+            if hasattr(self._knobs.compilation, "listener"):
+                self._knobs.compilation.listener = self._listener
 
 
 class FallbackLog(logging.Handler):
@@ -458,6 +472,13 @@ def random_inputs(batch: int, src_len: int, device="cuda", vocab_size: int = 320
 def _runtime(model):
     # private: the runtime patch_model attaches as `model._hf_paged_t5` (None when unpatched)
     return getattr(model, "_hf_paged_t5", None)
+
+
+def compiles_sent() -> int:
+    """Compiles this process sent to hf_paged_t5's compile worker processes (0 where it has none)."""
+    module = sys.modules.get("hf_paged_t5.kernels.compile_workers")
+    sent = getattr(module, "sent", None)
+    return sent() if sent is not None else 0
 
 
 def graphs_captured(model) -> int:

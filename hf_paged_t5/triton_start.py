@@ -4,7 +4,8 @@ Before its first compile in a process, Triton hashes its own sources and librari
 key (0.8 s on an H200 machine) and builds its CUDA driver module with the C compiler (0.55 s with
 an empty cache). `start()` does both on a daemon thread when torch is already imported and sees a
 GPU (`torch.cuda.is_available()`, which starts CUDA's driver but makes no context), so they
-overlap what a user does next (loading the checkpoint, moving it to the GPU); `import hf_paged_t5`
+overlap what a user does next (loading the checkpoint, moving it to the GPU); the same thread
+launches the compile worker processes (`kernels/compile_workers.py`) first. `import hf_paged_t5`
 calls it, and so does `patch_model`. A process that imports hf_paged_t5 before torch (the CLI),
 runs without a GPU or under TRITON_INTERPRET=1 starts nothing at import.
 `HF_PAGED_T5_EARLY_TRITON=0` turns it off. `wait()` returns once it is done (the first compile
@@ -32,6 +33,9 @@ def _work() -> None:
 
         if not torch.cuda.is_available():
             return
+        from .kernels import compile_workers
+
+        compile_workers.start()  # their start-up (~2 s) overlaps the model's load too
         import triton
         from triton.runtime.cache import triton_key
 

@@ -16,6 +16,8 @@ from transformers.generation.stopping_criteria import MaxLengthCriteria, StopStr
 from ..decode import beam_graph, greedy_graph
 from ..decode.graphs import predicted_key
 from ..decode.loop import beam_loop, sample_loop
+from ..model.attention import compile_elsewhere
+from ..model.fused_layer import ROW_COUNTS
 from ..model.stacks import EMPTY_ROW, mask_rows, store_cross_ahead
 from . import cache_export
 from .cache import PagedEncoderDecoderCache
@@ -132,14 +134,22 @@ def _first_step_ahead(runtime: PagedRuntime, model: nn.Module, cache: PagedEncod
                       source_lens) -> Callable[[], None]:
     """What a cold process's encoder pass compiles besides the encoder (`PagedRuntime.compile_ahead`):
     the cross K/V store of this call's real tokens and its first decode step, so their kernels
-    compile on the pool together with the encoder's, not in a second pass after it."""
+    compile on the pool together with the encoder's, not in a second pass after it; and, where
+    the process has compile workers, the step at the fused layer's other row counts (a beam call's
+    4 first), compiled there for the calls that come later while this one runs."""
 
     def ahead() -> None:
         packed = torch.zeros(int(sum(source_lens)), runtime.d_model, dtype=model.decoder.embed_tokens.weight.dtype,
                              device=source.device)
         store_cross_ahead(model.decoder, runtime.ops_for, cache.pool, packed)
-        key = predicted_key(cache, cache.num_rows, cache.max_self_blocks * cache.block_size, max(source_lens))
+        self_tokens, cross_tokens = cache.max_self_blocks * cache.block_size, max(source_lens)
+        key = predicted_key(cache, cache.num_rows, self_tokens, cross_tokens)
         runtime.runner.step_ahead(model, cache, source.device, cache.num_rows, key)
+        with compile_elsewhere(source.device) as sending:
+            for rows in sorted(ROW_COUNTS, reverse=True) if sending else ():
+                other = predicted_key(cache, rows, self_tokens, cross_tokens)
+                if other[0] != key[0]:
+                    runtime.runner.step_ahead(model, cache, source.device, cache.num_rows, other)
 
     return ahead
 

@@ -13,6 +13,12 @@ first compile, Triton's source hash runs on a thread while this one builds the d
 starts CUDA's and cuBLAS's handles with one small GEMM (quick where `triton_start` began them
 early; its caller waits for that thread first).
 
+`compile_elsewhere()`, inside a pass: launches whose binaries a later call may need (another row
+count's) compile in the worker processes (`compile_workers`), not on the pool; leaving the pass
+does not wait for them. Each one's future goes into the kernel's cache at once (Triton 3.6 puts a
+pass's futures there only once they finish), so the later launch finds it and reads the worker's
+binary from Triton's cache, or waits for the worker, or compiles it itself if no worker began it.
+
 Where this Triton lacks `AsyncCompileMode`, on the CPU and under TRITON_INTERPRET=1, `available`
 is False and callers skip the pass. Compile errors inside the pass are dropped: the real call
 compiles that kernel again and raises what it raises.
@@ -23,6 +29,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import contextvars
+import inspect
 import os
 import sys
 import threading
@@ -34,11 +41,14 @@ import triton
 
 from ._checks import interpreting
 
+from . import compile_workers
+
 try:  # triton >= 3.5
     from triton.runtime.jit import JITFunction
     from triton import AsyncCompileMode
+    from triton.runtime._async_compile import FutureKernel, active_mode as _active_mode
 except ImportError:  # pragma: no cover - an older Triton: no pass
-    JITFunction = AsyncCompileMode = None
+    JITFunction = AsyncCompileMode = FutureKernel = _active_mode = None
 
 _COMPILE_ONLY = contextvars.ContextVar("hf_paged_t5_compile_only", default=False)
 _KERNEL_MODULES = ("decode", "gated_gelu", "gemv", "linear", "local", "prefill", "rmsnorm", "store_kv")
@@ -158,3 +168,57 @@ def compile_ahead(device: torch.device) -> Iterator[None]:
                 for kernel in kernels:
                     kernel.__dict__.pop("run", None)
         pool.shutdown(wait=True)
+
+
+if AsyncCompileMode is not None:
+
+    class _Elsewhere(AsyncCompileMode):
+        """Triton's async-compile mode with its compiles sent to the worker processes; a compile
+        the pass's own mode (`outer`) already runs is that one's."""
+
+        def __init__(self, outer) -> None:
+            super().__init__(None)
+            self.outer = outer
+
+        def submit(self, key, compile_fn, finalize_fn, cleanup_fn=None):
+            kernel = self.future_kernels.get(key) or getattr(self.outer, "future_kernels", {}).get(key)
+            if kernel is None:
+                future = compile_workers.submit(key, compile_fn)
+                params = inspect.signature(FutureKernel).parameters
+                kernel = (FutureKernel(finalize_fn, cleanup_fn or (lambda _kernel: None), future)
+                          if "cleanup_compile" in params else FutureKernel(finalize_fn, future))
+                _into_kernel_cache(kernel, finalize_fn)
+                self.future_kernels[key] = kernel
+            return kernel
+
+
+def _into_kernel_cache(kernel, finalize_fn) -> None:
+    """Put a compile's future in its kernel's cache now, where a later launch finds it: through
+    Triton's `finalize_compile` closure's own cache and key, or (another Triton's closure) by
+    calling it, which also runs the post-compile hook early."""
+    try:
+        names = inspect.getclosurevars(finalize_fn).nonlocals
+        names["kernel_cache"][names["key"]] = kernel
+    except (KeyError, TypeError):
+        finalize_fn(kernel)
+
+
+def elsewhere_available() -> bool:
+    """Whether `compile_elsewhere` sends compiles anywhere (this process has compile workers)."""
+    return AsyncCompileMode is not None and compile_workers.running()
+
+
+@contextlib.contextmanager
+def compile_elsewhere() -> Iterator[bool]:
+    """Inside a pass (`compile_ahead`): this thread's launches compile in the worker processes and
+    nothing here waits for them (see the module docstring). Yields whether they do: False outside
+    a pass or without workers, where a caller launches nothing inside (those launches would
+    compile on the pass's pool, like its own)."""
+    if not _COMPILE_ONLY.get() or not elsewhere_available():
+        yield False
+        return
+    token = _active_mode.set(_Elsewhere(_active_mode.get()))
+    try:
+        yield True
+    finally:
+        _active_mode.reset(token)

@@ -8,10 +8,11 @@ backend namespace (`hf_paged_t5.reference` or `hf_paged_t5.kernels`) with `store
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from types import ModuleType
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -47,6 +48,19 @@ def compile_ahead_for(device: torch.device, backend: str):
     from ..kernels import ahead
 
     return ahead.compile_ahead if ahead.available(device) else None
+
+
+@contextlib.contextmanager
+def compile_elsewhere(device: torch.device) -> Iterator[bool]:
+    """`kernels.ahead.compile_elsewhere` on a CUDA device (inside a compile-only pass, launches
+    compile in the compile worker processes; yields whether they do); elsewhere it yields False."""
+    if device.type != "cuda" or f"{__package__.rsplit('.', 1)[0]}.kernels.ahead" not in sys.modules:
+        yield False
+        return
+    from ..kernels import ahead
+
+    with ahead.compile_elsewhere() as sending:
+        yield sending
 
 
 def kernel_binaries() -> int:

@@ -31,6 +31,10 @@ from torch import nn
 from . import attention as attn_ops
 from ..kv.pool import KVPool, StepMetadata
 
+# The row counts the fused layer's binaries are compiled for: its projections (`kernels/linear.py`)
+# compile one per power of two of rows up to `MAX_ROWS`; a captured step's rows are one of them.
+ROW_COUNTS = (1, 2, 4)
+
 
 def _inactive(dropout: nn.Module) -> bool:
     return type(dropout) is nn.Dropout and attn_ops.unhooked(dropout) and not (dropout.training and dropout.p)

@@ -1,0 +1,347 @@
+"""Compile workers: Triton compiles in processes of their own, for binaries a later call needs.
+
+A Triton compile holds this interpreter's lock for most of its ~1 s (its LLVM lowering runs under
+it), so compiling on threads behind a call slows every call that runs meanwhile. A worker process
+compiles into Triton's cache directory instead; the launch that needs the binary later finds it
+there (a cache hit: the files read, the module loaded, milliseconds).
+
+`start()` launches up to `count()` workers (`HF_PAGED_T5_COMPILE_WORKERS`; by default half the
+CPU cores, at most 8, none on fewer than 4 cores; 0 turns them off). `triton_start` calls it at
+import where torch is imported and sees a GPU, so the workers' own start-up (importing torch,
+Triton and this package's kernel modules, not the package: ~2 s) overlaps loading the model.
+A worker runs at a lower priority, compiles what it is sent with the sender's target, options and
+cache-invalidating environment, also builds the kernel's C launcher into the cache, and exits when
+its input closes, or after `IDLE_S` seconds without work.
+
+`submit(key, compile_fn)` sends the compile that `compile_fn` (Triton's own closure over its
+source, target and options; `key`: Triton's cache key of it) would run to a worker, and returns a
+future whose `result()` runs `compile_fn()` in the caller once the worker is done: Triton's cache
+hit. A compile no worker has begun when its result is asked for (all busy, none ready yet) is
+taken back and compiled there; one whose worker failed, died, or reported another cache key than
+this process's is compiled there too. So a result is always this process's own compile's,
+wherever the work ran.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import concurrent.futures
+import hashlib
+import importlib
+import inspect
+import logging
+import os
+import pickle
+import select
+import struct
+import subprocess
+import sys
+import threading
+import types
+import warnings
+from typing import Callable, Optional
+
+logger = logging.getLogger(__name__)
+
+IDLE_S = 300.0  # a worker with nothing to do for this long exits (its memory goes back)
+_PACKAGE = __name__.rsplit(".", 2)[0]  # "hf_paged_t5"
+_HEADER = struct.Struct("<I")
+
+
+def count() -> int:
+    """Workers `start()` launches: `HF_PAGED_T5_COMPILE_WORKERS` if set (0: none), else half the
+    CPU cores, at most 8, none on a machine of fewer than 4 (the calls' own threads need them)."""
+    value = os.environ.get("HF_PAGED_T5_COMPILE_WORKERS")
+    if value is not None:
+        try:
+            return max(0, int(value))
+        except ValueError:
+            raise ValueError(f"HF_PAGED_T5_COMPILE_WORKERS must be a whole number of processes (0: none), "
+                             f"got {value!r}") from None
+    cores = os.cpu_count() or 1
+    return 0 if cores < 4 else min(8, cores // 2)
+
+
+def _send(fd: int, message) -> None:
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    view = memoryview(_HEADER.pack(len(data)) + data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _receive(fd: int):
+    """The next message on `fd`, or None at its end."""
+    def exactly(n: int) -> Optional[bytes]:
+        chunks = []
+        while n:
+            chunk = os.read(fd, n)
+            if not chunk:
+                return None
+            chunks.append(chunk)
+            n -= len(chunk)
+        return b"".join(chunks)
+
+    header = exactly(_HEADER.size)
+    if header is None:
+        return None
+    body = exactly(_HEADER.unpack(header)[0])
+    return None if body is None else pickle.loads(body)
+
+
+# ---- the parent's side ------------------------------------------------------------------------
+class _Job:
+    """One compile sent out: queued (no worker has it), running, taken (back, compiled by the
+    parent), or finished (`ok`: the worker wrote the binary under the parent's cache key; not
+    `ok`: it failed, `error` says why, or it exited first)."""
+
+    def __init__(self, job_id: int, key_hash: str, spec: dict, compile_fn: Callable) -> None:
+        self.id, self.hash, self.spec, self.compile_fn = job_id, key_hash, spec, compile_fn
+        self.state = "queued"
+        self.ok = False
+        self.error = ""  # what the worker reported, where it failed
+        self.finished = threading.Event()
+
+
+class _Worker:
+    def __init__(self, process: subprocess.Popen) -> None:
+        self.process = process
+        self.ready = False
+        self.job: Optional[_Job] = None
+
+
+class _Pool:
+    """The process's workers and their queue (the workers are the process's, not a model's)."""
+
+    lock = threading.Lock()
+    started = False
+    pid = 0  # the process that started them (a forked child has none: their pipes are the parent's)
+    workers: list = []
+    queue: collections.deque = collections.deque()
+    next_id = 0
+    sent = 0  # compiles handed to the workers' queue
+
+    @classmethod
+    def dispatch(cls) -> None:
+        """Hand queued jobs to ready, idle workers (called with `lock` held)."""
+        for worker in cls.workers:
+            if not cls.queue:
+                return
+            if worker.ready and worker.job is None:
+                job = cls.queue.popleft()
+                try:
+                    _send(worker.process.stdin.fileno(), (job.id, job.spec))
+                except OSError:  # a worker that died: the reader thread removes it
+                    cls.queue.appendleft(job)
+                    continue
+                job.state, worker.job = "running", job
+
+
+class RemoteFuture(concurrent.futures.Future):
+    """The result of a compile sent to the workers: see the module docstring."""
+
+    def __init__(self, job: _Job) -> None:
+        super().__init__()
+        self._job = job
+        self._loading = threading.Lock()
+
+    def result(self, timeout=None):
+        with self._loading:
+            if not self.done():
+                job = self._job
+                with _Pool.lock:
+                    if job.state == "queued":
+                        _Pool.queue.remove(job)
+                        job.state = "taken"
+                if job.state != "taken":
+                    job.finished.wait()
+                    if not job.ok:
+                        logger.debug("%s: compiled here, the worker did not (%s)", job.spec["name"],
+                                     job.error or "another cache key, or the worker exited")
+                try:
+                    self.set_result(job.compile_fn())  # a cache hit where the worker wrote it
+                except BaseException as exc:  # noqa: BLE001 - the launch that waits raises it
+                    self.set_exception(exc)
+        return super().result(timeout)
+
+
+def pending() -> int:
+    """Compiles sent to this process's workers that are not finished (queued or running)."""
+    with _Pool.lock:
+        return len(_Pool.queue) + sum(worker.job is not None for worker in _Pool.workers)
+
+
+def sent() -> int:
+    """Compiles this process has sent to its workers so far."""
+    with _Pool.lock:
+        return _Pool.sent
+
+
+def running() -> bool:
+    """Whether any worker of this process is alive (started, not exited)."""
+    with _Pool.lock:
+        return bool(_Pool.workers) and _Pool.pid == os.getpid()
+
+
+def start() -> None:
+    """Launch the workers (once per process; `count()` of them; none where Triton is not importable)."""
+    with _Pool.lock:
+        if _Pool.started:
+            return
+        _Pool.started, _Pool.pid = True, os.getpid()
+    n = count()
+    if n == 0:
+        return
+    try:
+        import triton
+
+        cache_dir = triton.knobs.cache.dir
+    except (ImportError, AttributeError):
+        return
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "TRITON_CACHE_DIR": cache_dir}
+    argv = [sys.executable, os.path.abspath(__file__), root, _PACKAGE]
+    for _ in range(n):
+        try:
+            process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                       stderr=subprocess.DEVNULL, env=env, close_fds=True)
+        except OSError as exc:
+            logger.debug("no compile worker: %s", exc)
+            break
+        worker = _Worker(process)
+        with _Pool.lock:
+            _Pool.workers.append(worker)
+        threading.Thread(target=_read, args=(worker,), name="hf_paged_t5-compile-worker", daemon=True).start()
+    atexit.register(stop)
+
+
+def stop() -> None:
+    """End the workers (at exit; safe mid-compile: Triton writes a cache entry under a temporary
+    name and renames it)."""
+    with _Pool.lock:
+        workers = list(_Pool.workers)
+    for worker in workers:
+        try:
+            worker.process.kill()
+            worker.process.wait(timeout=5)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+
+
+def _read(worker: _Worker) -> None:
+    """A worker's messages: ready, then one per job; at its end, it is gone."""
+    fd = worker.process.stdout.fileno()
+    while True:
+        try:
+            message = _receive(fd)
+        except (OSError, pickle.UnpicklingError, EOFError):
+            message = None
+        with _Pool.lock:
+            if message is None:
+                _Pool.workers.remove(worker)
+                job, worker.job = worker.job, None
+                if job is not None:
+                    job.ok, job.state = False, "finished"
+                    job.finished.set()
+                return
+            if message[0] == "ready":
+                worker.ready = True
+            else:
+                job_id, ok, key_hash, error = message
+                job, worker.job = worker.job, None
+                if job is not None and job.id == job_id:
+                    job.ok, job.error = bool(ok) and key_hash == job.hash, error
+                    job.state = "finished"
+                    job.finished.set()
+            _Pool.dispatch()
+
+
+def spec_of(compile_fn: Callable) -> Optional[dict]:
+    """What a worker needs to run the compile of Triton's closure `compile_fn` (the kernel's
+    module and name, signature, constants, attributes, target, options, environment), or None
+    where it is not one of this package's kernels or not picklable."""
+    try:
+        names = inspect.getclosurevars(compile_fn).nonlocals
+        src, target, options = names["src"], names["target"], names["options"]
+        fn = src.fn
+        spec = dict(module=fn.module, name=fn.__name__, signature=dict(src.signature), constants=dict(src.constants),
+                    attrs=dict(src.attrs), target=(target.backend, target.arch, target.warp_size),
+                    options=dict(vars(options)), env_vars=dict(names.get("env_vars") or {}))
+        if not spec["module"].startswith(f"{_PACKAGE}.kernels."):
+            return None
+        pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)
+        return spec
+    except Exception:  # noqa: BLE001 - another Triton's closure: compile it here
+        return None
+
+
+def submit(key: str, compile_fn: Callable) -> concurrent.futures.Future:
+    """The compile of `compile_fn` (Triton's cache key `key`) sent to the workers; see the module
+    docstring. Where it cannot be sent, a future that compiles it here when asked."""
+    spec = spec_of(compile_fn)
+    with _Pool.lock:
+        _Pool.next_id += 1
+        job = _Job(_Pool.next_id, hashlib.sha256(key.encode("utf-8")).hexdigest(), spec or {}, compile_fn)
+        future = RemoteFuture(job)
+        if spec is None or not _Pool.workers or _Pool.pid != os.getpid():
+            job.state = "taken"
+            return future
+        _Pool.queue.append(job)
+        _Pool.sent += 1
+        _Pool.dispatch()
+    return future
+
+
+# ---- a worker's side --------------------------------------------------------------------------
+def _compile(spec: dict) -> str:
+    """Compile one spec into Triton's cache; returns its cache hash."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    fn = getattr(importlib.import_module(spec["module"]), spec["name"])
+    src = ASTSource(fn, spec["signature"], spec["constants"], spec["attrs"])
+    kernel = compile(src, target=GPUTarget(*spec["target"]), options=spec["options"], _env_vars=spec["env_vars"])
+    try:  # the C launcher, into the cache too (it needs the CUDA driver library, not a GPU context)
+        from triton.runtime import driver
+
+        driver.active.launcher_cls(kernel.src, kernel.metadata)
+    except Exception:  # noqa: BLE001 - the parent builds it at its first launch instead
+        pass
+    return kernel.hash
+
+
+def serve(package_root: str, package: str) -> None:
+    """A worker's loop (see the module docstring): messages on stdin, replies on stdout."""
+    reply = os.dup(1)
+    os.dup2(2, 1)  # what imports print goes to stderr (the parent drops it), not into the replies
+    warnings.simplefilter("ignore")
+    try:
+        os.nice(5)
+    except (AttributeError, OSError):
+        pass
+    if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+        sys.path.pop(0)  # this file's folder: its modules are the kernels', imported as the package's
+    sys.path.insert(0, package_root)
+    stub = types.ModuleType(package)  # the package without its __init__ (transformers, the hooks)
+    stub.__path__ = [os.path.join(package_root, package)]
+    sys.modules[package] = stub
+    importlib.import_module(f"{package}.kernels")
+    from triton.runtime.cache import triton_key
+
+    triton_key()
+    _send(reply, ("ready", os.getpid()))
+    while True:
+        if not select.select([0], [], [], IDLE_S)[0]:
+            return
+        message = _receive(0)
+        if message is None:
+            return
+        job_id, spec = message
+        try:
+            _send(reply, (job_id, True, _compile(spec), ""))
+        except Exception as exc:  # noqa: BLE001 - the parent compiles it and raises what it raises
+            _send(reply, (job_id, False, "", repr(exc)[:2000]))
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1], sys.argv[2])

@@ -1,0 +1,182 @@
+"""Compile workers (`kernels/compile_workers.py`): Triton compiles in processes of their own.
+
+On the CPU a worker compiles for an sm_90 target (Triton's compiler and ptxas need no GPU), so
+the protocol, the cache hand-over and every way a compile comes back to the parent run here; the
+GPU test runs the whole path: a cold generate() sends the other row counts' decode binaries to
+the workers, and the beam and 2-row calls after it read them from Triton's cache.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hf_paged_t5.kernels import compile_workers
+
+_SCRIPT = r"""
+import importlib, json, os, sys, time
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.compiler.compiler import make_backend
+from triton.runtime.jit import get_cache_key, get_cache_invalidating_env_vars
+from hf_paged_t5.kernels import compile_workers
+
+gelu = importlib.import_module("hf_paged_t5.kernels.gated_gelu")._gated_gelu_kernel
+hits = []
+listener = getattr(triton.knobs.compilation, "listener", "absent")
+if listener != "absent":
+    triton.knobs.compilation.listener = lambda **kw: hits.append(bool(kw.get("cache_hit")))
+
+
+def closure(block):
+    # what Triton's JIT hands an async-compile mode: a closure over src, target, options, env_vars
+    names = gelu.arg_names
+    signature = {n: "*bf16" for n in names[:3]} | {n: "i32" for n in names[3:7]} | {n: "constexpr" for n in names[7:]}
+    src = ASTSource(gelu, signature, {(7,): 0.7978845608028654, (8,): block},
+                    {(i,): [["tt.divisibility", 16]] for i in range(3)})
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    options = backend.parse_options({"num_warps": 4})
+    env_vars = get_cache_invalidating_env_vars()
+
+    def async_compile():
+        return triton.compile(src, target=target, options=options.__dict__, _env_vars=env_vars)
+
+    return get_cache_key(src, backend, options, env_vars), async_compile
+
+
+def wait(future):
+    while not future._job.finished.is_set():
+        time.sleep(0.02)
+
+
+report = {}
+compile_workers.start()
+report["running"] = compile_workers.running()
+key, fn = closure(512)
+report["spec"] = compile_workers.spec_of(fn)["name"]
+report["not_ours"] = compile_workers.spec_of(lambda: None)
+first = compile_workers.submit(key, fn)
+wait(first)
+hits.clear()
+kernel = first.result()
+import hashlib
+report["first"] = dict(ok=first._job.ok, state=first._job.state, hits=list(hits),
+                       hash_equal=kernel.hash == hashlib.sha256(key.encode()).hexdigest())
+# one worker: the second is running when the third is asked for, which nobody has begun
+busy, idle = compile_workers.submit(*closure(256)), compile_workers.submit(*closure(128))
+report["pending"] = compile_workers.pending()
+hits.clear()
+idle.result()
+report["taken"] = dict(state=idle._job.state, hits=list(hits))
+busy.result()
+report["busy"] = dict(ok=busy._job.ok, state=busy._job.state)
+# a compile the worker fails (a block that is not a power of two): the parent compiles it and raises
+bad = compile_workers.submit(*closure(384))
+wait(bad)
+try:
+    bad.result()
+    report["bad"] = "no error"
+except Exception as exc:
+    report["bad"] = dict(ok=bad._job.ok, error=bool(bad._job.error), raised=type(exc).__name__)
+# a worker that exits mid-compile: the parent compiles it
+gone = compile_workers.submit(*closure(64))
+while gone._job.state != "running":
+    time.sleep(0.01)
+compile_workers.stop()
+report["gone"] = dict(kernel=gone.result().hash is not None, ok=gone._job.ok, running=compile_workers.running())
+late = compile_workers.submit(*closure(32))
+report["late"] = dict(state=late._job.state, kernel=late.result().hash is not None)
+print(json.dumps(report))
+"""
+
+
+def test_a_worker_compiles_into_the_cache_and_every_other_way_comes_back_here(tmp_path):
+    """One worker, an sm_90 target compiled on this machine: its binary is the parent's cache hit
+    under the parent's own key; a compile nobody began is taken back; a failed one raises the
+    parent's error; one whose worker exited, or sent after the workers are gone, compiles here."""
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "cache"), "HF_PAGED_T5_COMPILE_WORKERS": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    done = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["running"] and report["spec"] == "_gated_gelu_kernel" and report["not_ours"] is None
+    assert report["first"]["ok"] and report["first"]["state"] == "finished" and report["first"]["hash_equal"]
+    assert report["first"]["hits"] in ([True], [])  # [] where this Triton has no compilation listener
+    assert report["pending"] == 2
+    assert report["taken"]["state"] == "taken" and report["taken"]["hits"] in ([False], [])
+    assert report["busy"] == dict(ok=True, state="finished")
+    assert report["bad"] == dict(ok=False, error=True, raised=report["bad"]["raised"]) and report["bad"]["raised"]
+    assert report["gone"] == dict(kernel=True, ok=False, running=False)
+    assert report["late"] == dict(state="taken", kernel=True)
+
+
+def test_worker_count_comes_from_the_environment_or_the_cores(monkeypatch):
+    monkeypatch.setenv("HF_PAGED_T5_COMPILE_WORKERS", "3")
+    assert compile_workers.count() == 3
+    monkeypatch.setenv("HF_PAGED_T5_COMPILE_WORKERS", "0")
+    assert compile_workers.count() == 0
+    monkeypatch.setenv("HF_PAGED_T5_COMPILE_WORKERS", "many")
+    with pytest.raises(ValueError, match="HF_PAGED_T5_COMPILE_WORKERS must be a whole number"):
+        compile_workers.count()
+    monkeypatch.delenv("HF_PAGED_T5_COMPILE_WORKERS")
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert compile_workers.count() == 0
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert compile_workers.count() == 8
+    monkeypatch.setattr(os, "cpu_count", lambda: 6)
+    assert compile_workers.count() == 3
+
+
+_COLD_ROWS = r"""
+import json, time, torch, triton
+import hf_paged_t5 as hp
+from hf_paged_t5 import tiny
+from hf_paged_t5.kernels import compile_workers
+
+compiles = []
+triton.knobs.compilation.listener = lambda **kw: compiles.append(bool(kw.get("cache_hit")))
+config = tiny.build_config("t5-small", vocab_size=1000)
+from transformers import T5ForConditionalGeneration
+def build():
+    with torch.device("cuda"):
+        torch.manual_seed(0)
+        return T5ForConditionalGeneration(config).to(torch.bfloat16).eval()
+cold, warm = hp.patch_model(build()), build()
+def ids(rows):
+    return torch.randint(2, 1000, (rows, 40), device="cuda", generator=torch.Generator(device="cuda").manual_seed(rows))
+kw = dict(max_new_tokens=8, min_new_tokens=8)
+first = cold.generate(input_ids=ids(1), **kw)
+sent = compile_workers.sent()
+while compile_workers.pending():
+    time.sleep(0.05)
+before = len(compiles)
+beam = cold.generate(input_ids=ids(1), num_beams=4, **kw)
+two = cold.generate(input_ids=ids(2), **kw)
+later = compiles[before:]
+hp.patch_model(warm)
+equal = [torch.equal(beam, warm.generate(input_ids=ids(1), num_beams=4, **kw)),
+         torch.equal(two, warm.generate(input_ids=ids(2), **kw))]
+print(json.dumps(dict(sent=sent, running=compile_workers.running(), later=later, equal=equal)))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_cold_generate_sends_the_other_row_counts_to_the_workers(tmp_path):
+    """A fresh process, an empty Triton cache, 4 workers: the first generate() sends the fused
+    layer's 2- and 4-row binaries to the workers; the beam call and the 2-row call after it find
+    every binary they load in Triton's cache, and give a second model's tokens."""
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "cache"), "HF_PAGED_T5_COMPILE_WORKERS": "4"}
+    done = subprocess.run([sys.executable, "-c", _COLD_ROWS], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["running"] and report["sent"] > 0, report
+    assert report["later"] and all(report["later"]), report  # every load a cache hit
+    assert report["equal"] == [True, True], report
