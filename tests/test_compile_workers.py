@@ -117,6 +117,30 @@ def test_a_worker_compiles_into_the_cache_and_every_other_way_comes_back_here(tm
     assert report["late"] == dict(state="taken", kernel=True)
 
 
+_IDLE = r"""
+import json, time
+from hf_paged_t5.kernels import compile_workers
+compile_workers._Pool.idle_s = 0.5  # private: the idle time, short for the test
+compile_workers.start()
+workers = list(compile_workers._Pool.workers)
+started = compile_workers.running()
+deadline = time.time() + 120
+while compile_workers.running() and time.time() < deadline:
+    time.sleep(0.05)
+time.sleep(0.2)
+print(json.dumps(dict(started=started, count=len(workers), running=compile_workers.running(),
+                      reaped=[w.process.returncode is not None for w in workers])))
+"""
+
+
+def test_an_idle_worker_exits_and_is_reaped(tmp_path):
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "cache"), "HF_PAGED_T5_COMPILE_WORKERS": "2"}
+    done = subprocess.run([sys.executable, "-c", _IDLE], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report == dict(started=True, count=2, running=False, reaped=[True, True])
+
+
 def test_worker_count_comes_from_the_environment_or_the_cores(monkeypatch):
     monkeypatch.setenv("HF_PAGED_T5_COMPILE_WORKERS", "3")
     assert compile_workers.count() == 3

@@ -11,7 +11,7 @@ import where torch is imported and sees a GPU, so the workers' own start-up (imp
 Triton and this package's kernel modules, not the package: ~2 s) overlaps loading the model.
 A worker runs at a lower priority, compiles what it is sent with the sender's target, options and
 cache-invalidating environment, also builds the kernel's C launcher into the cache, and exits when
-its input closes, or after `IDLE_S` seconds without work.
+its input closes, or after `IDLE_S` seconds without work (its exit reaped by the parent).
 
 `submit(key, compile_fn)` sends the compile that `compile_fn` (Triton's own closure over its
 source, target and options; `key`: Triton's cache key of it) would run to a worker, and returns a
@@ -120,6 +120,7 @@ class _Pool:
     queue: collections.deque = collections.deque()
     next_id = 0
     sent = 0  # compiles handed to the workers' queue
+    idle_s = IDLE_S
 
     @classmethod
     def dispatch(cls) -> None:
@@ -190,8 +191,8 @@ def start() -> None:
             return
         _Pool.started, _Pool.pid = True, os.getpid()
     n = count()
-    if n == 0:
-        return
+    if n == 0 or "python" not in os.path.basename(sys.executable or "").lower():
+        return  # (an embedding host's executable is not an interpreter to run this file with)
     try:
         import triton
 
@@ -200,7 +201,7 @@ def start() -> None:
         return
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "TRITON_CACHE_DIR": cache_dir}
-    argv = [sys.executable, os.path.abspath(__file__), root, _PACKAGE]
+    argv = [sys.executable, os.path.abspath(__file__), root, _PACKAGE, str(_Pool.idle_s)]
     for _ in range(n):
         try:
             process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -219,7 +220,7 @@ def stop() -> None:
     """End the workers (at exit; safe mid-compile: Triton writes a cache entry under a temporary
     name and renames it)."""
     with _Pool.lock:
-        workers = list(_Pool.workers)
+        workers = list(_Pool.workers) if _Pool.pid == os.getpid() else []  # (a forked child's are not its own)
     for worker in workers:
         try:
             worker.process.kill()
@@ -243,7 +244,7 @@ def _read(worker: _Worker) -> None:
                 if job is not None:
                     job.ok, job.state = False, "finished"
                     job.finished.set()
-                return
+                break
             if message[0] == "ready":
                 worker.ready = True
             else:
@@ -254,6 +255,10 @@ def _read(worker: _Worker) -> None:
                     job.state = "finished"
                     job.finished.set()
             _Pool.dispatch()
+    try:
+        worker.process.wait(timeout=60)  # reaped: an exited worker leaves no zombie behind
+    except subprocess.TimeoutExpired:
+        pass
 
 
 def spec_of(compile_fn: Callable) -> Optional[dict]:
@@ -310,7 +315,7 @@ def _compile(spec: dict) -> str:
     return kernel.hash
 
 
-def serve(package_root: str, package: str) -> None:
+def serve(package_root: str, package: str, idle_s: float = IDLE_S) -> None:
     """A worker's loop (see the module docstring): messages on stdin, replies on stdout."""
     reply = os.dup(1)
     os.dup2(2, 1)  # what imports print goes to stderr (the parent drops it), not into the replies
@@ -331,7 +336,7 @@ def serve(package_root: str, package: str) -> None:
     triton_key()
     _send(reply, ("ready", os.getpid()))
     while True:
-        if not select.select([0], [], [], IDLE_S)[0]:
+        if not select.select([0], [], [], idle_s)[0]:
             return
         message = _receive(0)
         if message is None:
@@ -344,4 +349,4 @@ def serve(package_root: str, package: str) -> None:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1], sys.argv[2])
+    serve(sys.argv[1], sys.argv[2], float(sys.argv[3]))
