@@ -69,13 +69,6 @@ kernel = first.result()
 import hashlib
 report["first"] = dict(ok=first._job.ok, state=first._job.state, hits=list(hits),
                        hash_equal=kernel.hash == hashlib.sha256(key.encode()).hexdigest())
-# sent now to the idle worker, waited for, read from the cache; none sent while it is busy
-now = compile_workers.send_now(closure(1024)[1])
-report["busy_now"] = compile_workers.send_now(closure(2048)[1]) is None
-now.finished.wait()
-hits.clear()
-now.compile_fn()
-report["now"] = dict(ok=now.ok, hits=list(hits))
 # one worker: the second is running when the third is asked for, which nobody has begun
 busy, idle = compile_workers.submit(*closure(256)), compile_workers.submit(*closure(128))
 report["pending"] = compile_workers.pending()
@@ -116,7 +109,6 @@ def test_a_worker_compiles_into_the_cache_and_every_other_way_comes_back_here(tm
     assert report["running"] and report["spec"] == "_gated_gelu_kernel" and report["not_ours"] is None
     assert report["first"]["ok"] and report["first"]["state"] == "finished" and report["first"]["hash_equal"]
     assert report["first"]["hits"] in ([True], [])  # [] where this Triton has no compilation listener
-    assert report["now"]["ok"] and report["now"]["hits"] in ([True], []) and report["busy_now"]
     assert report["pending"] == 2
     assert report["taken"]["state"] == "taken" and report["taken"]["hits"] in ([False], [])
     assert report["busy"] == dict(ok=True, state="finished")

@@ -7,10 +7,7 @@ driver module and hashes Triton's own sources for the cache key (0.8 s) first.
 
 `compile_ahead(device)` is a context in which every launch of this package's kernels, from this
 thread, is compiled on a thread pool (Triton's `AsyncCompileMode`) and not run; leaving it waits
-for them all, each with its launcher built and its binary loaded in the pool's thread. A compile
-submitted while a compile worker process is free runs there instead (`compile_workers`; the pool's
-thread waits for it and reads the binary from Triton's cache): a process of its own holds no lock
-the pool's other compiles need. A caller
+for them all, each with its launcher built and its binary loaded in the pool's thread. A caller
 runs a forward once inside it (its outputs are garbage: no kernel ran), then for real. Before the
 first compile, Triton's source hash runs on a thread while this one builds the driver module and
 starts CUDA's and cuBLAS's handles with one small GEMM (quick where `triton_start` began them
@@ -110,21 +107,15 @@ def _run(self, *args, grid, warmup, **kwargs):
 class _CompileAndLoad(concurrent.futures.ThreadPoolExecutor):
     """A pool whose compiles also build the kernel's launcher (a C compile) and load its binary,
     on the device that was current where the launch was (a layer of a device map makes its own
-    device current around its launches: `model.attention.OnDevice`). A compile submitted while a
-    compile worker process is idle runs there (`compile_workers.send_now`, no interpreter lock
-    shared with this process's threads); the pool's thread waits for it, then reads the binary
-    from Triton's cache (or compiles it itself, where the worker did not)."""
+    device current around its launches: `model.attention.OnDevice`)."""
 
     def __init__(self) -> None:
         super().__init__(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="hf_paged_t5-compile")
 
     def submit(self, fn, /, *args, **kwargs):
         device = torch.cuda.current_device()  # the launching thread's: Triton keyed the compile on it
-        job = compile_workers.send_now(fn) if not args and not kwargs else None
 
         def compile_and_load():
-            if job is not None:
-                job.finished.wait()
             with torch.cuda.device(device):
                 kernel = fn(*args, **kwargs)
                 init = getattr(kernel, "_init_handles", None)

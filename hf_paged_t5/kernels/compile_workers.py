@@ -19,8 +19,7 @@ future whose `result()` runs `compile_fn()` in the caller once the worker is don
 hit. A compile no worker has begun when its result is asked for (all busy, none ready yet) is
 taken back and compiled there; one whose worker failed, died, or reported another cache key than
 this process's is compiled there too. So a result is always this process's own compile's,
-wherever the work ran. `send_now(compile_fn)` sends a compile its caller will wait for (a pass's
-own, `ahead.compile_ahead`) to a worker that is free at once, or returns None.
+wherever the work ran.
 """
 
 from __future__ import annotations
@@ -96,7 +95,7 @@ class _Job:
     parent), or finished (`ok`: the worker wrote the binary under the parent's cache key; not
     `ok`: it failed, `error` says why, or it exited first)."""
 
-    def __init__(self, job_id: int, key_hash: Optional[str], spec: dict, compile_fn: Callable) -> None:
+    def __init__(self, job_id: int, key_hash: str, spec: dict, compile_fn: Callable) -> None:
         self.id, self.hash, self.spec, self.compile_fn = job_id, key_hash, spec, compile_fn
         self.state = "queued"
         self.ok = False
@@ -252,7 +251,7 @@ def _read(worker: _Worker) -> None:
                 job_id, ok, key_hash, error = message
                 job, worker.job = worker.job, None
                 if job is not None and job.id == job_id:
-                    job.ok, job.error = bool(ok) and job.hash in (None, key_hash), error
+                    job.ok, job.error = bool(ok) and key_hash == job.hash, error
                     job.state = "finished"
                     job.finished.set()
             _Pool.dispatch()
@@ -296,30 +295,6 @@ def submit(key: str, compile_fn: Callable) -> concurrent.futures.Future:
         _Pool.sent += 1
         _Pool.dispatch()
     return future
-
-
-def send_now(compile_fn: Callable) -> Optional[_Job]:
-    """The compile of `compile_fn` sent to a worker that is ready and idle with nothing queued
-    (a compile the caller waits for: `job.finished`, then `compile_fn()` reads the binary from
-    Triton's cache, or compiles it where the worker failed); None where no worker is free now."""
-    spec = spec_of(compile_fn)
-    if spec is None:
-        return None
-    with _Pool.lock:
-        if _Pool.pid != os.getpid() or _Pool.queue:
-            return None
-        for worker in _Pool.workers:
-            if worker.ready and worker.job is None:
-                _Pool.next_id += 1
-                job = _Job(_Pool.next_id, None, spec, compile_fn)
-                try:
-                    _send(worker.process.stdin.fileno(), (job.id, job.spec))
-                except OSError:
-                    continue
-                job.state, worker.job = "running", job
-                _Pool.sent += 1
-                return job
-    return None
 
 
 # ---- a worker's side --------------------------------------------------------------------------
