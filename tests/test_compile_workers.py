@@ -156,6 +156,13 @@ def test_worker_count_comes_from_the_environment_or_the_cores(monkeypatch):
     assert compile_workers.count() == 8
     monkeypatch.setattr(os, "cpu_count", lambda: 6)
     assert compile_workers.count() == 3
+    monkeypatch.setattr(os, "cpu_count", lambda: 128)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # 8 processes of one torchrun launch share the cores
+    assert compile_workers.count() == 8
+    monkeypatch.setattr(os, "cpu_count", lambda: 32)
+    assert compile_workers.count() == 2
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert compile_workers.count() == 0
 
 
 _COLD_ROWS = r"""

@@ -6,7 +6,8 @@ compiles into Triton's cache directory instead; the launch that needs the binary
 there (a cache hit: the files read, the module loaded, milliseconds).
 
 `start()` launches up to `count()` workers (`HF_PAGED_T5_COMPILE_WORKERS`; by default half the
-CPU cores, at most 8, none on fewer than 4 cores; 0 turns them off). `triton_start` calls it at
+CPU cores, divided among torchrun's `LOCAL_WORLD_SIZE` processes, at most 8, none below 2 each;
+0 turns them off). `triton_start` calls it at
 import where torch is imported and sees a GPU, so the workers' own start-up (importing torch,
 Triton and this package's kernel modules, not the package: ~2 s) overlaps loading the model.
 A worker runs at a lower priority, compiles what it is sent with the sender's target, options and
@@ -51,7 +52,8 @@ _HEADER = struct.Struct("<I")
 
 def count() -> int:
     """Workers `start()` launches: `HF_PAGED_T5_COMPILE_WORKERS` if set (0: none), else half the
-    CPU cores, at most 8, none on a machine of fewer than 4 (the calls' own threads need them)."""
+    CPU cores, shared among the processes of one launch on this machine (`LOCAL_WORLD_SIZE`, as
+    torchrun sets it), at most 8, none below 2 cores each (the calls' own threads need them)."""
     value = os.environ.get("HF_PAGED_T5_COMPILE_WORKERS")
     if value is not None:
         try:
@@ -59,8 +61,12 @@ def count() -> int:
         except ValueError:
             raise ValueError(f"HF_PAGED_T5_COMPILE_WORKERS must be a whole number of processes (0: none), "
                              f"got {value!r}") from None
-    cores = os.cpu_count() or 1
-    return 0 if cores < 4 else min(8, cores // 2)
+    try:
+        processes = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        processes = 1
+    share = (os.cpu_count() or 1) // 2 // processes
+    return 0 if share < 2 else min(8, share)
 
 
 def _send(fd: int, message) -> None:
