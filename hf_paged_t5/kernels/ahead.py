@@ -39,9 +39,8 @@ from typing import Iterator, Optional
 import torch
 import triton
 
-from ._checks import interpreting
-
 from . import compile_workers
+from ._checks import interpreting
 
 try:  # triton >= 3.5
     from triton.runtime.jit import JITFunction

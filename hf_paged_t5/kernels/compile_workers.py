@@ -196,7 +196,11 @@ def start() -> None:
         if _Pool.started:
             return
         _Pool.started, _Pool.pid = True, os.getpid()
-    n = count()
+    try:
+        n = count()
+    except ValueError as exc:  # (on the start-up thread: said once, and no workers)
+        logger.warning("%s; starting no compile workers", exc)
+        return
     if n == 0 or "python" not in os.path.basename(sys.executable or "").lower():
         return  # (an embedding host's executable is not an interpreter to run this file with)
     try:
@@ -256,9 +260,9 @@ def _read(worker: _Worker) -> None:
             else:
                 job_id, ok, key_hash, error = message
                 job, worker.job = worker.job, None
-                if job is not None and job.id == job_id:
-                    job.ok, job.error = bool(ok) and key_hash == job.hash, error
-                    job.state = "finished"
+                if job is not None:  # (one job at a time per worker: the reply is this job's)
+                    job.ok = bool(ok) and job.id == job_id and key_hash == job.hash
+                    job.error, job.state = error, "finished"
                     job.finished.set()
             _Pool.dispatch()
     try:
