@@ -19,7 +19,12 @@ runs one forward pass (it calibrates the logits), so CUDA, cuBLAS and PyTorch's 
 loaded before the first timed call, in both kinds of process alike; `patch_model()` includes
 loading the package's modules on first use.
 
-    python benchmarks/bench_cold.py [--shape t5-large] [--repeats 3] [--device cuda|cpu] [--out DIR]
+    python benchmarks/bench_cold.py [--shape t5-large] [--repeats 3] [--device cuda|cpu]
+                                    [--compile-workers N] [--out DIR]
+
+`--compile-workers N` sets HF_PAGED_T5_COMPILE_WORKERS in the fresh processes (0: none), for a
+run against the package's default; each row counts the Triton compiles of its call and, of them,
+the cache hits (a binary a compile worker wrote); each process records `compiles_sent`.
 
 Prints a table and writes DIR/cold.json (default DIR: benchmarks/results/<date>-<gpu>/, with
 its env.json). Its top-level keys: `first_generate_s` and `hf_first_generate_s` (medians),
