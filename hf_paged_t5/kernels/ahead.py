@@ -170,6 +170,8 @@ def compile_ahead(device: torch.device) -> Iterator[None]:
 
 
 if AsyncCompileMode is not None:
+    # Triton 3.9's FutureKernel takes a cleanup callback; 3.6's does not
+    _FUTURE_CLEANS_UP = "cleanup_compile" in inspect.signature(FutureKernel).parameters
 
     class _Elsewhere(AsyncCompileMode):
         """Triton's async-compile mode with its compiles sent to the worker processes; a compile
@@ -183,9 +185,8 @@ if AsyncCompileMode is not None:
             kernel = self.future_kernels.get(key) or getattr(self.outer, "future_kernels", {}).get(key)
             if kernel is None:
                 future = compile_workers.submit(key, compile_fn)
-                params = inspect.signature(FutureKernel).parameters
                 kernel = (FutureKernel(finalize_fn, cleanup_fn or (lambda _kernel: None), future)
-                          if "cleanup_compile" in params else FutureKernel(finalize_fn, future))
+                          if _FUTURE_CLEANS_UP else FutureKernel(finalize_fn, future))
                 _into_kernel_cache(kernel, finalize_fn)
                 self.future_kernels[key] = kernel
             return kernel
