@@ -1,14 +1,18 @@
-"""Cross-attention decode over rows of mixed lengths (what BatchGenerator's steps run), per config.
+"""Decode attention over many rows, per launch config (what BatchGenerator's and a wide batch's steps run).
 
 BatchGenerator's rows hold encoder outputs of 20-2,000 tokens (the bench_batch.py workload: a
-log-normal around 160). With one key split per (row, head) the few long rows finish last while
-most of the GPU idles; this times the default launch against more splits (short rows' extra
-splits exit at once), and rows in random order against longest first (the grid launches rows
-in order, so that is longest-processing-time-first scheduling), and prints µs per call in a CUDA
-graph and the K/V bandwidth reached.
+log-normal around 160) and 1-200 generated tokens. With one key split per (row, head) the few
+long rows finish last while most of the GPU idles; this times the default launch against more
+splits (short rows' extra splits exit at once), against the pipeline depths of the key loop
+(async copies 1-3 deep, the register prefetch "tile"), and rows in random order against longest
+first (the grid launches rows in order, so that is longest-processing-time-first scheduling).
+Cases: `cross` (the 20-2,000-key mix, no bias), `self` (a 1-200-key mix with T5's causal bias
+table) and `uniform` (the shapes of --uniform, cross-attention of a wide generate() batch). It
+prints µs per call in a CUDA graph and the K/V bandwidth reached.
 
-    python benchmarks/tune_mixed_decode.py [--rows 256,64] [--orders random,longest-first]
-        [--configs all|few] [--out DIR] [--quick]
+    python benchmarks/tune_mixed_decode.py [--rows 512,256,64] [--kinds cross,self,uniform]
+        [--uniform 40x512,64x512,128x512,64x2048] [--orders random,longest-first]
+        [--configs all|few|depths] [--out DIR] [--quick]
 
 Writes DIR/mixed-decode.json (default DIR: benchmarks/results/<date>-<gpu>/, with its env.json).
 """
@@ -45,51 +49,87 @@ def paged(lens: list[int], device, dtype):
     return key, value, table.to(device), torch.tensor(lens, dtype=torch.int32, device=device)
 
 
+def cases(args) -> list[tuple[str, str, list[int]]]:
+    """(kind, order, key counts per row) of each timed case."""
+    quick = args.quick
+    mixes = {"cross": (24, 4, 120) if quick else (160, 20, 2000), "self": (8, 1, 30) if quick else (60, 1, 200)}
+    out = []
+    for kind in args.kinds.split(","):
+        if kind == "uniform":
+            for shape in (args.uniform or ("3x20,5x40" if quick else "40x512,64x512,128x512,64x2048")).split(","):
+                rows, keys = (int(v) for v in shape.split("x"))
+                out.append((kind, "random", [keys] * rows))
+            continue
+        if kind not in mixes:
+            raise SystemExit(f"--kinds: unknown kind {kind!r} (cross, self, uniform)")
+        for rows, order in ((int(r), o) for r in args.rows.split(",") for o in args.orders.split(",")):
+            lens = lengths(rows, 0, *mixes[kind])
+            if order != "random":  # the grid launches rows in order: longest first is LPT scheduling
+                lens = sorted(lens, reverse=order == "longest-first")
+            out.append((kind, order, lens))
+    return out
+
+
+def configs_for(which: str, default: DecodeConfig) -> dict:
+    configs = {"default": default, "tile": DecodeConfig(block_n=128, num_warps=4)}
+    for depth in (1, 2, 3):
+        configs[f"async {depth} deep"] = DecodeConfig(block_n=128, num_warps=4, num_stages=depth, prefetch="async")
+    if which == "depths":
+        return configs
+    for splits in (2, 4, 8, 16) if which == "all" else (2, 4):
+        configs[f"splits {splits}"] = DecodeConfig(block_n=128, num_warps=4, num_splits=splits)
+        configs[f"splits {splits} fused"] = DecodeConfig(block_n=128, num_warps=4, num_splits=splits,
+                                                         fused_combine=True)
+    if which == "all":
+        configs["splits 4, 64-key tiles"] = DecodeConfig(block_n=64, num_warps=4, num_splits=4)
+    return configs
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", default="256,64")
+    ap.add_argument("--rows", default="512,256,64", help="row counts of the cross / self mixes")
+    ap.add_argument("--kinds", default="cross,self,uniform", help="cases to time: cross, self, uniform")
+    ap.add_argument("--uniform", default=None,
+                    help="ROWSxKEYS shapes of the uniform case (default 40x512,64x512,128x512,64x2048)")
     ap.add_argument("--orders", default="random,longest-first,shortest-first",
                     help="row orders to time (the kernel's grid follows the rows)")
     ap.add_argument("--configs", default="all",
-                    help="'all' (default: splits 2-16, fused or not) or 'few' (splits 2 and 4)")
+                    help="'all' (default: pipeline depths, splits 2-16 fused or not), 'few' (depths, "
+                         "splits 2 and 4) or 'depths' (the default, tile, async 1-3 deep)")
     ap.add_argument("--out", default=None,
                     help="folder for mixed-decode.json (default: benchmarks/results/<date>-<gpu>)")
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU ok)")
     args = ap.parse_args(argv)
+    if args.configs not in ("all", "few", "depths"):
+        raise SystemExit(f"--configs must be all, few or depths, got {args.configs!r}")
+    todo = cases(args)
     if not args.quick:
         common.require_cuda("tune_mixed_decode.py (without --quick)")
     out = common.start_suite(args.out, "mixed-decode")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    median, low, high = (24, 4, 120) if args.quick else (160, 20, 2000)
     gbps = common.copy_bandwidth(device, 1 << 30) if device.type == "cuda" else float("nan")
     report = {"gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "copy_gbps": gbps, "rows": []}
-    for rows, order in ((int(r), o) for r in args.rows.split(",") for o in args.orders.split(",")):
-        lens = lengths(rows, 0, median, low, high)
-        if order != "random":  # the grid launches rows in order: longest first is LPT scheduling
-            lens = sorted(lens, reverse=order == "longest-first")
+    for kind, order, lens in todo:
+        rows = len(lens)
         key, value, table, seq_lens = paged(lens, device, dtype)
         query = torch.randn(rows, HEADS, HEAD_DIM, device=device, dtype=dtype)
+        # self-attention: T5's causal distance table (128 buckets' worth of distances)
+        bias = torch.randn(HEADS, 129, device=device, dtype=dtype) if kind == "self" else None
         kv_bytes = 2 * sum(lens) * HEADS * HEAD_DIM * key.element_size()
-        ref = reference.paged_decode(query.float(), key.float(), value.float(), table, seq_lens)
+        ref = reference.paged_decode(query.float(), key.float(), value.float(), table, seq_lens,
+                                     bias_table=None if bias is None else bias.float())
         sms = common.num_sms(device)
-        default = decode_config(rows, HEADS, HEAD_DIM, max(lens), sms)
-        configs = {"default": default}
-        for splits in (2, 4, 8, 16) if args.configs == "all" else (2, 4):
-            configs[f"splits {splits}"] = DecodeConfig(block_n=128, num_warps=4, num_splits=splits)
-            configs[f"splits {splits} fused"] = DecodeConfig(block_n=128, num_warps=4, num_splits=splits,
-                                                             fused_combine=True)
-        if args.configs == "all":
-            configs["splits 4, 64-key tiles"] = DecodeConfig(block_n=64, num_warps=4, num_splits=4)
-        print(f"{rows} rows ({order}), keys {min(lens)}..{max(lens)} (mean {sum(lens) / rows:.0f}), "
-              f"K+V {kv_bytes / 2**20:.1f} MiB; copy {gbps:.0f} GB/s", flush=True)
+        configs = configs_for(args.configs, decode_config(rows, HEADS, HEAD_DIM, max(lens), sms))
+        print(f"{kind}: {rows} rows ({order}), keys {min(lens)}..{max(lens)} (mean {sum(lens) / rows:.0f}), "
+              f"K+V {kv_bytes / 2**20:.1f} MiB; copy {gbps:.0f} GB/s; default {configs['default']}", flush=True)
         for name, config in configs.items():
             kw = dict(query=query, key_cache=key, value_cache=value, block_table=table, seq_lens=seq_lens,
-                      max_seq_len=max(lens), config=config)
+                      bias_table=bias, max_seq_len=max(lens), config=config)
             err = float((paged_decode(**kw).float() - ref).norm() / ref.norm())
             us = common.graph_us([lambda kw=kw: paged_decode(**kw)] * 4)
-            row = dict(rows=rows, order=order, config=name, knobs=config.__dict__.copy(), us=us, rel_err=err,
-                       pct_of_copy=100 * kv_bytes / (us * 1e3) / gbps)
+            row = dict(kind=kind, rows=rows, order=order, config=name, knobs=config.__dict__.copy(), us=us,
+                       rel_err=err, pct_of_copy=100 * kv_bytes / (us * 1e3) / gbps)
             report["rows"].append(row)
             print(f"  {name:<24} {us:8.1f} us  {row['pct_of_copy']:5.1f}% of copy  err {err:.1e}", flush=True)
     common.write_json(out / "mixed-decode.json", report)

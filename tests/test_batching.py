@@ -441,6 +441,28 @@ def test_as_completed_runs_ahead_of_input_order():
     assert [r.index for r in gen.generate(requests)] == [0, 1, 2, 3]
 
 
+def test_rows_decode_longest_source_first(monkeypatch):
+    """Each step's rows run longest source first (the decode kernels launch rows in that order),
+    and the order changes no result: every output equals that input decoded alone."""
+    orders = []
+    original = BatchCache.set_order
+
+    def spy(self, rows):
+        orders.append(self.sources.lens[self._source_of[list(rows)]].tolist())
+        return original(self, rows)
+
+    monkeypatch.setattr(BatchCache, "set_order", spy)
+    model = patched(seed=3)
+    inputs = make_inputs(seed=3)
+    gen = hp.BatchGenerator(model, max_new_tokens=5, max_batch_rows=6)
+    results = list(gen.generate(inputs))
+    assert any(len(set(lens)) > 2 for lens in orders)  # steps held sources of several lengths
+    for lens in orders:
+        assert lens == sorted(lens, reverse=True)
+    for ids, result in zip(inputs, results):
+        assert result.sequences == alone(model, ids, max_new_tokens=5)[0]
+
+
 def test_text_inputs_with_tokenizer():
     tokenizer = tiny.build_tokenizer()
     model = tiny.build_model("tiny", vocab_size=len(tokenizer))

@@ -294,7 +294,7 @@ def test_decode_config_rejects_bad_knobs(knobs, words):
 
 
 def test_decode_config_heuristic_on_an_h200():
-    """The H200 sweep's winners: no split for the 128-key self step and for many rows,
+    """The H200 sweeps' winners: no split for the 128-key self step and for many rows,
     ~128-key splits for one row over 512 keys, >= 16 splits for one row over 16K keys."""
     sms = 132
     assert decode_config(1, 16, 64, 128, sms) == DecodeConfig(128, 4, 1, 1)
@@ -303,8 +303,11 @@ def test_decode_config_heuristic_on_an_h200():
     # batch 1's split launch and batch 16's unsplit one differ only in the split count, which
     # the kernel reads at run time: one binary (a new batch size compiles no decode kernel)
     assert dataclasses.replace(decode_config(1, 16, 64, 512, sms), num_splits=1) == decode_config(16, 16, 64, 512, sms)
-    assert decode_config(64, 16, 64, 2048, sms) == DecodeConfig(128, 4, 1, 1)
-    assert decode_config(64, 16, 64, 512, sms) == DecodeConfig(128, 4, 3, 1, prefetch="async")
+    # many rows at d64: the async-copy pipeline 2 deep, a plain loop (1 deep) over <= 256 keys
+    assert decode_config(64, 16, 64, 2048, sms) == DecodeConfig(128, 4, 2, 1, prefetch="async")
+    assert decode_config(64, 16, 64, 512, sms) == DecodeConfig(128, 4, 2, 1, prefetch="async")
+    assert decode_config(512, 16, 64, 208, sms) == DecodeConfig(128, 4, 1, 1, prefetch="async")
+    assert decode_config(128, 16, 128, 512, sms) == DecodeConfig(64, 4, 3, 1, prefetch="async")
     assert decode_config(64, 16, 128, 2048, sms) == DecodeConfig(64, 4, 1, 2)
     for head_dim in (64, 128):
         long_row = decode_config(1, 16, head_dim, 16384, sms)

@@ -325,7 +325,11 @@ class BatchRun:
         if self.gen.num_beams > 1:
             self.cache.set_order([slot for g in self.groups for r in self.group_of[id(g)] for slot in r.rows])
         else:
-            refs = [(r, j) for r in self.running for j in r.live]
+            # Longest source first: the decode kernels launch rows in order, so the programs of the
+            # rows with the most cross-attention keys start first and the short rows fill in behind
+            # them (longest-processing-time-first) instead of a few long rows finishing last. The
+            # order changes no row's result (rows are independent; a seeded row has its own RNG).
+            refs = sorted(((r, j) for r in self.running for j in r.live), key=lambda ref: -len(ref[0].ids))
             self.cache.set_order([r.rows[j] for r, j in refs])
             self.rows.set_order(self.cache.order, refs)
         self.order_dirty = False

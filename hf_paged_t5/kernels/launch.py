@@ -83,7 +83,7 @@ class DecodeConfig:
 def decode_config(batch: int, num_heads: int, head_dim: int, max_keys: int, num_sms: int) -> DecodeConfig:
     """Default knobs for one launch shape on a GPU of `num_sms` SMs; `max_keys` bounds seq_lens.
 
-    From the H200 sweep (`benchmarks/tune_kernels.py`, bf16, 16 heads, block_size 16):
+    From H200 sweeps (`benchmarks/tune_kernels.py`, `tune_mixed_decode.py`; bf16, 16 heads, block_size 16):
     - Few (row, head) pairs over short keys (graph-replayed decode at small batch): latency
       of a few dependent memory round trips. 128-key tiles, and up to 4 splits of ~128 keys
       while they add programs; 4 warps at head_dim 64, split or not, else 8. Per call in a
@@ -93,10 +93,11 @@ def decode_config(batch: int, num_heads: int, head_dim: int, max_keys: int, num_
       8 and 16 x 512 one split of 4 warps (9.8, 13.2 µs) was best. One warp count for split
       and unsplit launches makes them one binary (the split count is read at run time), so a
       new batch size compiles no decode kernel.
-    - Many pairs (64 x 2048): bandwidth; 8K-element tiles (128 keys at d64, 64 at d128) on
-      4 warps: 82% of copy bandwidth at d64; up to 1024 keys over 4+ programs per SM (a
-      batch-64 decode step) the loads pipelined 3 deep through shared memory ("async"); d128
-      gains from 2 splits of 1024 keys (65% vs 62%), so a split holds at most 128K K elements.
+    - Many pairs (4+ programs per SM: a batch-64 decode step, BatchGenerator's hundreds of
+      rows): bandwidth; 8K-element tiles (128 keys at d64, 64 at d128) on 4 warps. At d64 the
+      loads go through shared memory ("async"), 2 deep, or as a plain loop over <= 256 keys
+      (the figures are at the rule); at d128 3 deep up to 1024 keys, and 2 splits of 1024 keys
+      past that (65% vs 62% of copy bandwidth), so a split holds at most 128K K elements.
     - Few rows over long keys (1 x 16384): splits up to _PROGRAMS_PER_SM programs per SM,
       never below _MIN_KEYS_PER_SPLIT keys, with 4K-element tiles (d128 best: 32 keys, 4 warps,
       32 splits); at d64 twice those splits on one-warp 32-key tiles, pipelined ("async").
@@ -119,10 +120,19 @@ def decode_config(batch: int, num_heads: int, head_dim: int, max_keys: int, num_
             splits = max(1, min(2 * splits, max_keys // 256, _MAX_SPLITS))
             return DecodeConfig(block_n=32, num_warps=1, num_stages=3, num_splits=splits, prefetch="async")
         return DecodeConfig(block_n=max(16, min(128, 4096 // padded_d)), num_warps=4, num_splits=splits)
+    if splits == 1 and programs >= _PROGRAMS_PER_SM * num_sms and padded_d <= 64:
+        # H200 (benchmarks/tune_mixed_decode.py, 2026-12-03), many rows at d64: 128-key tiles on 4
+        # warps through Triton's async-copy pipeline, 2 deep (1 deep: a plain loop, for keys <= 256)
+        # against 3 deep or the register prefetch ("tile"), per call in a graph: 40 / 64 / 128 x 512
+        # cross 26.8 / 41.2 / 76.1 µs vs 32.9 / 45.4 / 81.5; BatchGenerator's mixed rows (512 rows,
+        # 20-2,000 keys, longest first) 168.9 vs 202.2; 64 x 1024 78.3 vs 80.1; 64 x 2048 148.1 vs
+        # 144.1 (tile); self-attention with the bias table, 64 x 100 keys 10.8 vs 16.1, 512 rows
+        # of 1-200 keys 99.7 vs 122.8, 64 x 250 25.3 (2 deep) vs 30.2. Fewer loads in flight per
+        # program beat deeper prefetch when every SM holds several programs.
+        return DecodeConfig(block_n=128, num_warps=4, num_stages=1 if max_keys <= 256 else 2, prefetch="async")
     if splits == 1 and max_keys <= 1024 and programs >= _PROGRAMS_PER_SM * num_sms:
-        # H200 (benchmarks/tune_kernels.py, 2026-12-03), a batch-64/128 decode step at d64: the
-        # same tiles through Triton's async-copy pipeline, 3 deep: 64 x 512 cross 47.0 vs 50.4 µs,
-        # 128 x 512 cross 81.8 vs 87.2, 64 x 96 self 16.7 vs 18.0 (best or within 0.3% of it).
+        # H200 (benchmarks/tune_kernels.py, 2026-12-03), a batch-64/128 decode step: the same
+        # tiles through Triton's async-copy pipeline, 3 deep (measured at d64 before the rule above).
         return DecodeConfig(block_n=max(16, min(128, 8192 // padded_d)), num_warps=4, num_stages=3, prefetch="async")
     return DecodeConfig(block_n=max(16, min(128, 8192 // padded_d)), num_warps=4, num_splits=splits)
 
