@@ -120,15 +120,17 @@ def decode_config(batch: int, num_heads: int, head_dim: int, max_keys: int, num_
             splits = max(1, min(2 * splits, max_keys // 256, _MAX_SPLITS))
             return DecodeConfig(block_n=32, num_warps=1, num_stages=3, num_splits=splits, prefetch="async")
         return DecodeConfig(block_n=max(16, min(128, 4096 // padded_d)), num_warps=4, num_splits=splits)
-    if splits == 1 and programs >= _PROGRAMS_PER_SM * num_sms and padded_d <= 64:
+    if (splits == 1 and programs >= _PROGRAMS_PER_SM * num_sms and padded_d <= 64
+            and (max_keys <= 1024 or programs >= 2 * _PROGRAMS_PER_SM * num_sms)):
         # H200 (benchmarks/tune_mixed_decode.py, 2026-12-03), many rows at d64: 128-key tiles on 4
         # warps through Triton's async-copy pipeline, 2 deep (1 deep: a plain loop, for keys <= 256)
         # against 3 deep or the register prefetch ("tile"), per call in a graph: 40 / 64 / 128 x 512
-        # cross 26.8 / 41.2 / 76.1 µs vs 32.9 / 45.4 / 81.5; BatchGenerator's mixed rows (512 rows,
-        # 20-2,000 keys, longest first) 168.9 vs 202.2; 64 x 1024 78.3 vs 80.1; 64 x 2048 148.1 vs
-        # 144.1 (tile); self-attention with the bias table, 64 x 100 keys 10.8 vs 16.1, 512 rows
-        # of 1-200 keys 99.7 vs 122.8, 64 x 250 25.3 (2 deep) vs 30.2. Fewer loads in flight per
-        # program beat deeper prefetch when every SM holds several programs.
+        # cross 26.6 / 41.7 / 75.9 µs vs 33.1 / 45.2 / 80.7 (3 deep); BatchGenerator's mixed rows
+        # (20-1,868 keys, longest first) at 512 / 256 rows 164.5 / 85.8 vs 195.5 / 99.5 (tile);
+        # self-attention's 1-200-key mix with the bias table at 512 / 64 rows 76.2 / 12.2 (1 deep)
+        # vs 119.1 / 18.6 (3 deep). Fewer loads in flight per program beat deeper prefetch when
+        # every SM holds several programs. Past 1,024 keys only with 8+ programs per SM: 64 mixed
+        # rows 30.2 (tile) vs 47.7; 64 x 2048 141.2 (tile) vs 142.4.
         return DecodeConfig(block_n=128, num_warps=4, num_stages=1 if max_keys <= 256 else 2, prefetch="async")
     if splits == 1 and max_keys <= 1024 and programs >= _PROGRAMS_PER_SM * num_sms:
         # H200 (benchmarks/tune_kernels.py, 2026-12-03), a batch-64/128 decode step: the same
