@@ -122,8 +122,9 @@ def decode_config(batch: int, num_heads: int, head_dim: int, max_keys: int, num_
         return DecodeConfig(block_n=max(16, min(128, 4096 // padded_d)), num_warps=4, num_splits=splits)
     if (splits == 1 and programs >= _PROGRAMS_PER_SM * num_sms and padded_d <= 64
             and (max_keys <= 1024 or programs >= 2 * _PROGRAMS_PER_SM * num_sms)):
-        # H200 (benchmarks/tune_mixed_decode.py, 2026-12-03), many rows at d64: 128-key tiles on 4
-        # warps through Triton's async-copy pipeline, 2 deep (1 deep: a plain loop, for keys <= 256)
+        # H200 (benchmarks/tune_mixed_decode.py --configs depths, 2026-12-03, code 4d94b74), many
+        # rows at d64: 128-key tiles on 4 warps through Triton's async-copy pipeline, 2 deep (1
+        # deep: a plain loop, for keys <= 256)
         # against 3 deep or the register prefetch ("tile"), per call in a graph: 40 / 64 / 128 x 512
         # cross 26.6 / 41.7 / 75.9 µs vs 33.1 / 45.2 / 80.7 (3 deep); BatchGenerator's mixed rows
         # (20-1,868 keys, longest first) at 512 / 256 rows 164.5 / 85.8 vs 195.5 / 99.5 (tile);
