@@ -15,7 +15,8 @@ HF is slow, so it runs on a random subset (`--hf-inputs`) and, like the static p
 its share of `--time-budget` (batches run in shuffled order, so a partial run is a random sample); the
 JSON says how many inputs each system measured. Graphs are captured before timing (warm-up runs).
 BatchGenerator runs the whole job `--batch-repeats` times (2) and reports the median (of two, the
-slower); the JSON lists every run, with the graphs captured and Triton kernels compiled while timed,
+slower); the JSON lists every run, with the graphs captured and Triton kernels compiled while timed
+(`compiled_kernels`: which binary, finished how many seconds into the job),
 and `warm_*` keys: the slowest BatchGenerator run that captured and compiled nothing while timed,
 against the static runs (which must not have either), the like-for-like comparison.
 
@@ -181,11 +182,13 @@ def run_batch_generator(model, items, device: str, batch_tokens, batch_rows, com
     assert tokens == sum(n for _, n in items), "BatchGenerator did not produce the forced lengths"
     gaps = sorted(step_seconds, reverse=True)
     seconds = time.perf_counter() - made
+    # each compile while timed: seconds into the job when it finished, and which binary it was
+    kernels = [dict(c, at=round(c["at"] - made, 3)) for c in compiles.compiled[compiled:]]
     return dict(tokens=tokens, inputs=len(items), seconds=seconds, tokens_per_s=tokens / seconds,
                 first_result_s=(start - made) + step_seconds[0], max_batch_tokens=gen.max_batch_tokens,
                 max_batch_rows=gen.max_batch_rows,
                 graph_captures=common.graphs_captured(model) - captured, triton_compiles=compiles.count - compiled,
-                slowest_gaps_ms=[round(g * 1e3, 1) for g in gaps[:5]])
+                compiled_kernels=kernels, slowest_gaps_ms=[round(g * 1e3, 1) for g in gaps[:5]])
 
 
 def stats(values) -> dict:

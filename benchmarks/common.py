@@ -334,11 +334,14 @@ class TritonCompiles:
     """Counts Triton kernel compilations while entered (a JIT compile is a one-time stall of ~0.1-1 s);
     counts nothing where this Triton has no post-compile hook (or there is no Triton). `cache_hits`:
     the compiles that read their binary from Triton's cache (one a compile worker wrote, say),
-    where this Triton has a compilation listener."""
+    where this Triton has a compilation listener. `compiled`: one entry per compile, {at: its
+    perf_counter when it finished, kernel: the @triton.jit function's name, num_warps, num_stages}
+    (which binary a stall was)."""
 
     def __init__(self) -> None:
         self.count = 0
         self.cache_hits = 0
+        self.compiled: list[dict] = []
         self._knobs = None
         self._previous = None
         self._listener = None
@@ -353,6 +356,9 @@ class TritonCompiles:
 
         def hook(*args, **kwargs):
             self.count += 1
+            fn, options = kwargs.get("fn"), kwargs.get("compile") or {}
+            self.compiled.append(dict(at=time.perf_counter(), kernel=getattr(fn, "name", None),
+                                      num_warps=options.get("num_warps"), num_stages=options.get("num_stages")))
             return previous(*args, **kwargs) if previous else None
 
         knobs.runtime.jit_post_compile_hook = hook

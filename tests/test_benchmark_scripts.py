@@ -10,6 +10,7 @@ import py_compile
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -103,6 +104,29 @@ def test_helpers():
     assert common.upper_median([{"s": 3}, {"s": 1}], key=lambda r: r["s"]) == {"s": 3}
     state = common.git_state()
     assert set(state) >= {"commit", "dirty", "source_sha256"}
+
+
+def test_triton_compiles_names_each_binary():
+    """TritonCompiles chains Triton's post-compile hook while entered (restoring it after) and
+    records which kernel each compile was, with its launch knobs and when it finished."""
+    from types import SimpleNamespace
+
+    from triton import knobs
+
+    seen = []
+    previous = knobs.runtime.jit_post_compile_hook = lambda **kw: seen.append(kw["fn"].name)
+    try:
+        with common.TritonCompiles() as compiles:
+            knobs.runtime.jit_post_compile_hook(key=None, repr="", fn=SimpleNamespace(name="_paged_decode_kernel"),
+                                                compile={"num_warps": 4, "num_stages": 2}, is_manual_warmup=False,
+                                                already_compiled=False)
+        assert compiles.count == 1 and seen == ["_paged_decode_kernel"]
+        (entry,) = compiles.compiled
+        assert entry["kernel"] == "_paged_decode_kernel" and (entry["num_warps"], entry["num_stages"]) == (4, 2)
+        assert entry["at"] <= time.perf_counter()
+        assert knobs.runtime.jit_post_compile_hook is previous
+    finally:
+        knobs.runtime.jit_post_compile_hook = None
 
 
 def test_private_state_reads_resolve():
