@@ -211,3 +211,55 @@ def test_a_cold_generate_sends_the_other_row_counts_to_the_workers(tmp_path):
     assert report["running"] and report["sent"] > 0, report
     assert report["later"] and all(report["later"]), report  # every load a cache hit
     assert report["equal"] == [True, True], report
+
+
+_COLD_JOB = r"""
+import json, time, torch, triton
+import hf_paged_t5 as hp
+from hf_paged_t5 import tiny
+from hf_paged_t5.kernels import compile_workers
+
+compiles = []
+triton.knobs.compilation.listener = lambda **kw: compiles.append(bool(kw.get("cache_hit")))
+config = tiny.build_config("t5-small", vocab_size=1000)
+from transformers import T5ForConditionalGeneration
+def build():
+    with torch.device("cuda"):
+        torch.manual_seed(0)
+        return T5ForConditionalGeneration(config).eval()  # float32: the job's tokens equal generate()'s
+model = hp.patch_model(build())
+g = torch.Generator().manual_seed(0)
+# 140 rows over 1,100-token sources: the first steps' graph serves 256 rows, whose decode launches
+# pipeline their loads; 80 rows finish after 4 tokens, and the other 60 run on the 64-row graph,
+# whose launches are the register-prefetch ones (kernels.launch.decode_config)
+inputs = [torch.randint(2, 1000, (1100,), generator=g).tolist() for _ in range(140)]
+news = [4] * 80 + [12] * 60
+requests = [hp.BatchRequest(ids, max_new_tokens=n, min_new_tokens=n) for ids, n in zip(inputs, news)]
+results, later = {}, None
+for index, result in hp.BatchGenerator(model).as_completed(requests):
+    results[index] = result.sequences[0]
+    if later is None:  # the first rows are done: wait for the workers, then count what loads
+        sent = compile_workers.sent()
+        while compile_workers.pending():
+            time.sleep(0.05)
+        later = len(compiles)
+ending = compiles[later:]
+alone = [model.generate(input_ids=torch.tensor([inputs[i]], device="cuda"), max_new_tokens=news[i],
+                        min_new_tokens=news[i])[0].tolist() for i in (0, 139)]
+print(json.dumps(dict(sent=sent, later=ending, equal=[results[0] == alone[0], results[139] == alone[1]])))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_cold_batch_job_sends_its_last_rows_step_to_the_workers(tmp_path):
+    """A fresh process, an empty Triton cache, 4 workers: a BatchGenerator job's compile-ahead pass
+    sends the step of its 64-row graph to the workers; when its last rows run on that graph,
+    every binary they load is in Triton's cache, and they give generate()'s tokens."""
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "cache"), "HF_PAGED_T5_COMPILE_WORKERS": "4"}
+    done = subprocess.run([sys.executable, "-c", _COLD_JOB], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["sent"] > 0, report
+    assert report["later"] and all(report["later"]), report  # the 64-row graph's loads: cache hits
+    assert report["equal"] == [True, True], report

@@ -262,8 +262,9 @@ class BatchRun:
         def ahead() -> None:
             rows = self.live_rows  # the rows of the next step: the running ones and these
             # (a table never narrows: the widths the cache has reached count too)
-            key = predicted_key(cache, rows, max(cache.self_width * cache.block_size, max(1 + r.max_new for r in admitted)),
-                                max(cache.cross_width * cache.block_size, longest))
+            self_tokens = max(cache.self_width * cache.block_size, max(1 + r.max_new for r in admitted))
+            cross_tokens = max(cache.cross_width * cache.block_size, longest)
+            key = predicted_key(cache, rows, self_tokens, cross_tokens)
             tables = runtime.bias_tables(encoder, causal=False)
             for length in lengths:
                 ids = torch.full((1, length), gen.pad_id, dtype=torch.long, device=device)
@@ -271,6 +272,14 @@ class BatchRun:
                                          input_ids=ids, packed=True, side_tables=runtime.side_tables(encoder))
             store_cross_ahead(model.decoder, runtime.ops_for, pool, packed)
             runtime.runner.step_ahead(model, cache, device, rows, key)
+            # Where the process has compile workers: the step of the fewest rows a graph serves,
+            # which a job reaches as its last rows finish and whose decode launches may differ
+            # (`kernels.launch.decode_config`: 64 rows over long sources), compiled there while the
+            # job runs instead of stalling it then.
+            with attention_ops.compile_elsewhere(device) as sending:
+                ending = predicted_key(cache, cache.min_graph_rows, self_tokens, cross_tokens)
+                if sending and ending[0] < key[0]:
+                    runtime.runner.step_ahead(model, cache, device, rows, ending)
 
         runtime.compile_ahead(device, ("batch job", len(lengths)), ahead)
 
