@@ -124,18 +124,18 @@ def decode_config(batch: int, num_heads: int, head_dim: int, max_keys: int, num_
             and (max_keys <= 1024 or programs >= 2 * _PROGRAMS_PER_SM * num_sms)):
         # H200 (benchmarks/tune_mixed_decode.py --configs depths, 2026-12-03, code 4d94b74), many
         # rows at d64: 128-key tiles on 4 warps through Triton's async-copy pipeline, 2 deep (1
-        # deep: a plain loop, for keys <= 256)
-        # against 3 deep or the register prefetch ("tile"), per call in a graph: 40 / 64 / 128 x 512
-        # cross 26.6 / 41.7 / 75.9 µs vs 33.1 / 45.2 / 80.7 (3 deep); BatchGenerator's mixed rows
-        # (20-1,868 keys, longest first) at 512 / 256 rows 164.5 / 85.8 vs 195.5 / 99.5 (tile);
-        # self-attention's 1-200-key mix with the bias table at 512 / 64 rows 76.2 / 12.2 (1 deep)
-        # vs 119.1 / 18.6 (3 deep). Fewer loads in flight per program beat deeper prefetch when
-        # every SM holds several programs. Past 1,024 keys only with 8+ programs per SM: 64 mixed
-        # rows 30.2 (tile) vs 47.7; 64 x 2048 141.2 (tile) vs 142.4.
+        # deep, a plain loop, over <= 256 keys), against 3 deep or the register prefetch ("tile"),
+        # per call in a graph: 40 / 64 / 128 x 512 cross 26.6 / 41.7 / 75.9 µs vs 33.1 / 45.2 /
+        # 80.7 (3 deep); BatchGenerator's mixed rows (20-1,868 keys, longest first) at 512 / 256
+        # rows 164.5 / 85.8 vs 195.5 / 99.5 (tile); self-attention's 1-200-key mix with the bias
+        # table at 512 / 64 rows 76.2 / 12.2 (1 deep) vs 119.1 / 18.6 (3 deep). Past 1,024 keys
+        # only with 8+ programs per SM: 64 mixed rows 30.2 (tile) vs 47.7; 64 x 2048 141.2 (tile)
+        # vs 142.4.
         return DecodeConfig(block_n=128, num_warps=4, num_stages=1 if max_keys <= 256 else 2, prefetch="async")
     if splits == 1 and max_keys <= 1024 and programs >= _PROGRAMS_PER_SM * num_sms:
-        # H200 (benchmarks/tune_kernels.py, 2026-12-03), a batch-64/128 decode step: the same
-        # tiles through Triton's async-copy pipeline, 3 deep (measured at d64 before the rule above).
+        # d128 (not swept): the async-copy pipeline 3 deep, as the d64 sweep of a batch-64/128
+        # step found against the register prefetch (benchmarks/tune_kernels.py, H200, 2026-12-03:
+        # 64 x 512 cross 47.0 vs 50.4 µs, 128 x 512 81.8 vs 87.2, 64 x 96 self 16.7 vs 18.0).
         return DecodeConfig(block_n=max(16, min(128, 8192 // padded_d)), num_warps=4, num_stages=3, prefetch="async")
     return DecodeConfig(block_n=max(16, min(128, 8192 // padded_d)), num_warps=4, num_splits=splits)
 
