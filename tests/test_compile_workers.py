@@ -165,7 +165,8 @@ def test_worker_count_comes_from_the_environment_or_the_cores(monkeypatch):
     assert compile_workers.count() == 0
 
 
-_COLD_ROWS = r"""
+# A fresh process's start: its compiles (True: a cache hit) and a t5-small model builder.
+_COLD_START = r"""
 import json, time, torch, triton
 import hf_paged_t5 as hp
 from hf_paged_t5 import tiny
@@ -175,11 +176,14 @@ compiles = []
 triton.knobs.compilation.listener = lambda **kw: compiles.append(bool(kw.get("cache_hit")))
 config = tiny.build_config("t5-small", vocab_size=1000)
 from transformers import T5ForConditionalGeneration
-def build():
+def build(dtype):
     with torch.device("cuda"):
         torch.manual_seed(0)
-        return T5ForConditionalGeneration(config).to(torch.bfloat16).eval()
-cold, warm = hp.patch_model(build()), build()
+        return T5ForConditionalGeneration(config).to(dtype).eval()
+"""
+
+_COLD_ROWS = _COLD_START + r"""
+cold, warm = hp.patch_model(build(torch.bfloat16)), build(torch.bfloat16)
 def ids(rows):
     return torch.randint(2, 1000, (rows, 40), device="cuda", generator=torch.Generator(device="cuda").manual_seed(rows))
 kw = dict(max_new_tokens=8, min_new_tokens=8)
@@ -213,21 +217,8 @@ def test_a_cold_generate_sends_the_other_row_counts_to_the_workers(tmp_path):
     assert report["equal"] == [True, True], report
 
 
-_COLD_JOB = r"""
-import json, time, torch, triton
-import hf_paged_t5 as hp
-from hf_paged_t5 import tiny
-from hf_paged_t5.kernels import compile_workers
-
-compiles = []
-triton.knobs.compilation.listener = lambda **kw: compiles.append(bool(kw.get("cache_hit")))
-config = tiny.build_config("t5-small", vocab_size=1000)
-from transformers import T5ForConditionalGeneration
-def build():
-    with torch.device("cuda"):
-        torch.manual_seed(0)
-        return T5ForConditionalGeneration(config).eval()  # float32: the job's tokens equal generate()'s
-model = hp.patch_model(build())
+_COLD_JOB = _COLD_START + r"""
+model = hp.patch_model(build(torch.float32))  # float32: the job's tokens equal generate()'s
 g = torch.Generator().manual_seed(0)
 # 140 rows over 1,100-token sources: the first steps' graph serves 256 rows, whose decode launches
 # pipeline their loads; 80 rows finish after 4 tokens, and the other 60 run on the 64-row graph,
