@@ -277,8 +277,8 @@ class BatchRun:
             # (`kernels.launch.decode_config`: 64 rows over long sources), compiled there while the
             # job runs instead of stalling it then.
             with attention_ops.compile_elsewhere(device) as sending:
-                ending = predicted_key(cache, cache.min_graph_rows, self_tokens, cross_tokens) if sending else key
-                if ending[0] < key[0]:
+                ending = predicted_key(cache, cache.min_graph_rows, self_tokens, cross_tokens) if sending else None
+                if ending is not None and ending[0] < key[0]:
                     runtime.runner.step_ahead(model, cache, device, rows, ending)
 
         runtime.compile_ahead(device, ("batch job", len(lengths)), ahead)

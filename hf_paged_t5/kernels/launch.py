@@ -120,8 +120,8 @@ def decode_config(batch: int, num_heads: int, head_dim: int, max_keys: int, num_
             splits = max(1, min(2 * splits, max_keys // 256, _MAX_SPLITS))
             return DecodeConfig(block_n=32, num_warps=1, num_stages=3, num_splits=splits, prefetch="async")
         return DecodeConfig(block_n=max(16, min(128, 4096 // padded_d)), num_warps=4, num_splits=splits)
-    if (splits == 1 and programs >= _PROGRAMS_PER_SM * num_sms and padded_d <= 64
-            and (max_keys <= 1024 or programs >= 2 * _PROGRAMS_PER_SM * num_sms)):
+    many_rows = splits == 1 and programs >= _PROGRAMS_PER_SM * num_sms
+    if many_rows and padded_d <= 64 and (max_keys <= 1024 or programs >= 2 * _PROGRAMS_PER_SM * num_sms):
         # H200 (benchmarks/tune_mixed_decode.py --configs depths, 2026-12-03, code 4d94b74), many
         # rows at d64: 128-key tiles on 4 warps through Triton's async-copy pipeline, 2 deep (1
         # deep, a plain loop, over <= 256 keys), against 3 deep or the register prefetch ("tile"),
@@ -132,7 +132,7 @@ def decode_config(batch: int, num_heads: int, head_dim: int, max_keys: int, num_
         # only with 8+ programs per SM: 64 mixed rows 30.2 (tile) vs 47.7; 64 x 2048 141.2 (tile)
         # vs 142.4.
         return DecodeConfig(block_n=128, num_warps=4, num_stages=1 if max_keys <= 256 else 2, prefetch="async")
-    if splits == 1 and max_keys <= 1024 and programs >= _PROGRAMS_PER_SM * num_sms:
+    if many_rows and max_keys <= 1024:
         # d128 (not swept): the async-copy pipeline 3 deep, as the d64 sweep of a batch-64/128
         # step found against the register prefetch (benchmarks/tune_kernels.py, H200, 2026-12-03:
         # 64 x 512 cross 47.0 vs 50.4 µs, 128 x 512 81.8 vs 87.2, 64 x 96 self 16.7 vs 18.0).
