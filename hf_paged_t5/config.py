@@ -41,11 +41,10 @@ class PagedCacheConfig:
         max_graph_batch: largest batch size served by a captured graph; larger batches
             run the same step eagerly. Also `BatchGenerator`'s default rows per decode step
             (512: on an H200, t5-large's batch job ran 1.45x the tokens/s of 256 rows).
-        fused_decode: run a bfloat16 decode step of at most 16 rows as a few fused kernels per
+        fused_decode: run a bfloat16 decode step of at most 4 rows as a few fused kernels per
             decoder layer (`model/fused_layer.py`: the norm, projections, K/V store, residual
-            adds and activation folded together; past 4 rows the projections on tensor cores)
-            where every layer is HF's own modules as they are. False runs one kernel per op
-            (the same roundings, more launches, cuBLAS's GEMMs past 4 rows).
+            adds and activation folded together) where every layer is HF's own modules as
+            they are. False runs one kernel per op (the same arithmetic, more launches).
         pack_projections: on a GPU in float16 / bfloat16, lay each attention's q/k/v weights,
             each cross-attention's k/v and each gated feed-forward's wi_0/wi_1 out as slices of
             one tensor (`model/packing.py`), so each group runs as one GEMM. The parameters stay

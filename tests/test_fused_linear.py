@@ -20,7 +20,6 @@ from conftest import make_batch, make_model  # noqa: E402
 
 import hf_paged_t5 as hp  # noqa: E402
 from hf_paged_t5 import kernels, reference  # noqa: E402
-from hf_paged_t5.kernels.linear import MAX_ROWS, MMA_ROWS  # noqa: E402
 from hf_paged_t5.model import fused_layer  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -68,20 +67,13 @@ def op_by_op(ops, x, ws, norm_weight, eps, residual, activation):
     return ops.rms_norm(hidden=residual, weight=torch.ones_like(residual[0]), eps=0.0, residual=ys[0])[1]
 
 
-# Past MAX_ROWS (4) rows, up to MMA_ROWS (16), the kernel runs on tensor cores in one 16-row tile;
-# the sizes below are ragged in rows, outputs and features.
-SHAPES = [(1, 24, 40), (3, 7, 1100), (4, 33, 64), (2, 130, 1024), (5, 24, 40), (11, 40, 600), (16, 33, 72)]
-
-
 @pytest.mark.parametrize("epilogue", list(EPILOGUES))
-@pytest.mark.parametrize("rows,n,k", SHAPES)
+@pytest.mark.parametrize("rows,n,k", [(1, 24, 40), (3, 7, 1100), (4, 33, 64), (2, 130, 1024)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_fused_linear_matches_reference(epilogue, rows, n, k, dtype):
     """Against float64, the kernel errs at most a little more than the same ops do one kernel
     each (they round at the same points; the kernel sums in another order): torch's ops, or on
     the CPU in bf16 the op-by-op Triton kernels (the interpreter truncates where torch rounds)."""
-    if rows > MAX_ROWS and dtype == torch.bfloat16 and not CUDA:
-        pytest.skip("Triton's interpreter computes bf16 tl.dot wrongly; the GPU runs this case")
     count, opts = EPILOGUES[epilogue]
     (x, norm, residual), ws = operands(rows, n, k, dtype, count, seed=rows * 7 + n + k)
     kw = dict(norm_weight=norm if opts.get("norm") else None, eps=1e-6,
@@ -97,7 +89,7 @@ def test_fused_linear_matches_reference(epilogue, rows, n, k, dtype):
     assert error(out, exact) <= 1.5 * error(same_roundings, exact) + 1e-6
 
 
-@pytest.mark.parametrize("rows,block_size", [(1, 16), (4, 4), (3, 1), (14, 4)])
+@pytest.mark.parametrize("rows,block_size", [(1, 16), (4, 4), (3, 1)])
 def test_fused_linear_stores_k_and_v_to_their_slots(rows, block_size):
     """q returned; k and v in the pool at each row's slot (a negative slot stores nothing); every
     other slot untouched."""
@@ -126,13 +118,11 @@ def test_fused_linear_refuses_what_it_does_not_serve():
     (x, norm, residual), ws = operands(2, 8, 16, torch.float16, 3, seed=0)
     assert kernels.fused_linear_supports(x, ws)
     assert not kernels.fused_linear_supports(x.float(), [w.float() for w in ws])  # fp32 keeps cuBLAS
-    assert kernels.fused_linear_supports(x.repeat(3, 1), ws)  # past MAX_ROWS rows: tensor cores
-    assert not kernels.fused_linear_supports(x.repeat(MMA_ROWS, 1), ws)  # past MMA_ROWS rows: cuBLAS
+    assert not kernels.fused_linear_supports(x.repeat(3, 1), ws)  # more than MAX_ROWS rows
     assert not kernels.fused_linear_supports(x, [ws[0], ws[1][:4]])  # weights of two shapes
-    big = torch.empty(4096, 2048, dtype=torch.float16, device="meta")  # past MULTI_ROW_ELEMENTS: cuBLAS at 2-4 rows
+    big = torch.empty(4096, 2048, dtype=torch.float16, device="meta")  # past MULTI_ROW_ELEMENTS: cuBLAS at 2+ rows
     assert kernels.fused_linear_supports(torch.empty(1, 2048, dtype=torch.float16, device="meta"), [big])
     assert not kernels.fused_linear_supports(torch.empty(2, 2048, dtype=torch.float16, device="meta"), [big])
-    assert kernels.fused_linear_supports(torch.empty(5, 2048, dtype=torch.float16, device="meta"), [big])
     with pytest.raises(ValueError, match="at most one of residual, activation"):
         kernels.fused_linear(x=x, weights=ws[:1], residual=residual, activation="relu")
     with pytest.raises(ValueError, match="takes 2 weight"):
@@ -180,7 +170,7 @@ def test_fused_step_gives_the_unfused_logits(monkeypatch, family, rows):
 
 def test_unserved_steps_run_op_by_op(monkeypatch):
     """What the fused layer does not serve runs the op-by-op layer: float16 (its residual clamp),
-    more than MMA_ROWS rows, hooks on a projection or the final norm, active dropout, another activation."""
+    more than four rows, hooks on a projection or the final norm, active dropout, another activation."""
     from torch import nn
 
     model = make_model("t5", dtype=torch.bfloat16, num_layers=1, num_decoder_layers=1)
@@ -188,8 +178,7 @@ def test_unserved_steps_run_op_by_op(monkeypatch):
     one = torch.zeros(1, 1, dtype=torch.long)
     assert fused_layer.serves(model.decoder, ops, pool, one)
     assert not fused_layer.serves(model.decoder, reference, pool, one)  # no fused_linear there
-    assert fused_layer.serves(model.decoder, ops, pool, torch.zeros(MMA_ROWS, 1, dtype=torch.long))
-    assert not fused_layer.serves(model.decoder, ops, pool, torch.zeros(MMA_ROWS + 1, 1, dtype=torch.long))
+    assert not fused_layer.serves(model.decoder, ops, pool, torch.zeros(5, 1, dtype=torch.long))
     assert not fused_layer.serves(model.decoder, ops, pool, torch.zeros(1, 2, dtype=torch.long))
     handle = model.decoder.block[0].layer[0].SelfAttention.v.register_forward_hook(lambda *a: None)
     assert not fused_layer.serves(model.decoder, ops, pool, one)
@@ -251,17 +240,16 @@ def hf_init_model(family, **overrides):
 
 
 @gpu_test
-@pytest.mark.parametrize("family,rows", [("t5", 2), ("t5v1_1", 2), ("umt5", 2), ("t5", 13), ("t5v1_1", 16)])
-def test_gpu_fused_step_within_stock_bf16_error(monkeypatch, family, rows):
-    """bf16 greedy, 24 steps: the fused step (graphed, dependent launches; past 4 rows on tensor
-    cores) is as close to float64 as stock HF's bf16 is (tests/oracle.py's factor), over every
-    step where both picked the same tokens so far."""
+@pytest.mark.parametrize("family", ["t5", "t5v1_1", "umt5"])
+def test_gpu_fused_step_within_stock_bf16_error(monkeypatch, family):
+    """bf16 greedy, 2 rows, 24 steps: the fused step (graphed, dependent launches) is as close to
+    float64 as stock HF's bf16 is (tests/oracle.py's factor), over every step where both picked
+    the same tokens so far."""
     from oracle import assert_within_stock_error, fp64_twin, stock_and_paged, teacher_forced_logits
 
     calls = spy_fused(monkeypatch)
     model = hf_init_model(family)
-    ids, mask = make_batch([40, 23, 31, 7, 52][:rows] * (rows // 5) + [40, 23, 31, 7, 52][:rows % 5], vocab=32000,
-                           device=DEVICE)
+    ids, mask = make_batch([40, 23], vocab=32000, device=DEVICE)
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=24, min_new_tokens=24, output_logits=True,
               return_dict_in_generate=True)
     stock, paged = stock_and_paged(model, hp.PagedCacheConfig(), **kw)

@@ -146,7 +146,7 @@ def _first_step_ahead(runtime: PagedRuntime, model: nn.Module, cache: PagedEncod
         key = predicted_key(cache, cache.num_rows, self_tokens, cross_tokens)
         runtime.runner.step_ahead(model, cache, source.device, cache.num_rows, key)
         with compile_elsewhere(source.device) as sending:
-            for rows in ROW_COUNTS if sending else ():
+            for rows in sorted(ROW_COUNTS, reverse=True) if sending else ():
                 other = predicted_key(cache, rows, self_tokens, cross_tokens)
                 if other[0] != key[0]:
                     runtime.runner.step_ahead(model, cache, source.device, cache.num_rows, other)

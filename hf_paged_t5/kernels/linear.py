@@ -1,11 +1,10 @@
-"""`fused_linear`: one projection of a decode step with the work around it folded in, for up to 16 rows.
+"""`fused_linear`: one projection of a decode step with the work around it folded in, for a few rows.
 
 A graphed decode step at small batch is bound by kernel launches, not bytes: a T5 decoder layer
 ran ~17 kernels (three norms, seven projections, the K/V store, residual adds, the activation)
-at ~3 us each. Here one kernel computes `x @ W.T` for at most `MMA_ROWS` rows: up to `MAX_ROWS`
-rows as `gemv.py` does (each program streams BLOCK_N whole weight rows and dots them with every
-row of x, in float32), past that on tensor cores (`tl.dot` of a BLOCK_M x BLOCK_K tile of x, in
-its dtype, with BLOCK_N weight rows, float32 accumulation; `mma_config`), together with:
+at ~3 us each. Here one kernel computes `x @ W.T` for at most `MAX_ROWS` rows, as `gemv.py`
+does (each program streams BLOCK_N whole weight rows and dots them with every row of x, in
+float32), together with:
 
 - `norm_weight`: T5's RMSNorm of x first (HF's arithmetic: variance in float32, `x * rsqrt(var +
   eps)` rounded to the activations' dtype, times the norm weight, rounded). Every program reads
@@ -44,26 +43,12 @@ SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 # the op-by-op kernels (H200, benchmarks/ab_fusion.py: flan-t5-xl's 10.5M-element FF weights at 4
 # rows, 2.77 vs 2.28 ms per step replay; t5-large's 4.2M, 1.28 vs 1.43).
 MULTI_ROW_ELEMENTS = 1 << 22
-# Past MAX_ROWS rows the products run on tensor cores (`tl.dot`), up to this many rows.
-MMA_ROWS = 16
 
 
 @triton.jit
 def _round(x, like_ptr):
     """float32 x rounded to the element type of `like_ptr`, back in float32."""
     return x.to(like_ptr.dtype.element_ty).to(tl.float32)
-
-
-@triton.jit
-def _x_tile(x_ptr, x_rows, norm_weight_ptr, k, mask_m, inv_rms, K, NORM: tl.constexpr):
-    """Columns `k` of x's rows in x's dtype, T5-layer-normed first when NORM (HF's roundings:
-    `x * rsqrt(var + eps)` to x's dtype, times the norm weight, to x's dtype)."""
-    mask_k = k < K
-    x = tl.load(x_rows + k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-    if NORM:
-        g = tl.load(norm_weight_ptr + k, mask=mask_k, other=0.0).to(tl.float32)
-        x = (g[None, :] * _round(x.to(tl.float32) * inv_rms[:, None], x_ptr)).to(x_ptr.dtype.element_ty)
-    return x
 
 
 @triton.jit(do_not_specialize=["rows"])  # workload sizes: see kernels/__init__.py
@@ -96,8 +81,6 @@ def _fused_linear_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    MMA: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # Programs [0, tiles) read w0, then w1 and w2 (STORE_KV: q, k, v side by side). The gated
@@ -139,36 +122,21 @@ def _fused_linear_kernel(
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if MMA:
-        # Tensor cores: the first tile (loaded before the wait) as its own step, then a loop the
-        # compiler pipelines NUM_STAGES deep. x enters the dot in its dtype, normed and rounded
-        # as HF rounds its norm's output.
-        x = _x_tile(x_ptr, x_rows, norm_weight_ptr, offs_k, mask_m, inv_rms, K, NORM)
-        acc = tl.dot(x, tl.trans(w), acc)
-        if EPILOGUE == 3:
-            acc1 = tl.dot(x, tl.trans(w1), acc1)
-        for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=NUM_STAGES):
-            k = k0 + offs_k
-            w_mask = mask_n[:, None] & (k < K)[None, :]
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        mask_k = k < K
+        if k0 > 0:  # the first tile came before the wait
+            w_mask = mask_n[:, None] & mask_k[None, :]
             w = tl.load(w_rows + k[None, :], mask=w_mask, other=0.0)
-            x = _x_tile(x_ptr, x_rows, norm_weight_ptr, k, mask_m, inv_rms, K, NORM)
-            acc = tl.dot(x, tl.trans(w), acc)
             if EPILOGUE == 3:
                 w1 = tl.load(w1_rows + k[None, :], mask=w_mask, other=0.0)
-                acc1 = tl.dot(x, tl.trans(w1), acc1)
-    else:
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + offs_k
-            mask_k = k < K
-            if k0 > 0:  # the first tile came before the wait
-                w_mask = mask_n[:, None] & mask_k[None, :]
-                w = tl.load(w_rows + k[None, :], mask=w_mask, other=0.0)
-                if EPILOGUE == 3:
-                    w1 = tl.load(w1_rows + k[None, :], mask=w_mask, other=0.0)
-            xf = _x_tile(x_ptr, x_rows, norm_weight_ptr, k, mask_m, inv_rms, K, NORM).to(tl.float32)
-            acc += tl.sum(xf[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-            if EPILOGUE == 3:
-                acc1 += tl.sum(xf[:, None, :] * w1.to(tl.float32)[None, :, :], axis=2)
+        xf = tl.load(x_rows + k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+        if NORM:
+            g = tl.load(norm_weight_ptr + k, mask=mask_k, other=0.0).to(tl.float32)
+            xf = _round(g[None, :] * _round(xf * inv_rms[:, None], x_ptr), x_ptr)
+        acc += tl.sum(xf[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        if EPILOGUE == 3:
+            acc1 += tl.sum(xf[:, None, :] * w1.to(tl.float32)[None, :, :], axis=2)
 
     # HF rounds each Linear's output to the activations' dtype before anything else touches it.
     y = _round(acc, out_ptr)
@@ -196,27 +164,16 @@ def _fused_linear_kernel(
         tl.store(cache_ptr + row_off[:, None] + col_off[None, :], y, mask=out_mask & (slot >= 0)[:, None])
 
 
-def mma_config(rows: int, N: int, K: int, weights: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the tensor-core kernel for an
-    [rows, K] x [N, K]^T product with `weights` weights side by side, MAX_ROWS < rows <= MMA_ROWS.
-
-    From an H200 sweep (t5-large's decoder weights, 16 rows, 24 layers in a CUDA graph, each launch
-    dependent on the one before): 256-feature tiles 3 deep on 4 warps; 16 weight rows per program
-    while that keeps the programs to about one per SM, 32 past it (q/k/v together, the FF's wi)."""
-    block_m = max(16, triton.next_power_of_2(rows))
-    block_k = max(16, min(256, triton.next_power_of_2(K)))
-    return block_m, 16 if weights * N <= 2048 else 32, block_k, 4, 3
-
-
 def fused_linear_supports(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> bool:
-    """Whether `fused_linear` serves these operands: at most MMA_ROWS rows of x (2 to MAX_ROWS
+    """Whether `fused_linear` serves these operands: at most MAX_ROWS rows of x (more than one
     only for weights of at most MULTI_ROW_ELEMENTS elements), half precision, row-major weights
     of one shape and x's dtype and device. (A decode step picks it for every layer or none:
     `model/fused_layer.py`.)"""
     rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
     w0 = weights[0] if weights else None
     return (
-        (0 < rows <= MAX_ROWS and (rows == 1 or w0.numel() <= MULTI_ROW_ELEMENTS) or MAX_ROWS < rows <= MMA_ROWS)
+        0 < rows <= MAX_ROWS
+        and (rows == 1 or w0.numel() <= MULTI_ROW_ELEMENTS)
         and x.dtype in (torch.float16, torch.bfloat16)
         and 1 <= len(weights) <= 3
         and all(
@@ -242,7 +199,7 @@ def _check(
     check_float("x", x, x.dim())
     if not fused_linear_supports(x, weights):
         raise ValueError(
-            f"fused_linear serves 1 to {MMA_ROWS} rows of fp16/bf16 x with 1 to 3 row-major weights of one shape, "
+            f"fused_linear serves 1 to {MAX_ROWS} rows of fp16/bf16 x with 1 to 3 row-major weights of one shape, "
             f"x's dtype, device and feature count; got x {tuple(x.shape)} {x.dtype} and weights "
             f"{[(tuple(w.shape), w.dtype, str(w.device)) for w in weights]}"
         )
@@ -330,17 +287,13 @@ def fused_linear(
     cache = key_cache if key_cache is not None else out.view(1, 1, 1, -1)
     values = value_cache if value_cache is not None else cache
     slots = slot_mapping if slot_mapping is not None else out
-    mma = rows > MAX_ROWS
-    if mma:
-        block_m, block_n, block_k, num_warps, num_stages = mma_config(rows, N, K, len(weights))
-    else:
-        block_n, block_k, num_warps = gemv_config(rows, N, K)
-        block_m, num_stages = triton.next_power_of_2(rows), 1
-        # Each program holds BLOCK_M x BLOCK_N x BLOCK_K products per weight: past 8 x 1024 per two
-        # warps the norm's extra registers spill (ptxas, sm_90), where the plain GEMV's do not.
-        block_n = min(block_n, max(1, 8 // (block_m * (2 if epilogue == _GATED_GELU else 1))))
-        if interpreting():
-            block_n = 16  # the interpreter's cost is per program: fewer, wider ones on the CPU
+    block_n, block_k, num_warps = gemv_config(rows, N, K)
+    block_m = triton.next_power_of_2(rows)
+    # Each program holds BLOCK_M x BLOCK_N x BLOCK_K products per weight: past 8 x 1024 per two
+    # warps the norm's extra registers spill (ptxas, sm_90), where the plain GEMV's do not.
+    block_n = min(block_n, max(1, 8 // (block_m * (2 if epilogue == _GATED_GELU else 1))))
+    if interpreting():
+        block_n = 16  # the interpreter's cost is per program: fewer, wider ones on the CPU
     segments = 3 if epilogue == _STORE_KV else 1
     pdl, launch = pdl_options(pdl)
     _fused_linear_kernel[(segments * triton.cdiv(N, block_n),)](
@@ -349,7 +302,7 @@ def fused_linear(
         x2.stride(0), w0.stride(0), residual2.stride(0), out.stride(0),
         cache.stride(0), cache.stride(1), cache.stride(2),
         NORM=norm_weight is not None, EPILOGUE=epilogue, CACHE_BLOCK=cache.shape[1],
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, MMA=mma, NUM_STAGES=num_stages, PDL=pdl,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl,
         num_warps=num_warps, **launch,
     )  # fmt: skip
     return out.reshape(*x.shape[:-1], N)

@@ -1,4 +1,4 @@
-"""A decode step's decoder layers as a few fused kernels each (up to 16 rows, bfloat16).
+"""A decode step's decoder layers as a few fused kernels each (few rows, bfloat16).
 
 `stacks.decoder_layers` runs each layer op by op: three norms, seven projections, the K/V store,
 the residual adds and the activation, ~17 kernels per layer. Where every layer is HF's own
@@ -10,10 +10,8 @@ modules as they are (`serves`), this runs each layer as
 
 (`kernels.fused_linear` and `kernels.paged_decode`: 8 launches; a split attention merges its
 partials in its last program, on the step's `tickets`), each a programmatic dependent launch
-where the GPU allows it (`pdl_available`). The arithmetic is HF's at every point where HF
-rounds (`fused_linear`'s docstring). Up to 4 rows the order of a dot product's sums is the GEMV's,
-as on the unfused path (the same bits); past that the projections run on tensor cores where the
-unfused path runs cuBLAS (another order: within stock bf16's own error, not the same bits).
+where the GPU allows it (`pdl_available`). The arithmetic is HF's at every point where HF rounds (`fused_linear`'s docstring); the order of a
+dot product's sums is the GEMV's, as on the unfused path.
 
 Whether a step is served is decided once per input shape for a decode plan's life (a
 `generate()` call, a batch job: `decode/runner.py`); a hook added in the middle of a call is
@@ -33,11 +31,9 @@ from torch import nn
 from . import attention as attn_ops
 from ..kv.pool import KVPool, StepMetadata
 
-# The row counts the fused layer's binaries are compiled for, in the order a cold process compiles
-# them ahead (`hf/generate.py`): its projections (`kernels/linear.py`) compile one per power of two
-# of rows up to `MAX_ROWS` (4), then one tensor-core tile of 16 rows for 5 to `MMA_ROWS` (16); a
-# captured step's rows are a power of two, so its binaries are those of one of these.
-ROW_COUNTS = (4, 2, 1, 16)
+# The row counts the fused layer's binaries are compiled for: its projections (`kernels/linear.py`)
+# compile one per power of two of rows up to `MAX_ROWS`; a captured step's rows are one of them.
+ROW_COUNTS = (1, 2, 4)
 
 
 def _inactive(dropout: nn.Module) -> bool:
@@ -81,7 +77,7 @@ def _weights(block: nn.Module) -> list[torch.Tensor]:
 
 def serves(decoder: nn.Module, ops: ModuleType, pool: KVPool, input_ids: torch.Tensor) -> bool:
     """Whether `decoder_layers` serves this step: the backend has `fused_linear`, one new token per
-    row and at most its MMA_ROWS rows, a bfloat16 decoder on one device with a bfloat16 pool, and
+    row and at most its MAX_ROWS rows, a bfloat16 decoder on one device with a bfloat16 pool, and
     in every layer HF's own norms, plain bias-free Linears, a ReLU or gated tanh-GELU feed-forward
     and no active dropout or hook (anything else runs `stacks.decoder_layers` op by op)."""
     if not hasattr(ops, "fused_linear") or input_ids.dim() != 2 or input_ids.shape[1] != 1:
