@@ -250,8 +250,7 @@ class BatchRun:
         to the longest admitted (`attention.prefill_lengths`; a chunk of shorter inputs launches
         another binary than the longest's), the step on static buffers of the graph key the rows
         admitted give it. Once per number of configurations, so a later admission of longer
-        inputs compiles what they add; the pass's cuBLAS work runs for real. With compile workers,
-        the compiles run there, all at once (`kernels.ahead.compile_elsewhere`)."""
+        inputs compiles what they add; the pass's cuBLAS work runs for real."""
         gen, cache = self.gen, self.cache
         model, runtime, device = gen.model, gen.runtime, gen.device
         if attention_ops.compile_ahead_for(device, runtime.config.resolve_backend(device)) is None:
@@ -267,21 +266,17 @@ class BatchRun:
             cross_tokens = max(cache.cross_width * cache.block_size, longest)
             key = predicted_key(cache, rows, self_tokens, cross_tokens)
             tables = runtime.bias_tables(encoder, causal=False)
-            # Where the process has compile workers, the pass's compiles go to them, side by side in
-            # processes of their own (the pass's pool shares this interpreter's lock), and the job's
-            # first launches each wait for the binary they need; nothing else competes for the
-            # workers here, as the other row counts of a generate() call would.
+            for length in lengths:
+                ids = torch.full((1, length), gen.pad_id, dtype=torch.long, device=device)
+                packed = encoder_forward(encoder, runtime.ops_for, tables, None, torch.ones(1, length, dtype=torch.bool),
+                                         input_ids=ids, packed=True, side_tables=runtime.side_tables(encoder))
+            store_cross_ahead(model.decoder, runtime.ops_for, pool, packed)
+            runtime.runner.step_ahead(model, cache, device, rows, key)
+            # Where the process has compile workers: the step of the fewest rows a graph serves,
+            # which a job reaches as its last rows finish and whose decode launches may differ
+            # (`kernels.launch.decode_config`: 64 rows over long sources), compiled there while the
+            # job runs instead of stalling it then.
             with attention_ops.compile_elsewhere(device) as sending:
-                for length in lengths:
-                    ids = torch.full((1, length), gen.pad_id, dtype=torch.long, device=device)
-                    packed = encoder_forward(encoder, runtime.ops_for, tables, None,
-                                             torch.ones(1, length, dtype=torch.bool), input_ids=ids, packed=True,
-                                             side_tables=runtime.side_tables(encoder))
-                store_cross_ahead(model.decoder, runtime.ops_for, pool, packed)
-                runtime.runner.step_ahead(model, cache, device, rows, key)
-                # and the step of the fewest rows a graph serves, which a job reaches as its last
-                # rows finish and whose decode launches may differ (`kernels.launch.decode_config`:
-                # 64 rows over long sources), compiled while the job runs instead of stalling it then
                 ending = predicted_key(cache, cache.min_graph_rows, self_tokens, cross_tokens) if sending else None
                 if ending is not None and ending[0] < key[0]:
                     runtime.runner.step_ahead(model, cache, device, rows, ending)

@@ -13,10 +13,9 @@ first compile, Triton's source hash runs on a thread while this one builds the d
 starts CUDA's and cuBLAS's handles with one small GEMM (quick where `triton_start` began them
 early; its caller waits for that thread first).
 
-`compile_elsewhere()`, inside a pass: launches compile in the worker processes
-(`compile_workers`), not on the pool, and leaving the pass does not wait for them (generate()'s
-pass sends the binaries of row counts a later call may need; a batch job's pass sends all of its
-own, whose launches then wait for them one by one). Each one's future goes into the kernel's cache at once (Triton 3.6 puts a
+`compile_elsewhere()`, inside a pass: launches whose binaries a later call may need (another row
+count's) compile in the worker processes (`compile_workers`), not on the pool; leaving the pass
+does not wait for them. Each one's future goes into the kernel's cache at once (Triton 3.6 puts a
 pass's futures there only once they finish), so the later launch finds it and reads the worker's
 binary from Triton's cache, or waits for the worker, or compiles it itself if no worker began it.
 

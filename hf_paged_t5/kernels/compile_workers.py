@@ -184,12 +184,6 @@ def sent() -> int:
         return _Pool.sent
 
 
-def ready() -> int:
-    """This process's workers that are ready for a compile (started, their imports done)."""
-    with _Pool.lock:
-        return sum(worker.ready for worker in _Pool.workers) if _Pool.pid == os.getpid() else 0
-
-
 def running() -> bool:
     """Whether any worker of this process is alive (started, not exited)."""
     with _Pool.lock:
