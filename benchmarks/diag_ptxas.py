@@ -85,7 +85,7 @@ def cases() -> list[tuple]:
                 block_n, block_k, warps = gemv_config(rows, n, k)
                 block_n = min(block_n, max(1, 8 // (block_m * (2 if epilogue == linear._GATED_GELU else 1))))
                 const = dict(NORM=norm, EPILOGUE=epilogue, CACHE_BLOCK=16, BLOCK_M=block_m, BLOCK_N=block_n,
-                             BLOCK_K=block_k, PDL=True)
+                             BLOCK_K=block_k, ONE_K=k <= block_k, PDL=True)
                 out.append((f"fused_linear {model} {what} rows {rows}", linear._fused_linear_kernel, const,
                             dict(eps="fp32", slot_mapping_ptr="*i32"), warps, True, frozenset(), 3))
         block_n, block_k, warps = gemv_config(1, d_model, d_model)

@@ -8,7 +8,8 @@ float32), together with:
 
 - `norm_weight`: T5's RMSNorm of x first (HF's arithmetic: variance in float32, `x * rsqrt(var +
   eps)` rounded to the activations' dtype, times the norm weight, rounded). Every program reads
-  whole rows of x anyway; the norm costs one more pass over them, from cache;
+  whole rows of x anyway; where K fits one tile, x is read once for both, otherwise the norm
+  costs one more pass over it, from cache;
 - up to three weights of one shape (q, k, v) in one launch;
 - an epilogue: `residual + y` (a sub-layer's residual add, each term rounded as HF rounds
   `hidden + out`), ReLU, the gated GELU `gelu_tanh(x @ W0.T) * (x @ W1.T)` (two weights paired
@@ -81,6 +82,7 @@ def _fused_linear_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ONE_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # Programs [0, tiles) read w0, then w1 and w2 (STORE_KV: q, k, v side by side). The gated
@@ -112,12 +114,20 @@ def _fused_linear_kernel(
     mask_m = offs_m < rows
     x_rows = x_ptr + offs_m[:, None] * stride_x_row  # [BLOCK_M, 1]
     inv_rms = tl.full([BLOCK_M], 1.0, tl.float32)
+    if ONE_K:
+        # K fits one tile: x is read once, for the norm and the products (one round trip to
+        # memory after the wait instead of two)
+        x_one = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)
+        x_one = x_one.to(tl.float32)
     if NORM:
         sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + offs_k
-            xf = tl.load(x_rows + k[None, :], mask=mask_m[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
-            sum_sq += tl.sum(xf * xf, axis=1)
+        if ONE_K:
+            sum_sq += tl.sum(x_one * x_one, axis=1)
+        else:
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + offs_k
+                xf = tl.load(x_rows + k[None, :], mask=mask_m[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
+                sum_sq += tl.sum(xf * xf, axis=1)
         inv_rms = tl.math.rsqrt(sum_sq / K + eps)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -130,7 +140,10 @@ def _fused_linear_kernel(
             w = tl.load(w_rows + k[None, :], mask=w_mask, other=0.0)
             if EPILOGUE == 3:
                 w1 = tl.load(w1_rows + k[None, :], mask=w_mask, other=0.0)
-        xf = tl.load(x_rows + k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+        if ONE_K:
+            xf = x_one
+        else:
+            xf = tl.load(x_rows + k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
         if NORM:
             g = tl.load(norm_weight_ptr + k, mask=mask_k, other=0.0).to(tl.float32)
             xf = _round(g[None, :] * _round(xf * inv_rms[:, None], x_ptr), x_ptr)
@@ -302,7 +315,7 @@ def fused_linear(
         x2.stride(0), w0.stride(0), residual2.stride(0), out.stride(0),
         cache.stride(0), cache.stride(1), cache.stride(2),
         NORM=norm_weight is not None, EPILOGUE=epilogue, CACHE_BLOCK=cache.shape[1],
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, ONE_K=K <= block_k, PDL=pdl,
         num_warps=num_warps, **launch,
     )  # fmt: skip
     return out.reshape(*x.shape[:-1], N)
