@@ -82,8 +82,7 @@ def cases() -> list[tuple]:
                      linear._RESIDUAL, False), ("wi+act", d_ff, d_model, linear._GATED_GELU if gated else linear._RELU,
                      True), ("wo+residual", d_model, d_ff, linear._RESIDUAL, False)]
             for what, n, k, epilogue, norm in steps:
-                block_n, block_k, warps = gemv_config(rows, n, k)
-                block_n = min(block_n, max(1, 8 // (block_m * (2 if epilogue == linear._GATED_GELU else 1))))
+                block_n, block_k, warps = linear.fused_config(rows, n, k, epilogue == linear._GATED_GELU)
                 const = dict(NORM=norm, EPILOGUE=epilogue, CACHE_BLOCK=16, BLOCK_M=block_m, BLOCK_N=block_n,
                              BLOCK_K=block_k, ONE_K=k <= block_k, PDL=True)
                 out.append((f"fused_linear {model} {what} rows {rows}", linear._fused_linear_kernel, const,

@@ -7,6 +7,7 @@ programmatic dependent launches, and the fused step against stock HF's bf16 erro
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import pytest
@@ -68,7 +69,7 @@ def op_by_op(ops, x, ws, norm_weight, eps, residual, activation):
 
 
 @pytest.mark.parametrize("epilogue", list(EPILOGUES))
-@pytest.mark.parametrize("rows,n,k", [(1, 24, 40), (3, 7, 1100), (4, 33, 64), (2, 130, 1024)])
+@pytest.mark.parametrize("rows,n,k", [(1, 24, 40), (3, 7, 1100), (4, 33, 64), (2, 130, 1024), (1, 5, 3000)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_fused_linear_matches_reference(epilogue, rows, n, k, dtype):
     """Against float64, the kernel errs at most a little more than the same ops do one kernel
@@ -112,6 +113,20 @@ def test_fused_linear_stores_k_and_v_to_their_slots(rows, block_size):
         untouched = torch.ones(flat.shape[0], dtype=torch.bool, device=DEVICE)
         untouched[written] = False
         assert torch.equal(flat[untouched], flat_ref[untouched])
+
+
+def test_one_row_takes_k_in_one_tile_where_the_tile_fits():
+    """(BLOCK_N, BLOCK_K, warps) at t5-large / flan-t5-xl decode shapes: at one row K comes in one
+    tile up to ONE_ROW_TILE_PER_THREAD elements per thread; more rows, or a larger tile, keep
+    gemv_config's 1,024."""
+    fused_config = importlib.import_module("hf_paged_t5.kernels.linear").fused_config
+    assert fused_config(1, 1024, 4096) == (2, 4096, 4)  # t5-large wo
+    assert fused_config(1, 1024, 1024) == (2, 1024, 4)  # t5-large q / k / v / o
+    assert fused_config(2, 1024, 4096) == (2, 1024, 2)  # two rows: four K tiles, as before
+    assert fused_config(1, 2048, 2048) == (8, 1024, 2)  # flan-t5-xl q / k / v / o: 8 x 2048 would not fit
+    assert fused_config(1, 2048, 5120) == (4, 1024, 2)  # flan-t5-xl wo
+    assert fused_config(1, 5120, 2048, paired=True) == (4, 1024, 2)  # its gated wi: two weights per program
+    assert fused_config(4, 1024, 1024) == (2, 1024, 2)  # 4 rows: 4 x 2 x 1024 products per program
 
 
 def test_fused_linear_refuses_what_it_does_not_serve():

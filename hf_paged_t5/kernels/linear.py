@@ -177,6 +177,32 @@ def _fused_linear_kernel(
         tl.store(cache_ptr + row_off[:, None] + col_off[None, :], y, mask=out_mask & (slot >= 0)[:, None])
 
 
+# One row's product tile (BLOCK_N x BLOCK_K per weight) may grow to this many elements per thread
+# so that K fits one tile: ~125 registers at sm_90 for t5-large's wo (2 x 4096 on 4 warps).
+ONE_ROW_TILE_PER_THREAD = 64
+
+
+def fused_config(rows: int, N: int, K: int, paired: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) of a `fused_linear` launch: `gemv_config`'s, with fewer weight
+    rows per program where the norm's registers would spill, and one row's K in one tile where the
+    tile fits (`paired`: the gated FF's two weights per program).
+
+    Each program holds BLOCK_M x BLOCK_N x BLOCK_K products per weight: past 8 x 1024 per two warps
+    the norm's extra registers spill (ptxas, sm_90), where the plain GEMV's do not. At one row the
+    whole weight tile of a program loads before the PDL wait, so with K in one tile the weights
+    stream while the previous kernel finishes; H200, t5-large, bf16, 512-token inputs, 128 new
+    tokens (`benchmarks/ab_generate.py`, 2026-12-04): 109.3 / 111.1 ms per generate() call at
+    batch 1 with wo's 4,096 columns in one tile, 121.6 / 127.9 in four.
+    """
+    block_n, block_k, num_warps = gemv_config(rows, N, K)
+    weights = 2 if paired else 1
+    block_n = min(block_n, max(1, 8 // (triton.next_power_of_2(rows) * weights)))
+    whole = triton.next_power_of_2(K)
+    if rows == 1 and block_n * whole * weights <= ONE_ROW_TILE_PER_THREAD * 32 * num_warps:
+        block_k = max(block_k, whole)
+    return block_n, block_k, num_warps
+
+
 def fused_linear_supports(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> bool:
     """Whether `fused_linear` serves these operands: at most MAX_ROWS rows of x (more than one
     only for weights of at most MULTI_ROW_ELEMENTS elements), half precision, row-major weights
@@ -300,11 +326,8 @@ def fused_linear(
     cache = key_cache if key_cache is not None else out.view(1, 1, 1, -1)
     values = value_cache if value_cache is not None else cache
     slots = slot_mapping if slot_mapping is not None else out
-    block_n, block_k, num_warps = gemv_config(rows, N, K)
+    block_n, block_k, num_warps = fused_config(rows, N, K, epilogue == _GATED_GELU)
     block_m = triton.next_power_of_2(rows)
-    # Each program holds BLOCK_M x BLOCK_N x BLOCK_K products per weight: past 8 x 1024 per two
-    # warps the norm's extra registers spill (ptxas, sm_90), where the plain GEMV's do not.
-    block_n = min(block_n, max(1, 8 // (block_m * (2 if epilogue == _GATED_GELU else 1))))
     if interpreting():
         block_n = 16  # the interpreter's cost is per program: fewer, wider ones on the CPU
     segments = 3 if epilogue == _STORE_KV else 1
