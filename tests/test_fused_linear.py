@@ -117,15 +117,18 @@ def test_fused_linear_stores_k_and_v_to_their_slots(rows, block_size):
 
 def test_one_row_takes_k_in_one_tile_where_the_tile_fits():
     """(BLOCK_N, BLOCK_K, warps) at t5-large / flan-t5-xl decode shapes: at one row K comes in one
-    tile up to ONE_ROW_TILE_PER_THREAD elements per thread; more rows, or a larger tile, keep
-    gemv_config's 1,024."""
+    tile up to ONE_ROW_TILE_PER_THREAD elements per thread (on 4 warps and fewer weight rows if
+    need be); more rows, or a tile that cannot fit, keep gemv_config's 1,024."""
     fused_config = importlib.import_module("hf_paged_t5.kernels.linear").fused_config
     assert fused_config(1, 1024, 4096) == (2, 4096, 4)  # t5-large wo
     assert fused_config(1, 1024, 1024) == (2, 1024, 4)  # t5-large q / k / v / o
     assert fused_config(2, 1024, 4096) == (2, 1024, 2)  # two rows: four K tiles, as before
-    assert fused_config(1, 2048, 2048) == (8, 1024, 2)  # flan-t5-xl q / k / v / o: 8 x 2048 would not fit
-    assert fused_config(1, 2048, 5120) == (4, 1024, 2)  # flan-t5-xl wo
-    assert fused_config(1, 5120, 2048, paired=True) == (4, 1024, 2)  # its gated wi: two weights per program
+    assert fused_config(1, 4096, 1024) == (8, 1024, 2)  # t5-large wi (K already one tile)
+    # flan-t5-xl: 8 x 2048 on 2 warps would not fit; 4 x 2048 on 4 warps does
+    assert fused_config(1, 2048, 2048) == (4, 2048, 4)  # q / k / v / o
+    assert fused_config(1, 2048, 5120) == (1, 8192, 4)  # wo
+    assert fused_config(1, 5120, 2048, paired=True) == (2, 2048, 4)  # the gated wi: two weights per program
+    assert fused_config(1, 4096, 10240) == (4, 1024, 2)  # an XXL wo: 16,384 columns fit no tile
     assert fused_config(4, 1024, 1024) == (2, 1024, 2)  # 4 rows: 4 x 2 x 1024 products per program
 
 
@@ -239,6 +242,27 @@ def test_gpu_programmatic_dependent_launches_give_the_same_bits(epilogue):
     torch.cuda.synchronize()
     for a, b, c in zip(plain, eager, captured):
         assert torch.equal(a, b) and torch.equal(a, c)
+
+
+@gpu_test
+@pytest.mark.parametrize("n,k,epilogue", [
+    (1024, 4096, "residual"),  # t5-large wo: K in one tile
+    (2048, 2048, "norm"),  # flan-t5-xl q: one tile on 4 warps, fewer weight rows per program
+    (2048, 5120, "residual"),  # flan-t5-xl wo: one weight row per program, 8,192-column tile
+    (5120, 2048, "gelu"),  # flan-t5-xl gated wi
+    (4096, 10240, "residual"),  # an XXL wo: 1,024-column tiles
+])
+def test_gpu_one_row_at_decode_shapes(n, k, epilogue):
+    """One row at the decode shapes whose launches `fused_config` gives K in one tile: within the
+    error of the same ops against float64, as at the small shapes above."""
+    count, opts = EPILOGUES[epilogue]
+    (x, norm, residual), ws = operands(1, n, k, torch.bfloat16, count, seed=n + k)
+    kw = dict(norm_weight=norm if opts.get("norm") else None, eps=1e-6,
+              residual=residual if opts.get("residual") else None, activation=opts.get("activation"))
+    out = kernels.fused_linear(x=x, weights=ws, **kw)
+    exact = reference.fused_linear(x.double(), [w.double() for w in ws],
+                                   **{k: v.double() if torch.is_tensor(v) else v for k, v in kw.items()})
+    assert error(out, exact) <= 1.5 * error(reference.fused_linear(x, ws, **kw), exact) + 1e-6
 
 
 def hf_init_model(family, **overrides):

@@ -184,22 +184,29 @@ ONE_ROW_TILE_PER_THREAD = 64
 
 def fused_config(rows: int, N: int, K: int, paired: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) of a `fused_linear` launch: `gemv_config`'s, with fewer weight
-    rows per program where the norm's registers would spill, and one row's K in one tile where the
-    tile fits (`paired`: the gated FF's two weights per program).
+    rows per program where the norm's registers would spill, and one row's K in one tile where a
+    program's tile fits ONE_ROW_TILE_PER_THREAD products per thread, on 4 warps and fewer weight
+    rows if need be (`paired`: the gated FF's two weights per program).
 
     Each program holds BLOCK_M x BLOCK_N x BLOCK_K products per weight: past 8 x 1024 per two warps
     the norm's extra registers spill (ptxas, sm_90), where the plain GEMV's do not. At one row the
     whole weight tile of a program loads before the PDL wait, so with K in one tile the weights
-    stream while the previous kernel finishes; H200, t5-large, bf16, 512-token inputs, 128 new
-    tokens (`benchmarks/ab_generate.py`, 2026-12-04): 109.3 / 111.1 ms per generate() call at
-    batch 1 with wo's 4,096 columns in one tile, 121.6 / 127.9 in four.
+    stream while the previous kernel finishes. H200, bf16, 512-token inputs, 128 new tokens, ms
+    per generate() call at batch 1 (`benchmarks/ab_generate.py`, 2026-12-04,
+    benchmarks/results/2026-12-04-h200/fused-one-tile/): t5-large 107.5-107.7 against 118.3-118.6
+    with K in 1,024-column tiles (wo: 4,096 columns in one tile); flan-t5-xl 208.4-208.5 against
+    228.4-228.5 (q, k, v, o and the gated wi: 2,048 in one tile on 4 warps; wo: 5,120 in one).
     """
     block_n, block_k, num_warps = gemv_config(rows, N, K)
     weights = 2 if paired else 1
     block_n = min(block_n, max(1, 8 // (triton.next_power_of_2(rows) * weights)))
     whole = triton.next_power_of_2(K)
-    if rows == 1 and block_n * whole * weights <= ONE_ROW_TILE_PER_THREAD * 32 * num_warps:
-        block_k = max(block_k, whole)
+    if rows == 1 and block_k < whole:
+        if block_n * whole * weights <= ONE_ROW_TILE_PER_THREAD * 32 * num_warps:
+            block_k = whole
+        elif whole * weights <= ONE_ROW_TILE_PER_THREAD * 32 * 4:  # fewer weight rows, on 4 warps
+            block_n = min(block_n, ONE_ROW_TILE_PER_THREAD * 32 * 4 // (whole * weights))
+            block_k, num_warps = whole, 4
     return block_n, block_k, num_warps
 
 
