@@ -211,6 +211,30 @@ def test_paged_decode_prefetch_and_fused_combine(block_size, block_n, prefetch, 
     assert rel_err(out, decode_reference(*args, scale=0.5, bias_table=table)) < TOLERANCE[torch.float32]
 
 
+@pytest.mark.parametrize("prefetch", ["tile", "table", "async"])
+@pytest.mark.parametrize("bias", ["table", "dense", None])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_paged_decode_keys_ready_is_the_same_attention(prefetch, bias, num_splits):
+    """`keys_ready` moves loads before the dependent launch's wait and takes each row's newest
+    key after it ("past"); the attention is the same bits as without, rows whose newest key lies
+    in the first tile of its split, at a tile edge or further on, with one split and several."""
+    block_size, block_n = 4, 16
+    lens = [1, block_n, block_n + 1, 2 * block_n + 3, 5]
+    key_cache, value_cache, block_table, seq_lens = make_paged_kv(lens, block_size, 2, 16, torch.float32, seed=9)
+    query = torch.randn(len(lens), 2, 16, device=DEVICE)
+    biases = dict(table=dict(bias_table=torch.randn(2, 40, device=DEVICE)),
+                  dense=dict(dense_bias=torch.randn(len(lens), 2, max(lens), device=DEVICE)), none={})
+    kwargs = biases[bias or "none"]
+    args = (query, key_cache, value_cache, block_table, seq_lens)
+    config = DecodeConfig(block_n, 4, 3 if prefetch == "async" else 1, num_splits, fused_combine=True, prefetch=prefetch)
+    plain = paged_decode(*args, scale=0.5, config=config, **kwargs)
+    assert rel_err(plain, decode_reference(*args, scale=0.5, **kwargs)) < TOLERANCE[torch.float32]
+    for ready in ("past", "all"):
+        assert torch.equal(paged_decode(*args, scale=0.5, config=config, keys_ready=ready, **kwargs), plain)
+    with pytest.raises(ValueError, match="keys_ready must be 'all', 'past' or None"):
+        paged_decode(*args, keys_ready="newest")
+
+
 @pytest.mark.parametrize("num_splits", [2, 7, 64])
 def test_paged_decode_fused_combine_split_counts(num_splits):
     """The ticket reaches num_splits exactly once per (row, head), empty splits included."""

@@ -51,8 +51,10 @@ def test_static_step_views_are_16_byte_aligned(batch):
 
 def test_op_by_op_decode_launches_like_the_fused_layer():
     """A step of more than 4 rows passes paged_decode the fused layer's launch options (dependent
-    launch where the GPU has it, the step's counters), so both launch the same binaries; the
-    counters cover one query per row, and backends without those options get none."""
+    launch where the GPU has it, the step's counters, which keys were written before the step),
+    so both launch the same binaries. A step of several new tokens per row builds its tables and
+    key counts just before the attention: no counters, no dependent launch, no ready keys.
+    Backends without those options get none."""
     from hf_paged_t5 import kernels, reference
     from hf_paged_t5.kv.pool import StepMetadata
     from hf_paged_t5.model.attention import _decode_launch
@@ -61,12 +63,12 @@ def test_op_by_op_decode_launches_like_the_fused_layer():
     one = torch.zeros(2, dtype=torch.int32)
     meta = StepMetadata(1, one, one[:, None], one, one[:, None], one, tickets)
     query = torch.zeros(2, 4, 8)
-    launch = _decode_launch(kernels, query, meta)
-    assert launch.keys() == {"pdl", "tickets"} and launch["tickets"] is tickets
-    assert launch["pdl"] == kernels.pdl_available(query.device)
+    launch = _decode_launch(kernels, query, meta, "past")
+    assert launch == dict(pdl=kernels.pdl_available(query.device), tickets=tickets, keys_ready="past")
+    assert _decode_launch(kernels, query, meta, "all")["keys_ready"] == "all"
     meta.num_new = 3
-    assert _decode_launch(kernels, query, meta)["tickets"] is None
-    assert _decode_launch(reference, query, meta) == {}
+    assert _decode_launch(kernels, query, meta, "all") == dict(pdl=False, tickets=None, keys_ready=None)
+    assert _decode_launch(reference, query, meta, "all") == {}
 
 
 def test_the_encoder_pass_runs_the_calls_extra_work_only_inside_that_call(monkeypatch):

@@ -26,6 +26,8 @@ from .launch import _PREFETCH, DecodeConfig, _num_sms, decode_config
 
 # BIAS_MODE values.
 _NO_BIAS, _TABLE_BIAS, _DENSE_BIAS = 0, 1, 2
+# paged_decode's keys_ready -> the kernel's READY.
+_READY = {None: 0, "past": 1, "all": 2}
 # Partials merged per step of the split merge: [16, head_dim] fp32 in registers; any split count
 # (up to launch._MAX_SPLITS = 128: 8 steps) runs the same compiled kernel.
 _MERGE_CHUNK = 16
@@ -119,13 +121,7 @@ def _merge_splits(
 
 
 @triton.jit
-def _attend_keys(
-    acc,
-    l_i,
-    m_i,
-    q,
-    k,
-    v,
+def _tile_bias(
     tile_start,
     end,
     q_pos,
@@ -140,17 +136,28 @@ def _attend_keys(
     BIAS_MODE: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """One online-softmax step of the query q [BLOCK_D] (log2 units) over one K/V tile."""
+    """The bias of keys [tile_start, tile_start + BLOCK_N) as stored, [BLOCK_N] (with BIAS_MODE 0
+    a zero `_attend_keys` does not add)."""
     keys = tile_start + tl.arange(0, BLOCK_N)
     key_mask = keys < end
-    s = tl.sum(q[None, :] * k.to(tl.float32), axis=1)  # [BLOCK_N]
+    bias = tl.zeros([BLOCK_N], dtype=tl.float32)
     if BIAS_MODE == 1:
         index = tl.minimum(q_pos - keys, max_distance)
         bias = tl.load(bias_ptr + head * stride_bias_head + index * stride_bias_key, mask=key_mask, other=0.0)
-        s += bias.to(tl.float32) * 1.4426950408889634
     if BIAS_MODE == 2:
         bias_off = row * stride_bias_batch + head * stride_bias_head + keys.to(tl.int64) * stride_bias_key
         bias = tl.load(bias_ptr + bias_off, mask=key_mask & (keys < dense_len), other=0.0)
+    return bias
+
+
+@triton.jit
+def _attend_keys(acc, l_i, m_i, q, k, v, bias, tile_start, end, BIAS_MODE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One online-softmax step of the query q [BLOCK_D] (log2 units) over one K/V tile and its
+    bias (`_tile_bias`)."""
+    keys = tile_start + tl.arange(0, BLOCK_N)
+    key_mask = keys < end
+    s = tl.sum(q[None, :] * k.to(tl.float32), axis=1)  # [BLOCK_N]
+    if BIAS_MODE != 0:
         s += bias.to(tl.float32) * 1.4426950408889634
     s = tl.where(key_mask, s, float("-inf"))
     # Every tile holds at least one live key, so m_new is finite and no NaN appears.
@@ -199,6 +206,7 @@ def _paged_decode_kernel(
     PREFETCH: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     PDL: tl.constexpr,
+    READY: tl.constexpr,
 ):
     # Heads vary fastest over the grid: programs running side by side read neighbouring
     # head slices of the same slots, so together they stream whole blocks.
@@ -209,13 +217,10 @@ def _paged_decode_kernel(
     num_splits = tl.num_programs(2)
 
     # Clamping to the table's capacity keeps a bad seq_len from reading past the row.
+    # seq_lens, tables and the bias come from the step's inputs (written before its first
+    # kernel): they may load before the wait for the kernel before this one.
     seq_len = tl.minimum(tl.load(seq_lens_ptr + row), max_keys)
     q_pos = seq_len - 1
-    if PDL:
-        # seq_lens and tables come from the step's inputs (copied before its first kernel); the
-        # query and the newest keys come from the kernels just before this one.
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     start = split * keys_per_split
     end = tl.minimum(seq_len, start + keys_per_split)
 
@@ -227,27 +232,51 @@ def _paged_decode_kernel(
     bias_args = (
         q_pos, row, head, max_distance, dense_len, bias_ptr, stride_bias_batch, stride_bias_head, stride_bias_key,
     )  # fmt: skip
-    q = tl.load(query_ptr + row * stride_query_batch + head * stride_query_head + dims, mask=dim_mask, other=0.0)
-    # Work in log2 units (exp2 is the native instruction); fp32 so fp16 scores never overflow.
-    q = q.to(tl.float32) * (scale * 1.4426950408889634)
+    q_off = row * stride_query_batch + head * stride_query_head + dims
     m_i = tl.full([], float("-inf"), tl.float32)
     l_i = tl.full([], 0.0, tl.float32)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     if PREFETCH == 2:
+        if PDL:
+            # The query and the newest keys come from the kernels just before this one.
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        # Work in log2 units (exp2 is the native instruction); fp32 so fp16 scores never overflow.
+        q = tl.load(query_ptr + q_off, mask=dim_mask, other=0.0).to(tl.float32) * (scale * 1.4426950408889634)
         # Plain loop: Triton's pipeliner copies the K/V of the next NUM_STAGES - 1 tiles into
         # shared memory asynchronously (the block ids a stage earlier still).
         for tile_start in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
             slots = _tile_slots(tile_start, *slot_args, BLOCK_SIZE, BLOCK_N)
             k, v = _load_kv(slots, tile_start, *kv_args, BLOCK_N)
-            acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, k, v, tile_start, end, *bias_args, BIAS_MODE, BLOCK_N)
+            bias = _tile_bias(tile_start, end, *bias_args, BIAS_MODE, BLOCK_N)
+            acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, k, v, bias, tile_start, end, BIAS_MODE, BLOCK_N)
     else:
+        if PDL and READY == 0:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         # The first tile is in flight while the state is set up; inside the loop the next tile
         # is requested before the current one is used, so each program keeps one tile of K and
-        # V in flight while it computes (latency hiding that does not rely on occupancy).
+        # V in flight while it computes (latency hiding that does not rely on occupancy). With
+        # READY the keys were written before the step (all of them, or all but each row's newest):
+        # the first tile, its block ids and its bias load before the wait.
         slots = _tile_slots(start, *slot_args, BLOCK_SIZE, BLOCK_N)
         k, v = _load_kv(slots, start, *kv_args, BLOCK_N)
+        bias = _tile_bias(start, end, *bias_args, BIAS_MODE, BLOCK_N)
         if PREFETCH == 1:
             slots = _tile_slots(start + BLOCK_N, *slot_args, BLOCK_SIZE, BLOCK_N)
+        if READY == 1:
+            newest = tl.load(table_row_ptr + q_pos // BLOCK_SIZE).to(tl.int64) * stride_cache_block
+            newest += (q_pos % BLOCK_SIZE) * stride_cache_slot + head * stride_cache_head
+        if PDL and READY != 0:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        q = tl.load(query_ptr + q_off, mask=dim_mask, other=0.0).to(tl.float32) * (scale * 1.4426950408889634)
+        if READY == 1:
+            # The newest key was stored by the kernel just before: loaded after the wait, it
+            # replaces its row of the first tile (loaded before; a later tile loads after the wait).
+            mine = ((start + tl.arange(0, BLOCK_N)) == q_pos)[:, None] & dim_mask[None, :]
+            k = tl.where(mine, tl.load(key_cache_ptr + newest + dims, mask=dim_mask, other=0.0)[None, :], k)
+            v = tl.where(mine, tl.load(value_cache_ptr + newest + dims, mask=dim_mask, other=0.0)[None, :], v)
         for tile_start in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
             if PREFETCH == 1:
                 # The next tile's block ids came one tile ago, so its K/V loads need not wait
@@ -257,8 +286,9 @@ def _paged_decode_kernel(
             else:
                 slots = _tile_slots(tile_start + BLOCK_N, *slot_args, BLOCK_SIZE, BLOCK_N)
                 k_next, v_next = _load_kv(slots, tile_start + BLOCK_N, *kv_args, BLOCK_N)
-            acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, k, v, tile_start, end, *bias_args, BIAS_MODE, BLOCK_N)
-            k, v = k_next, v_next
+            bias_next = _tile_bias(tile_start + BLOCK_N, end, *bias_args, BIAS_MODE, BLOCK_N)
+            acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, k, v, bias, tile_start, end, BIAS_MODE, BLOCK_N)
+            k, v, bias = k_next, v_next, bias_next
 
     # The split count is read at run time (the grid's third axis), not specialized on: one binary
     # serves a launch of one split (a wide batch) and of several (a narrow one), so a new batch
@@ -340,6 +370,7 @@ def paged_decode(
     config: Optional[DecodeConfig] = None,
     pdl: bool = False,
     tickets: Optional[torch.Tensor] = None,
+    keys_ready: Optional[str] = None,
 ) -> torch.Tensor:
     """Attention of one query token per row over that row's paged keys.
 
@@ -359,9 +390,17 @@ def paged_decode(
     tickets: [>= batch * num_heads] int32 zeros (left at zero), or None: with several splits the
         last split of each (row, head) merges the partials, counting on these (`fused_combine`
         without its memset); a graph's step owns them (`StepMetadata.tickets`)
+    keys_ready: which keys no kernel of the step before this one wrote: "all" (cross-attention,
+        stored before the step), "past" (all but each row's newest key, at seq_len - 1, which
+        the kernel just before stored: self-attention of one new token per row) or None. Not
+        None promises that the tables, seq_lens and bias were written before the step too; with
+        pdl, the first K/V tile of each program, its block ids and bias then load before the wait
+        for the kernel before (the newest key after it). The same attention either way.
     returns: [batch, num_heads, head_dim], query's dtype
     """
     max_distance = check_decode_args(query, key_cache, value_cache, block_table, seq_lens, bias_table, dense_bias)
+    if keys_ready not in _READY:
+        raise ValueError(f"keys_ready must be 'all', 'past' or None, got {keys_ready!r}")
     batch, num_heads, head_dim = query.shape
     block_size = key_cache.shape[1]
     max_keys = block_table.shape[1] * block_size
@@ -418,7 +457,7 @@ def paged_decode(
         BIAS_MODE=bias_mode, BLOCK_SIZE=block_size, BLOCK_N=config.block_n, BLOCK_D=padded_d,
         MERGE_CHUNK=_MERGE_CHUNK, FUSED_COMBINE=fused,
         PREFETCH=_PREFETCH[config.prefetch],
-        NUM_STAGES=config.num_stages, PDL=pdl, num_warps=config.num_warps, **launch,
+        NUM_STAGES=config.num_stages, PDL=pdl, READY=_READY[keys_ready], num_warps=config.num_warps, **launch,
     )  # fmt: skip
     if splits > 1 and not fused:
         _combine_splits_kernel[(batch, num_heads)](

@@ -256,14 +256,21 @@ def _per_token_rows(meta_table: torch.Tensor, seq_lens: torch.Tensor, num_new: i
     return table, (seq_lens[:, None] + offsets[None, :]).reshape(-1)
 
 
-def _decode_launch(ops: ModuleType, query: torch.Tensor, meta: StepMetadata) -> dict:
+def _decode_launch(ops: ModuleType, query: torch.Tensor, meta: StepMetadata, keys_ready: str) -> dict:
     """The Triton backend's `paged_decode` launch options, as `fused_layer` passes them: a step of
     any row count then launches the kernels a 1-row step compiled (where the launch knobs agree),
-    so a new batch size compiles less. Other backends take none."""
+    so a new batch size compiles less. Other backends take none.
+
+    keys_ready: "all" (cross-attention) or "past" (self-attention), `paged_decode`'s promise for
+    a step of one new token per row. A step of several new tokens per row goes without it, the
+    counters (they cover one query per row) and a dependent launch: its tables and key counts
+    come from the kernels just before the attention (`_per_token_rows`).
+    """
     if not hasattr(ops, "pdl_available"):
         return {}
-    # (the counters cover one query per row: a step of several new tokens per row goes without)
-    return dict(pdl=ops.pdl_available(query.device), tickets=meta.tickets if meta.num_new == 1 else None)
+    if meta.num_new != 1:
+        return dict(pdl=False, tickets=None, keys_ready=None)
+    return dict(pdl=ops.pdl_available(query.device), tickets=meta.tickets, keys_ready=keys_ready)
 
 
 def decoder_self_attention(
@@ -291,7 +298,7 @@ def decoder_self_attention(
     if state is not None:
         out = state.self_decode(**kwargs)
     else:
-        out = ops.paged_decode(**kwargs, **_decode_launch(ops, q, meta))
+        out = ops.paged_decode(**kwargs, **_decode_launch(ops, q, meta, "past"))
     # out: [rows * num_new, num_heads, head_dim]
     return project(ops, attn.o, out.reshape(rows, num_new, -1))
 
@@ -318,7 +325,7 @@ def cross_attention(
     if state is not None:
         out = state.cross_decode(layer, **kwargs)
     else:
-        out = ops.paged_decode(**kwargs, **_decode_launch(ops, q, meta))
+        out = ops.paged_decode(**kwargs, **_decode_launch(ops, q, meta, "all"))
     return project(ops, attn.o, out.reshape(rows, num_new, -1))
 
 

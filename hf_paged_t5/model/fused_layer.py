@@ -143,6 +143,7 @@ def _layer(ops: ModuleType, block: nn.Module, hidden: torch.Tensor, key_cache: t
     out = ops.paged_decode(
         query=q.view(rows, *heads), key_cache=key_cache, value_cache=value_cache, block_table=meta.self_block_table,
         seq_lens=meta.self_seq_lens, scale=1.0, bias_table=bias_table, pdl=pdl, tickets=meta.tickets,
+        keys_ready="past",
     )
     hidden = ops.fused_linear(x=out.view(rows, -1), weights=(attn.o.weight,), residual=hidden, pdl=pdl)
     cross = ca.EncDecAttention
@@ -150,7 +151,7 @@ def _layer(ops: ModuleType, block: nn.Module, hidden: torch.Tensor, key_cache: t
                          eps=ca.layer_norm.variance_epsilon, pdl=pdl)
     out = ops.paged_decode(
         query=q.view(rows, *heads), key_cache=key_cache, value_cache=value_cache, block_table=meta.cross_block_table,
-        seq_lens=meta.cross_seq_lens, scale=1.0, pdl=pdl, tickets=meta.tickets,
+        seq_lens=meta.cross_seq_lens, scale=1.0, pdl=pdl, tickets=meta.tickets, keys_ready="all",
     )
     hidden = ops.fused_linear(x=out.view(rows, -1), weights=(cross.o.weight,), residual=hidden, pdl=pdl)
     dense, norm = ff.DenseReluDense, ff.layer_norm
