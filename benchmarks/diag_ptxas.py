@@ -84,7 +84,8 @@ def cases() -> list[tuple]:
             for what, n, k, epilogue, norm in steps:
                 block_n, block_k, warps = linear.fused_config(rows, n, k, epilogue == linear._GATED_GELU)
                 const = dict(NORM=norm, EPILOGUE=epilogue, CACHE_BLOCK=16, BLOCK_M=block_m, BLOCK_N=block_n,
-                             BLOCK_K=block_k, ONE_K=k <= block_k, PDL=True)
+                             BLOCK_K=block_k, ONE_K=k <= block_k, PDL=True,
+                             EARLY=epilogue in (linear._STORE_KV, linear._RESIDUAL))
                 out.append((f"fused_linear {model} {what} rows {rows}", linear._fused_linear_kernel, const,
                             dict(eps="fp32", slot_mapping_ptr="*i32"), warps, True, frozenset(), 3))
         block_n, block_k, warps = gemv_config(1, d_model, d_model)
@@ -101,7 +102,8 @@ def cases() -> list[tuple]:
         ("cross, many rows (async loads, 2 deep)", 128, 4, 0, 2, 2),
     ):
         const = dict(BIAS_MODE=bias, BLOCK_SIZE=16, BLOCK_N=block_n, BLOCK_D=64,
-                     MERGE_CHUNK=16, FUSED_COMBINE=True, PREFETCH=prefetch, NUM_STAGES=stages, PDL=True)
+                     MERGE_CHUNK=16, FUSED_COMBINE=True, PREFETCH=prefetch, NUM_STAGES=stages, PDL=True,
+                     READY=1 if bias else 2)  # the step's self- ("past") and cross-attention ("all")
         out.append((f"paged_decode {label}", decode._paged_decode_kernel, const, decode_types, warps, True,
                     table if bias else frozenset(), stages))
     out.append(("rms_norm d_model 1024", rmsnorm._rms_norm_kernel,

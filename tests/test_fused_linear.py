@@ -121,6 +121,26 @@ def test_fused_linear_stores_k_and_v_to_their_slots(rows, block_size):
         assert torch.equal(flat[untouched], flat_ref[untouched])
 
 
+@pytest.mark.parametrize("rows,k", [(1, 40), (3, 1100)])
+def test_early_inputs_are_the_same_projection(rows, k):
+    """`early_inputs` only moves the residual's and the slots' loads before the wait: the same bits
+    for the residual epilogue and the K/V store (its cache writes too)."""
+    num_heads, head_dim = 3, 8
+    (x, norm, residual), ws = operands(rows, num_heads * head_dim, k, torch.bfloat16, 3, seed=k)
+    outs = [kernels.fused_linear(x=x, weights=ws[:1], residual=residual, early_inputs=early) for early in (False, True)]
+    assert torch.equal(*outs)
+    slots = torch.tensor([2, -1, 7][:rows], device=DEVICE, dtype=torch.int32)  # -1 stores nothing
+    stored = []
+    for early in (False, True):
+        caches = [torch.zeros(4, 4, num_heads, head_dim, device=DEVICE, dtype=torch.bfloat16) for _ in range(2)]
+        q = kernels.fused_linear(x=x, weights=ws, norm_weight=norm, eps=1e-6, key_cache=caches[0],
+                                 value_cache=caches[1], slot_mapping=slots, early_inputs=early)
+        stored.append((q, *caches))
+    assert all(torch.equal(a, b) for a, b in zip(*stored))
+    keys = stored[0][1].flatten(0, 1)
+    assert all(keys[slot].any() for slot in (2, 7)[:rows]) and not keys[0].any()
+
+
 def test_one_row_takes_k_in_one_tile_where_the_tile_fits():
     """(BLOCK_N, BLOCK_K, warps) at t5-large / flan-t5-xl decode shapes: at one row K comes in one
     tile up to ONE_ROW_TILE_PER_THREAD elements per thread (on 4 warps and fewer weight rows if
@@ -227,7 +247,8 @@ def test_unserved_steps_run_op_by_op(monkeypatch):
 @pytest.mark.parametrize("epilogue", list(EPILOGUES))
 def test_gpu_programmatic_dependent_launches_give_the_same_bits(epilogue):
     """Two kernels, the second reading the first's output, launched as dependent launches (each
-    waits for the one before in-kernel), eagerly and captured in a graph: the bits of plain launches."""
+    waits for the one before in-kernel; the second's residual loads before its wait), eagerly and
+    captured in a graph: the bits of plain launches."""
     count, opts = EPILOGUES[epilogue]
     (x, norm, residual), ws = operands(3, 4096, 1024, torch.bfloat16, count, seed=5)
     back = (torch.randn(1024, 4096, device=DEVICE) / 64).bfloat16()
@@ -237,7 +258,8 @@ def test_gpu_programmatic_dependent_launches_give_the_same_bits(epilogue):
 
     def chain(pdl):
         first = kernels.fused_linear(x=x, weights=ws, pdl=pdl, **kw)
-        return first, kernels.fused_linear(x=first, weights=[back], residual=x, pdl=pdl)
+        # the residual x, from before the first launch, loads before the second's wait when dependent
+        return first, kernels.fused_linear(x=first, weights=[back], residual=x, pdl=pdl, early_inputs=pdl)
 
     plain = chain(False)
     eager = chain(True)

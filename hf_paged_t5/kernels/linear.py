@@ -19,6 +19,7 @@ float32), together with:
 With `pdl` (Hopper and later; the caller launches a chain of such kernels) each program requests
 its first weight tile, which no earlier kernel writes, before it waits for the previous kernel
 (`gdc_wait`): the weights stream while the previous kernel finishes, and the launch gap hides.
+With `early_inputs` the residual or the slot mapping, written further back, load there too.
 
 Half precision only (`fused_linear_supports`): float32 keeps cuBLAS so float32 results stay
 bit-comparable with stock HF.
@@ -84,6 +85,7 @@ def _fused_linear_kernel(
     BLOCK_K: tl.constexpr,
     ONE_K: tl.constexpr,
     PDL: tl.constexpr,
+    EARLY: tl.constexpr,
 ):
     # Programs [0, tiles) read w0, then w1 and w2 (STORE_KV: q, k, v side by side). The gated
     # FF pairs w0 and w1 in every program instead: both halves of one output column meet here.
@@ -105,13 +107,22 @@ def _fused_linear_kernel(
     w1 = w
     if EPILOGUE == 3:
         w1 = tl.load(w1_rows + offs_k[None, :], mask=w_mask, other=0.0)
+    offs_m = tl.arange(0, BLOCK_M)
+    mask_m = offs_m < rows
+    out_mask = mask_m[:, None] & mask_n[None, :]
+    residual_ptrs = residual_ptr + offs_m[:, None] * stride_residual_row + offs_n[None, :]
+    if EARLY:
+        # The residual and the slots were written before the kernel just before this one began:
+        # requested now, they are not a round trip after the products.
+        if EPILOGUE == 1:
+            res = tl.load(residual_ptrs, mask=out_mask, other=0.0)
+        if EPILOGUE == 4:
+            slot = tl.load(slot_mapping_ptr + offs_m, mask=mask_m, other=-1)
     if PDL:
         # Everything below reads what earlier kernels wrote, and writes what they may still read.
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
 
-    offs_m = tl.arange(0, BLOCK_M)
-    mask_m = offs_m < rows
     x_rows = x_ptr + offs_m[:, None] * stride_x_row  # [BLOCK_M, 1]
     inv_rms = tl.full([BLOCK_M], 1.0, tl.float32)
     if ONE_K:
@@ -153,9 +164,9 @@ def _fused_linear_kernel(
 
     # HF rounds each Linear's output to the activations' dtype before anything else touches it.
     y = _round(acc, out_ptr)
-    out_mask = mask_m[:, None] & mask_n[None, :]
     if EPILOGUE == 1:
-        res = tl.load(residual_ptr + offs_m[:, None] * stride_residual_row + offs_n[None, :], mask=out_mask, other=0.0)
+        if not EARLY:
+            res = tl.load(residual_ptrs, mask=out_mask, other=0.0)
         y = res.to(tl.float32) + y
     if EPILOGUE == 2:
         y = tl.maximum(y, 0.0)
@@ -170,11 +181,15 @@ def _fused_linear_kernel(
         cache_ptr = key_cache_ptr
         if segment == 2:
             cache_ptr = value_cache_ptr
-        slot = tl.load(slot_mapping_ptr + offs_m, mask=mask_m, other=-1).to(tl.int64)
+        if EARLY and EPILOGUE == 4:
+            slot_ids = slot
+        else:
+            slot_ids = tl.load(slot_mapping_ptr + offs_m, mask=mask_m, other=-1)
         # int64: block_id * stride_cache_block passes 2^31 in pools of a few GB.
-        row_off = (slot // CACHE_BLOCK) * stride_cache_block + (slot % CACHE_BLOCK) * stride_cache_slot
+        slot_ids = slot_ids.to(tl.int64)
+        row_off = (slot_ids // CACHE_BLOCK) * stride_cache_block + (slot_ids % CACHE_BLOCK) * stride_cache_slot
         col_off = (offs_n // head_dim) * stride_cache_head + offs_n % head_dim
-        tl.store(cache_ptr + row_off[:, None] + col_off[None, :], y, mask=out_mask & (slot >= 0)[:, None])
+        tl.store(cache_ptr + row_off[:, None] + col_off[None, :], y, mask=out_mask & (slot_ids >= 0)[:, None])
 
 
 # One row's product tile (BLOCK_N x BLOCK_K per weight) may grow to this many elements per thread
@@ -308,6 +323,7 @@ def fused_linear(
     value_cache: Optional[torch.Tensor] = None,
     slot_mapping: Optional[torch.Tensor] = None,
     pdl: bool = False,
+    early_inputs: bool = False,
 ) -> torch.Tensor:
     """`x @ weights[0].T` for at most MAX_ROWS rows, with the extras of the module docstring.
 
@@ -319,6 +335,9 @@ def fused_linear(
         = N, and slot_mapping [rows] int: three weights (q, k, v); k and v go to the slots
         (negative: none), q is returned
     pdl: launch as a programmatic dependent launch (`pdl_available`); ignored under the interpreter
+    early_inputs: the residual and slot_mapping were written before the kernel just before this
+        one began (a residual two or more launches back in a dependent chain, a decode step's
+        slots): they load before the wait, with the weights. The same result either way.
     returns: [..., N] in x's dtype
     """
     epilogue = _check(x, weights, norm_weight, residual, activation, key_cache, value_cache, slot_mapping)
@@ -346,6 +365,6 @@ def fused_linear(
         cache.stride(0), cache.stride(1), cache.stride(2),
         NORM=norm_weight is not None, EPILOGUE=epilogue, CACHE_BLOCK=cache.shape[1],
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, ONE_K=K <= block_k, PDL=pdl,
-        num_warps=num_warps, **launch,
+        EARLY=bool(early_inputs), num_warps=num_warps, **launch,
     )  # fmt: skip
     return out.reshape(*x.shape[:-1], N)

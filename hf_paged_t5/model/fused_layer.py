@@ -10,8 +10,13 @@ modules as they are (`serves`), this runs each layer as
 
 (`kernels.fused_linear` and `kernels.paged_decode`: 8 launches; a split attention merges its
 partials in its last program, on the step's `tickets`), each a programmatic dependent launch
-where the GPU allows it (`pdl_available`). The arithmetic is HF's at every point where HF rounds (`fused_linear`'s docstring); the order of a
-dot product's sums is the GEMV's, as on the unfused path.
+where the GPU allows it (`pdl_available`). Each kernel of the chain triggers its dependent only
+after its own wait, so when a kernel starts, every kernel two or more launches back has finished:
+what those wrote (the residual stream, the step's tables and slots, the keys of earlier steps,
+the cross keys) loads before the wait (`early_inputs`, `keys_ready`), and only what the kernel
+just before wrote (its output, the newest key) after it. The arithmetic is HF's at every point
+where HF rounds (`fused_linear`'s docstring); the order of a dot product's sums is the GEMV's, as
+on the unfused path.
 
 Whether a step is served is decided once per input shape for a decode plan's life (a
 `generate()` call, a batch job: `decode/runner.py`); a hook added in the middle of a call is
@@ -137,7 +142,7 @@ def _layer(ops: ModuleType, block: nn.Module, hidden: torch.Tensor, key_cache: t
     q = ops.fused_linear(
         x=hidden, weights=(attn.q.weight, attn.k.weight, attn.v.weight), norm_weight=sa.layer_norm.weight,
         eps=sa.layer_norm.variance_epsilon, key_cache=key_cache, value_cache=value_cache,
-        slot_mapping=meta.slot_mapping, pdl=pdl,
+        slot_mapping=meta.slot_mapping, pdl=pdl, early_inputs=True,
     )
     heads = key_cache.shape[2:]
     out = ops.paged_decode(
@@ -145,7 +150,8 @@ def _layer(ops: ModuleType, block: nn.Module, hidden: torch.Tensor, key_cache: t
         seq_lens=meta.self_seq_lens, scale=1.0, bias_table=bias_table, pdl=pdl, tickets=meta.tickets,
         keys_ready="past",
     )
-    hidden = ops.fused_linear(x=out.view(rows, -1), weights=(attn.o.weight,), residual=hidden, pdl=pdl)
+    hidden = ops.fused_linear(x=out.view(rows, -1), weights=(attn.o.weight,), residual=hidden, pdl=pdl,
+                              early_inputs=True)
     cross = ca.EncDecAttention
     q = ops.fused_linear(x=hidden, weights=(cross.q.weight,), norm_weight=ca.layer_norm.weight,
                          eps=ca.layer_norm.variance_epsilon, pdl=pdl)
@@ -153,7 +159,8 @@ def _layer(ops: ModuleType, block: nn.Module, hidden: torch.Tensor, key_cache: t
         query=q.view(rows, *heads), key_cache=key_cache, value_cache=value_cache, block_table=meta.cross_block_table,
         seq_lens=meta.cross_seq_lens, scale=1.0, pdl=pdl, tickets=meta.tickets, keys_ready="all",
     )
-    hidden = ops.fused_linear(x=out.view(rows, -1), weights=(cross.o.weight,), residual=hidden, pdl=pdl)
+    hidden = ops.fused_linear(x=out.view(rows, -1), weights=(cross.o.weight,), residual=hidden, pdl=pdl,
+                              early_inputs=True)
     dense, norm = ff.DenseReluDense, ff.layer_norm
     if hasattr(dense, "wi_0"):
         h = ops.fused_linear(x=hidden, weights=(dense.wi_0.weight, dense.wi_1.weight), norm_weight=norm.weight,
@@ -161,4 +168,4 @@ def _layer(ops: ModuleType, block: nn.Module, hidden: torch.Tensor, key_cache: t
     else:
         h = ops.fused_linear(x=hidden, weights=(dense.wi.weight,), norm_weight=norm.weight,
                              eps=norm.variance_epsilon, activation="relu", pdl=pdl)
-    return ops.fused_linear(x=h, weights=(dense.wo.weight,), residual=hidden, pdl=pdl)
+    return ops.fused_linear(x=h, weights=(dense.wo.weight,), residual=hidden, pdl=pdl, early_inputs=True)
