@@ -19,7 +19,8 @@ float32), together with:
 With `pdl` (Hopper and later; the caller launches a chain of such kernels) each program requests
 its first weight tile, which no earlier kernel writes, before it waits for the previous kernel
 (`gdc_wait`): the weights stream while the previous kernel finishes, and the launch gap hides.
-With `early_inputs` the residual or the slot mapping, written further back, load there too.
+So does the norm weight where K fits one tile, and with `early_inputs` the residual or the slot
+mapping, written further back.
 
 Half precision only (`fused_linear_supports`): float32 keeps cuBLAS so float32 results stay
 bit-comparable with stock HF.
@@ -111,6 +112,9 @@ def _fused_linear_kernel(
     mask_m = offs_m < rows
     out_mask = mask_m[:, None] & mask_n[None, :]
     residual_ptrs = residual_ptr + offs_m[:, None] * stride_residual_row + offs_n[None, :]
+    if NORM and ONE_K:
+        # a parameter: no kernel of the step writes it (in the loop, its load would follow the norm)
+        g_one = tl.load(norm_weight_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
     if EARLY:
         # The residual and the slots were written before the kernel just before this one began:
         # requested now, they are not a round trip after the products.
@@ -156,7 +160,10 @@ def _fused_linear_kernel(
         else:
             xf = tl.load(x_rows + k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
         if NORM:
-            g = tl.load(norm_weight_ptr + k, mask=mask_k, other=0.0).to(tl.float32)
+            if ONE_K:
+                g = g_one
+            else:
+                g = tl.load(norm_weight_ptr + k, mask=mask_k, other=0.0).to(tl.float32)
             xf = _round(g[None, :] * _round(xf * inv_rms[:, None], x_ptr), x_ptr)
         acc += tl.sum(xf[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
         if EPILOGUE == 3:
