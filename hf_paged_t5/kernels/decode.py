@@ -8,13 +8,17 @@ With one split it writes the output; with several (flash-decoding, for few rows 
 keys) each writes an unnormalised partial (running max, running sum, weighted V sum) and
 `_combine_splits_kernel` merges them with a log-sum-exp rescale; or (`fused_combine`) the last
 program of a (row, head) to finish, counted by an atomic ticket, merges them itself, sparing
-the second launch. The grid depends on tensor shapes and the host bound `max_seq_len` only:
-no host-device sync, so the wrapper can be captured in a CUDA graph; programs past a row's
+the second launch. As a programmatic dependent launch (`pdl`) a program reads seq_lens before
+it waits for the kernel before it, and with `keys_ready` its first tile's block ids, K/V and bias
+too (keys written before that kernel began; a row's newest key, written by it, after the wait).
+The grid depends on tensor shapes and the host bound `max_seq_len` only: no host-device sync, so
+the wrapper can be captured in a CUDA graph; programs past a row's
 `seq_len` contribute nothing. Launch knobs are a `DecodeConfig`, picked by `decode_config`.
 """
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Optional
 
 import torch
@@ -27,7 +31,7 @@ from .launch import _PREFETCH, DecodeConfig, _num_sms, decode_config
 # BIAS_MODE values.
 _NO_BIAS, _TABLE_BIAS, _DENSE_BIAS = 0, 1, 2
 # paged_decode's keys_ready -> the kernel's READY.
-_READY = {None: 0, "past": 1, "all": 2}
+_READY = MappingProxyType({None: 0, "past": 1, "all": 2})
 # Partials merged per step of the split merge: [16, head_dim] fp32 in registers; any split count
 # (up to launch._MAX_SPLITS = 128: 8 steps) runs the same compiled kernel.
 _MERGE_CHUNK = 16
