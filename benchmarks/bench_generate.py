@@ -9,7 +9,10 @@ counts the workspaces its own system makes (HF: the caller's stream; patched: th
 stream its graphs are captured on) and none an earlier case left.
 
     python benchmarks/bench_generate.py [--out DIR] [--models t5-small,t5-base,t5-large,flan-t5-xl] [--parity t5-small,t5-large]
-        [--quick] [--repeats 3]
+        [--quick] [--repeats 3] [--hf eager,sdpa] [--cases 1x1,16x1,64x1,8x4]
+
+A model's stock rows take most of a run (t5-large: ~2 minutes for both implementations at 3 calls
+per case on an H200): `--hf sdpa` times stock HF's sdpa alone, `--cases` fewer cases.
 
 Where `ctranslate2` is importable, CTranslate2 is a row too: the same weights saved and
 converted with its own converter (bf16), `Translator.translate_batch` on the same token ids as
@@ -183,10 +186,12 @@ def weights_gib(model) -> float:
     return sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
 
 
-def bench_model(name, src_len, new, cases, rows, gbps, launch, repeats):
+def bench_model(name, src_len, new, cases, rows, gbps, launch, repeats, hf_impls=("eager", "sdpa")):
+    """Stock HF with each of `hf_impls` (the last, sdpa, is the model then patched), CTranslate2
+    where importable, and patched, per case; a row per case into `rows`."""
     results = {}
     ct2 = None
-    for attn in ("eager", "sdpa"):
+    for attn in hf_impls:
         model = common.make_model(name, attn, torch.bfloat16)
         for batch, beams in cases:
             try:
@@ -208,7 +213,7 @@ def bench_model(name, src_len, new, cases, rows, gbps, launch, repeats):
                 r = timed(model, batch, src_len, new, beams, repeats)
                 r.update(floor_ms(model, batch, beams, src_len, new, step_kernels(model), gbps, launch))
                 results[("paged", batch, beams)] = r
-                hf = [results[(a, batch, beams)] for a in ("eager", "sdpa")]
+                hf = [results.get((a, batch, beams), {}) for a in ("eager", "sdpa")]  # eager: {} if not timed
                 best = min(x["ms_per_step"] for x in hf if "ms_per_step" in x)
                 ref_tokens = results[("sdpa", batch, beams)].get("tokens")
                 rows.append(dict(
@@ -281,7 +286,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--parity", default="t5-small,t5-large",
                     help="models of the fp32 parity pass (comma-separated; empty: none)")
     ap.add_argument("--repeats", type=int, default=3, help="timed calls per case; the median is reported")
-    return ap.parse_args(argv)
+    ap.add_argument("--hf", default="eager,sdpa",
+                    help="stock HF attention implementations timed: eager,sdpa or sdpa (about half the stock time)")
+    ap.add_argument("--cases", default=",".join(f"{b}x{beams}" for b, beams in CASES),
+                    help="batch x beams cases, comma-separated (default: %(default)s)")
+    args = ap.parse_args(argv)
+    if args.hf not in ("eager,sdpa", "sdpa"):
+        ap.error(f"--hf must be 'eager,sdpa' or 'sdpa' (the patched model is the sdpa one), got {args.hf!r}")
+    try:
+        args.cases = [tuple(int(v) for v in item.split("x")) for item in args.cases.split(",") if item]
+        assert args.cases and all(len(c) == 2 and min(c) >= 1 for c in args.cases)
+    except (ValueError, AssertionError):
+        ap.error(f"--cases wants BATCHxBEAMS items such as 1x1,8x4, got {args.cases!r}")
+    return args
 
 
 def main(argv=None) -> None:
@@ -295,14 +312,15 @@ def main(argv=None) -> None:
     gbps, launch = common.copy_bandwidth(torch.device("cuda"), 1 << 30), launch_us()
     print(f"copy bandwidth {gbps:.0f} GB/s; {launch:.2f} us per kernel in a graph", flush=True)
     for name in args.models.split(","):
-        bench_model(name, SRC_LEN, new, CASES, rows, gbps, launch, repeats)
-    report = dict(gpu=torch.cuda.get_device_name(), repeats=repeats, copy_gbps=gbps, graph_launch_us=launch,
-                  fp32_tokens_identical=all(p["identical"] for p in parity.values()) if parity else None,
-                  fp32_parity_passed=all(p["passed"] for p in parity.values()) if parity else None,
-                  fp32_parity=parity, rows=rows,
-                  kernels_per_decoder_layer=max((r["kernels_per_decoder_layer"] for r in rows), default=None),
-                  ctranslate2=ct2_facts(rows))
-    common.write_json(out / "generate.json", report)
+        bench_model(name, SRC_LEN, new, args.cases, rows, gbps, launch, repeats, tuple(args.hf.split(",")))
+        # written after each model: a run cut short (a device call's time limit) keeps what it measured
+        report = dict(gpu=torch.cuda.get_device_name(), repeats=repeats, copy_gbps=gbps, graph_launch_us=launch,
+                      fp32_tokens_identical=all(p["identical"] for p in parity.values()) if parity else None,
+                      fp32_parity_passed=all(p["passed"] for p in parity.values()) if parity else None,
+                      fp32_parity=parity, rows=rows,
+                      kernels_per_decoder_layer=max((r["kernels_per_decoder_layer"] for r in rows), default=None),
+                      ctranslate2=ct2_facts(rows))
+        common.write_json(out / "generate.json", report)
     fmt = common.fmt
     common.print_table(
         ["model", "batch", "beams", "HF eager ms", "HF sdpa ms", "CT2 ms", "paged ms", "speedup", "vs CT2",

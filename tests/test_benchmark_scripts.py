@@ -221,3 +221,16 @@ def test_greedy_parity_tells_rounding_from_a_wrong_path(monkeypatch):
     monkeypatch.setattr(hp, "unpatch_model", plain_unpatch)
     bad = common.greedy_parity(model, model64, inputs, max_new_tokens=8, min_new_tokens=8)
     assert not bad["passed"] and bad["rows_differing"] == 3 and bad["near_ties"] == 0
+
+
+def test_bench_generate_takes_fewer_stock_rows_and_cases():
+    """`--hf sdpa` and `--cases` shorten a run to what a device call's time allows; anything else
+    is refused in one line before the GPU is touched."""
+    import bench_generate
+
+    args = bench_generate.parse_args(["--hf", "sdpa", "--cases", "1x1,8x4"])
+    assert args.hf == "sdpa" and args.cases == [(1, 1), (8, 4)]
+    assert bench_generate.parse_args([]).cases == bench_generate.CASES
+    for bad in (["--hf", "eager"], ["--cases", "1x"], ["--cases", "0x1"], ["--cases", ""]):
+        with pytest.raises(SystemExit):
+            bench_generate.parse_args(bad)
