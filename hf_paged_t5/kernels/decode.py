@@ -264,23 +264,22 @@ def _paged_decode_kernel(
         # READY the keys were written before the step (all of them, or all but each row's newest):
         # the first tile, its block ids and its bias load before the wait.
         slots = _tile_slots(start, *slot_args, BLOCK_SIZE, BLOCK_N)
+        first_slots = slots
         k, v = _load_kv(slots, start, *kv_args, BLOCK_N)
         bias = _tile_bias(start, end, *bias_args, BIAS_MODE, BLOCK_N)
         if PREFETCH == 1:
             slots = _tile_slots(start + BLOCK_N, *slot_args, BLOCK_SIZE, BLOCK_N)
-        if READY == 1:
-            newest = tl.load(table_row_ptr + q_pos // BLOCK_SIZE).to(tl.int64) * stride_cache_block
-            newest += (q_pos % BLOCK_SIZE) * stride_cache_slot + head * stride_cache_head
         if PDL and READY != 0:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         q = tl.load(query_ptr + q_off, mask=dim_mask, other=0.0).to(tl.float32) * (scale * 1.4426950408889634)
         if READY == 1:
-            # The newest key was stored by the kernel just before: loaded after the wait, it
-            # replaces its row of the first tile (loaded before; a later tile loads after the wait).
+            # The newest key was stored by the kernel just before: loaded again after the wait, its
+            # row of the first tile replaces the one loaded before (a later tile loads after the wait).
             mine = ((start + tl.arange(0, BLOCK_N)) == q_pos)[:, None] & dim_mask[None, :]
-            k = tl.where(mine, tl.load(key_cache_ptr + newest + dims, mask=dim_mask, other=0.0)[None, :], k)
-            v = tl.where(mine, tl.load(value_cache_ptr + newest + dims, mask=dim_mask, other=0.0)[None, :], v)
+            first_off = first_slots[:, None] + dims[None, :]
+            k = tl.load(key_cache_ptr + first_off, mask=mine, other=k)
+            v = tl.load(value_cache_ptr + first_off, mask=mine, other=v)
         for tile_start in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
             if PREFETCH == 1:
                 # The next tile's block ids came one tile ago, so its K/V loads need not wait
