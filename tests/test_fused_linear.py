@@ -212,6 +212,55 @@ def test_fused_step_gives_the_unfused_logits(monkeypatch, family, rows):
         assert torch.equal(a, b)
 
 
+def test_the_fused_layer_loads_before_the_wait_only_what_two_launches_back_wrote(monkeypatch):
+    """Each kernel of the dependent chain lets the next start only after its own wait, so a
+    kernel may load before its wait what any but the kernel just before it wrote. Every launch
+    of a generate() step: a residual loaded early is not the output of the launch just before,
+    slots loaded early are the step's own; cross-attention ("all") follows no launch that stores
+    keys, self-attention ("past") follows the one storing its newest key."""
+    class Recorder:
+        def __init__(self, ops, log):
+            self._ops, self._log = ops, log
+
+        def __getattr__(self, name):
+            attr = getattr(self._ops, name)
+            if name not in ("fused_linear", "paged_decode", "rms_norm"):
+                return attr
+
+            def run(**kw):
+                out = attr(**kw)
+                first = out[0] if isinstance(out, tuple) else out
+                self._log.append((name, kw, first.data_ptr()))
+                return out
+            return run
+
+    steps = []
+    real = fused_layer.decoder_layers
+
+    def spy(decoder, ops, *args, **kwargs):
+        steps.append([])
+        return real(decoder, Recorder(ops, steps[-1]), *args, **kwargs)
+
+    monkeypatch.setattr(fused_layer, "decoder_layers", spy)
+    model = make_model("t5v1_1", dtype=torch.bfloat16, device=DEVICE, num_layers=1, num_decoder_layers=2)
+    ids, mask = make_batch([9, 5], device=DEVICE)
+    hp.patch_model(model, hp.PagedCacheConfig(block_size=4, backend="triton", cuda_graphs=False))
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, min_new_tokens=3)
+    assert len(steps) == 3
+    for log in steps:
+        layer = ["fused_linear", "paged_decode", "fused_linear"] * 2 + ["fused_linear"] * 2
+        assert [name for name, _, _ in log] == layer * 2 + ["rms_norm"]
+        for (_, before, out_before), (name, kw, _) in zip(log, log[1:]):
+            if name == "fused_linear" and kw.get("residual") is not None:
+                assert kw["early_inputs"] and kw["residual"].data_ptr() != out_before
+            if name == "fused_linear" and kw.get("slot_mapping") is not None:
+                assert kw["early_inputs"] and kw["slot_mapping"].data_ptr() != out_before
+            if name == "paged_decode":
+                stores_keys = before.get("key_cache") is not None
+                assert kw["keys_ready"] == ("past" if stores_keys else "all")
+                assert stores_keys == (kw.get("bias_table") is not None)  # self-attention follows its store
+
+
 def test_unserved_steps_run_op_by_op(monkeypatch):
     """What the fused layer does not serve runs the op-by-op layer: float16 (its residual clamp),
     more than four rows, hooks on a projection or the final norm, active dropout, another activation."""
