@@ -14,7 +14,9 @@ the figures as JSON. Run it in fresh processes, alternating the checkouts:
 
 --variant one-split: where a decode launch has fewer (row, head) programs than SMs and at most
 512 keys, one split whose single tile holds every key (warps scaled to keep 64 K elements per
-thread) instead of `decode_config`'s pick (up to 4 splits of 128-key tiles merged by the last).
+thread) instead of `decode_config`'s pick (up to 4 splits of 128-key tiles merged by the last);
+at 512 keys that is 16 warps, whose 128-register cap spills. --variant wide-tiles: the same
+launches as splits of 256-key tiles on 8 warps (one tile per split, no spills at sm_90).
 """
 from __future__ import annotations
 
@@ -31,8 +33,8 @@ import common  # benchmarks/ is on sys.path
 DEFAULT_CASES = "t5-large:1:1,flan-t5-xl:1:1,t5-large:1:4,t5-large:16:1"
 
 
-def one_split_config():
-    """`decode_config` with the one-split rule above (patched into kernels.decode for this process)."""
+def few_programs_config(variant: str):
+    """`decode_config` with the `variant` rule above (patched into kernels.decode for this process)."""
     from hf_paged_t5.kernels.decode import DecodeConfig
 
     dec = importlib.import_module("hf_paged_t5.kernels.decode")  # the module (its launch reads decode_config)
@@ -41,6 +43,8 @@ def one_split_config():
 
     def pick(batch, num_heads, head_dim, max_keys, num_sms):
         if batch * num_heads < num_sms and max_keys <= 512 and head_dim <= 64:
+            if variant == "wide-tiles":
+                return DecodeConfig(block_n=256, num_warps=8, num_splits=-(-max_keys // 256))
             block_n = max(128, 1 << (max_keys - 1).bit_length())
             return DecodeConfig(block_n=block_n, num_warps=max(4, block_n * 64 // 2048), num_splits=1)
         return default(batch, num_heads, head_dim, max_keys, num_sms)
@@ -78,7 +82,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("label")
     ap.add_argument("--cases", default=DEFAULT_CASES, help="layout:rows:beams,...")
-    ap.add_argument("--variant", choices=("default", "one-split"), default="default")
+    ap.add_argument("--variant", choices=("default", "one-split", "wide-tiles"), default="default")
     args = ap.parse_args(argv)
     common.require_cuda("ab_replay.py")
     cases = []
@@ -87,8 +91,8 @@ def main(argv=None) -> None:
         if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts[1:]):
             raise SystemExit(f"ab_replay.py: --cases wants layout:rows:beams items, got {item!r}")
         cases.append((parts[0], int(parts[1]), int(parts[2])))
-    if args.variant == "one-split":
-        one_split_config()
+    if args.variant != "default":
+        few_programs_config(args.variant)
     res = {}
     for shape, rows, beams in cases:
         res[f"{shape}:{rows}:{beams}"] = time_case(shape, rows, beams)

@@ -234,3 +234,20 @@ def test_bench_generate_takes_fewer_stock_rows_and_cases():
     for bad in (["--hf", "eager"], ["--cases", "1x"], ["--cases", "0x1"], ["--cases", ""]):
         with pytest.raises(SystemExit):
             bench_generate.parse_args(bad)
+
+
+@pytest.mark.parametrize("variant,block_n,warps,splits", [("one-split", 512, 16, 1), ("wide-tiles", 256, 8, 2)])
+def test_ab_replay_variants_pick_their_decode_launch(monkeypatch, variant, block_n, warps, splits):
+    """ab_replay's variants replace decode_config's pick only at few programs over <= 512 keys."""
+    import importlib
+
+    import ab_replay
+
+    decode = importlib.import_module("hf_paged_t5.kernels.decode")
+    default = decode.decode_config
+    monkeypatch.setattr(decode, "decode_config", default)  # restored after the test
+    ab_replay.few_programs_config(variant)
+    cfg = decode.decode_config(1, 16, 64, 512, 132)
+    assert (cfg.block_n, cfg.num_warps, cfg.num_splits) == (block_n, warps, splits)
+    assert decode.decode_config(64, 16, 64, 512, 132) == default(64, 16, 64, 512, 132)
+    assert decode.decode_config(1, 16, 64, 2048, 132) == default(1, 16, 64, 2048, 132)
