@@ -38,15 +38,7 @@ VARIANTS = (("unfused", False, "1", True), ("fused-no-pdl", True, "0", True), ("
 
 
 def replay_us(graph, replays: int = 50) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return common.median(times)
+    return common.median(common.replay_times_us(graph, replays))
 
 
 def replay_kernels(graph) -> tuple[int, dict]:

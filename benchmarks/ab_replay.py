@@ -65,15 +65,7 @@ def time_case(shape: str, rows: int, beams: int) -> dict:
         for _ in range(2):
             out = model.generate(**kw)
         calls = [common.timed(lambda: model.generate(**kw))[0] for _ in range(5)]
-    graph = list(common.decode_graphs(model).values())[-1]
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    replays = []
-    for _ in range(200):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        replays.append(start.elapsed_time(end) * 1e3)
+    replays = common.replay_times_us(list(common.decode_graphs(model).values())[-1], 200)
     return dict(replay_us=round(sorted(replays)[len(replays) // 2], 1), call_ms=round(common.median(calls) * 1e3, 2),
                 tokens=hashlib.sha1(out.cpu().numpy().tobytes()).hexdigest()[:8])
 

@@ -325,6 +325,20 @@ def graph_us(calls: Sequence[Callable[[], object]]) -> float:
     return median(times) * 1e3 / len(calls)
 
 
+def replay_times_us(graph, replays: int) -> list[float]:
+    """µs of each of `replays` replays of a captured CUDA graph, one after another (CUDA events:
+    the GPU time of one replay, the host's launch not counted)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return times
+
+
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of `device` (132, an H200's, without CUDA)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
