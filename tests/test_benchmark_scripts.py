@@ -251,3 +251,18 @@ def test_ab_replay_variants_pick_their_decode_launch(monkeypatch, variant, block
     assert (cfg.block_n, cfg.num_warps, cfg.num_splits) == (block_n, warps, splits)
     assert decode.decode_config(64, 16, 64, 512, 132) == default(64, 16, 64, 512, 132)
     assert decode.decode_config(1, 16, 64, 2048, 132) == default(1, 16, 64, 2048, 132)
+
+
+@pytest.mark.parametrize("variant", ["launches", "counters"])
+def test_diag_handoff_stages_compute_the_chain(variant):
+    """diag_handoff's kernels give torch's chain of GEMVs (interpreter: one persistent program runs
+    every task in order, so each stage's count is complete before it is read); --programs must
+    divide --dim."""
+    import diag_handoff
+
+    weights, vectors = diag_handoff.build(stages=3, dim=24, device="cpu")
+    want = diag_handoff.expected(weights, vectors[0])
+    diag_handoff.launcher(variant, weights, vectors, programs=3, persistent=1)()
+    torch.testing.assert_close(vectors[1:], want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="divide"):
+        diag_handoff.launcher(variant, weights, vectors, programs=5, persistent=1)
