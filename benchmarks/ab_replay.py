@@ -17,9 +17,6 @@ the figures as JSON. Run it in fresh processes, alternating the checkouts:
 thread) instead of `decode_config`'s pick (up to 4 splits of 128-key tiles merged by the last);
 at 512 keys that is 16 warps, whose 128-register cap spills. --variant wide-tiles: the same
 launches as splits of 256-key tiles on 8 warps (one tile per split, no spills at sm_90).
---variant attention-merge: each split attention's last split merges the partials (an atomic
-ticket) and stores the output the o projection reads, instead of the projection merging them
-(`fused_layer.merged_by_projection`).
 """
 from __future__ import annotations
 
@@ -55,13 +52,6 @@ def few_programs_config(variant: str):
     dec.decode_config = pick
 
 
-def attention_merges() -> None:
-    """The fused layer with each split attention merging its own partials (its last split, on a
-    ticket) and the o projection reading the merged output, for this process."""
-    fused_layer = importlib.import_module("hf_paged_t5.model.fused_layer")
-    fused_layer.merged_by_projection = lambda *args: False
-
-
 def time_case(shape: str, rows: int, beams: int) -> dict:
     import hf_paged_t5 as hp
     from hf_paged_t5 import tiny
@@ -84,7 +74,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("label")
     ap.add_argument("--cases", default=DEFAULT_CASES, help="layout:rows:beams,...")
-    ap.add_argument("--variant", choices=("default", "one-split", "wide-tiles", "attention-merge"), default="default")
+    ap.add_argument("--variant", choices=("default", "one-split", "wide-tiles"), default="default")
     args = ap.parse_args(argv)
     common.require_cuda("ab_replay.py")
     cases = []
@@ -93,9 +83,7 @@ def main(argv=None) -> None:
         if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts[1:]):
             raise SystemExit(f"ab_replay.py: --cases wants layout:rows:beams items, got {item!r}")
         cases.append((parts[0], int(parts[1]), int(parts[2])))
-    if args.variant == "attention-merge":
-        attention_merges()
-    elif args.variant != "default":
+    if args.variant != "default":
         few_programs_config(args.variant)
     res = {}
     for shape, rows, beams in cases:

@@ -253,18 +253,6 @@ def test_ab_replay_variants_pick_their_decode_launch(monkeypatch, variant, block
     assert decode.decode_config(1, 16, 64, 2048, 132) == default(1, 16, 64, 2048, 132)
 
 
-def test_ab_replay_attention_merge_variant(monkeypatch):
-    import ab_replay
-    from hf_paged_t5 import kernels
-    from hf_paged_t5.model import fused_layer
-
-    monkeypatch.setattr(fused_layer, "merged_by_projection", fused_layer.merged_by_projection)  # restored after
-    weight = torch.empty(1024, 1024, device="meta")
-    assert fused_layer.merged_by_projection(kernels, 1, 64, weight)
-    ab_replay.attention_merges()
-    assert not fused_layer.merged_by_projection(kernels, 1, 64, weight)
-
-
 @pytest.mark.parametrize("variant", ["launches", "counters"])
 def test_diag_handoff_stages_compute_the_chain(variant):
     """diag_handoff's kernels give torch's chain of GEMVs (interpreter: one persistent program runs

@@ -179,88 +179,6 @@ def test_fused_linear_refuses_what_it_does_not_serve():
         kernels.fused_linear(x=x, weights=ws, slot_mapping=torch.zeros(2, dtype=torch.int32, device=DEVICE))
 
 
-# ---- an attention output read as its split partials ------------------------------------------
-def attention_operands(rows, heads, head_dim, seq, seed, block_size=4, width=24):
-    """A paged cache, a query per row and the causal bias table, rows of seq, seq - 3, ... keys
-    (at most block_size * width)."""
-    g = torch.Generator().manual_seed(seed)
-    blocks = rows * width + 4
-    kc = torch.randn(blocks, block_size, heads, head_dim, generator=g).bfloat16()
-    vc = torch.randn(blocks, block_size, heads, head_dim, generator=g).bfloat16()
-    q = torch.randn(rows, heads, head_dim, generator=g).bfloat16()
-    table = torch.randperm(blocks, generator=g)[: rows * width].view(rows, width).int()
-    seq_lens = torch.tensor([max(1, seq - 3 * i) for i in range(rows)], dtype=torch.int32)
-    bias = torch.randn(heads, 9, generator=g).bfloat16()
-    return [t.to(DEVICE) for t in (q, kc, vc, table, seq_lens, bias)]
-
-
-def torch_merge(part, head_dim, dtype):
-    """paged_decode's output from its partials, by torch: [rows, heads * head_dim]."""
-    acc, m, l = part[..., :head_dim], part[..., -2], part[..., -1]
-    weight = torch.exp2(m - m.max(dim=2, keepdim=True).values)  # [rows, heads, splits]
-    out = (weight[..., None] * acc).sum(2) / (weight * l).sum(2)[..., None]
-    return out.to(dtype).reshape(part.shape[0], -1)
-
-
-@pytest.mark.parametrize("rows,heads,head_dim,seq,splits,n", [
-    (1, 4, 16, 40, 3, 24),  # three splits hold keys: one pass of the merge
-    (2, 3, 32, 37, 2, 40),  # heads not a power of two
-    (3, 2, 16, 9, 1, 16),  # one split: the unsplit launch's output
-    (4, 4, 16, 70, 6, 8),  # more splits than one pass takes (chunked), the last ones empty in short rows
-    (2, 40, 32, 30, 2, 12),  # K = 1,280 past one 1,024-column tile at 2 rows: the merge per K tile
-])
-def test_fused_linear_merges_attention_partials(rows, heads, head_dim, seq, splits, n):
-    """`paged_decode(partials=True)` then `fused_linear(partials=True)`: the bits of paged_decode's
-    own output projected (plain and with the residual add; the interpreter sums in one order), and
-    the partials are the split attention torch's log-sum-exp merge gives back."""
-    from hf_paged_t5.kernels.launch import DecodeConfig
-
-    q, kc, vc, table, seq_lens, bias = attention_operands(rows, heads, head_dim, seq, seed=rows + heads + splits)
-    kw = dict(bias_table=bias, config=DecodeConfig(block_n=16, num_warps=4, num_splits=splits))
-    out = kernels.paged_decode(q, kc, vc, table, seq_lens, **kw)
-    part = kernels.paged_decode(q, kc, vc, table, seq_lens, partials=True, **kw)
-    assert part.dtype == torch.float32 and part.shape[:2] == (rows, heads) and part.shape[3] == head_dim + 2
-    assert part.shape[2] == min(splits, 24 * 4 // 16)  # the split count the launch used
-    torch.testing.assert_close(torch_merge(part, head_dim, out.dtype).float(), out.reshape(rows, -1).float(),
-                               rtol=1e-2, atol=1e-2)
-    g = torch.Generator().manual_seed(n)
-    w = (torch.randn(n, heads * head_dim, generator=g) / (heads * head_dim) ** 0.5).bfloat16().to(DEVICE)
-    residual = torch.randn(rows, n, generator=g).bfloat16().to(DEVICE)
-    for extra in ({}, {"residual": residual}):
-        want = kernels.fused_linear(x=out.reshape(rows, -1), weights=(w,), **extra)
-        got = kernels.fused_linear(x=part, weights=(w,), partials=True, **extra)
-        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
-        assert torch.equal(got, want)
-
-
-def test_fused_linear_refuses_partials_it_cannot_read():
-    q, kc, vc, table, seq_lens, _ = attention_operands(2, 4, 16, 20, seed=1)
-    part = kernels.paged_decode(q, kc, vc, table, seq_lens, partials=True)
-    w = torch.randn(8, 64, device=DEVICE).bfloat16()
-    with pytest.raises(ValueError, match="give no norm_weight"):
-        kernels.fused_linear(x=part, weights=(w,), partials=True, norm_weight=torch.ones(64, device=DEVICE).bfloat16())
-    with pytest.raises(ValueError, match="must cover the weights' 48 input features"):
-        kernels.fused_linear(x=part, weights=(w[:, :48],), partials=True)
-    with pytest.raises(ValueError, match="contiguous float32"):
-        kernels.fused_linear(x=part[..., :-2].reshape(2, -1).bfloat16(), weights=(w,), partials=True)
-    odd = torch.zeros(2, 4, 1, 22, device=DEVICE)  # head_dim 20: whole heads would not tile K
-    with pytest.raises(ValueError, match="power of two"):
-        kernels.fused_linear(x=odd, weights=(torch.zeros(8, 80, device=DEVICE).bfloat16(),), partials=True)
-
-
-def test_which_projections_read_partials():
-    """One and two rows at t5-large / flan-t5-xl o projections fit the merge in registers; four do
-    not (sm_90: 219 registers at t5-large, spills at flan-t5-xl), and nor does a head_dim that is
-    not a power of two: those steps keep the attention's own merge."""
-    reads = kernels.fused_linear_reads_partials
-    assert reads(1, 1024, 1024) and reads(2, 1024, 1024) and reads(1, 2048, 2048) and reads(2, 2048, 2048)
-    assert not reads(4, 1024, 1024) and not reads(4, 2048, 2048) and not reads(0, 1024, 1024)
-    w = torch.empty(1024, 1024, device="meta")
-    assert fused_layer.merged_by_projection(kernels, 1, 64, w)
-    assert not fused_layer.merged_by_projection(kernels, 4, 64, w)
-    assert not fused_layer.merged_by_projection(kernels, 1, 48, torch.empty(1024, 768, device="meta"))
-
-
 # ---- the fused decode layer under generate() ----------------------------------------------
 def spy_fused(monkeypatch) -> list:
     calls = []
@@ -415,36 +333,6 @@ def test_gpu_one_row_at_decode_shapes(n, k, epilogue):
     """One row at the decode shapes whose launches `fused_config` gives K in one tile: within the
     error of the same ops against float64, as at the small shapes above."""
     check_against_float64(epilogue, 1, n, k, torch.bfloat16, seed=n + k)
-
-
-@gpu_test
-@pytest.mark.parametrize("rows,heads,keys", [(1, 16, 512), (2, 16, 512), (1, 32, 512), (1, 16, 100)])
-def test_gpu_partials_at_decode_shapes(rows, heads, keys):
-    """t5-large (16 heads) and flan-t5-xl (32) attention over a step's keys, split as a decode step
-    splits it, merged by the o projection, as dependent launches captured in a graph: within
-    bf16 rounding of paged_decode's merged output projected (the two merges sum in other orders)."""
-    q, kc, vc, table, seq_lens, bias = attention_operands(rows, heads, 64, keys, seed=heads + rows, block_size=16,
-                                                          width=32)
-    k_dim = heads * 64
-    w = (torch.randn(1024, k_dim, device=DEVICE) / k_dim**0.5).bfloat16()
-    residual = torch.randn(rows, 1024, device=DEVICE).bfloat16()
-    tickets = torch.zeros(rows * heads, dtype=torch.int32, device=DEVICE)
-    assert kernels.fused_linear_reads_partials(rows, 1024, k_dim)
-
-    def merged(partials):
-        kw = dict(partials=True) if partials else dict(tickets=tickets)
-        out = kernels.paged_decode(q, kc, vc, table, seq_lens, bias_table=bias, pdl=True, keys_ready="all", **kw)
-        return kernels.fused_linear(x=out if partials else out.view(rows, -1), weights=(w,), residual=residual,
-                                    pdl=True, early_inputs=True, partials=partials)
-
-    want = merged(False)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = merged(True)
-    graph.replay()
-    torch.cuda.synchronize()
-    torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1.6e-2)
-    assert error(got, want) < 2e-3
 
 
 def hf_init_model(family, **overrides):

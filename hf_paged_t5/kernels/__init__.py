@@ -7,8 +7,7 @@
 - `gated_gelu`: the gated feed-forward's `gelu_tanh(gate) * linear` (T5 v1.1, mT5, UMT5).
 - `gemv`: x @ weight.T for at most a few rows (batch-1 decode projections).
 - `fused_linear`: the same with the layer norm before it and the residual add, activation or
-  K/V store after it folded in (a decode step's layer in a few kernels); it also reads an
-  attention output as `paged_decode`'s unmerged split partials and merges them itself.
+  K/V store after it folded in (a decode step's layer in a few kernels).
 - `prefill`: varlen flash-attention over packed sequences, bidirectional or causal.
 - `local_prefill`: varlen local (windowed) attention plus optional side keys (LongT5's encoder).
 
@@ -23,11 +22,11 @@ from .decode import paged_decode
 from .gated_gelu import gated_gelu
 from .gemv import gemv, gemv_supports
 from .launch import pdl_available
-from .linear import fused_linear, fused_linear_reads_partials, fused_linear_supports
+from .linear import fused_linear, fused_linear_supports
 from .local import local_prefill
 from .prefill import prefill
 from .rmsnorm import rms_norm
 from .store_kv import store_kv
 
-__all__ = ["fused_linear", "fused_linear_reads_partials", "fused_linear_supports", "gated_gelu", "gemv", "gemv_supports", "local_prefill",
+__all__ = ["fused_linear", "fused_linear_supports", "gated_gelu", "gemv", "gemv_supports", "local_prefill",
            "paged_decode", "pdl_available", "prefill", "rms_norm", "store_kv"]

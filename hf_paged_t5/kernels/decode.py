@@ -8,13 +8,12 @@ With one split it writes the output; with several (flash-decoding, for few rows 
 keys) each writes an unnormalised partial (running max, running sum, weighted V sum) and
 `_combine_splits_kernel` merges them with a log-sum-exp rescale; or (`fused_combine`) the last
 program of a (row, head) to finish, counted by an atomic ticket, merges them itself, sparing
-the second launch; or (`partials`) every split stores its partial and the kernel that reads the
-output merges them (`fused_linear(partials=True)`). As a programmatic dependent launch (`pdl`)
-a program reads seq_lens before it waits for the kernel before it, and with `keys_ready` its
-first tile's block ids, K/V and bias too (keys written before that kernel began; a row's newest
-key, written by it, after the wait). The grid depends on tensor shapes and the host bound
-`max_seq_len` only: no host-device sync, so the wrapper can be captured in a CUDA graph;
-programs past a row's `seq_len` contribute nothing. Launch knobs are a `DecodeConfig`, picked by `decode_config`.
+the second launch. As a programmatic dependent launch (`pdl`) a program reads seq_lens before
+it waits for the kernel before it, and with `keys_ready` its first tile's block ids, K/V and bias
+too (keys written before that kernel began; a row's newest key, written by it, after the wait).
+The grid depends on tensor shapes and the host bound `max_seq_len` only: no host-device sync, so
+the wrapper can be captured in a CUDA graph; programs past a row's
+`seq_len` contribute nothing. Launch knobs are a `DecodeConfig`, picked by `decode_config`.
 """
 
 from __future__ import annotations
@@ -212,7 +211,6 @@ def _paged_decode_kernel(
     NUM_STAGES: tl.constexpr,
     PDL: tl.constexpr,
     READY: tl.constexpr,
-    PARTIALS: tl.constexpr,
 ):
     # Heads vary fastest over the grid: programs running side by side read neighbouring
     # head slices of the same slots, so together they stream whole blocks.
@@ -305,14 +303,7 @@ def _paged_decode_kernel(
     whole = num_splits == 1
     if FUSED_COMBINE:
         whole = whole | (seq_len <= keys_per_split)
-    if PARTIALS:
-        # Every split stores its partial, an empty one too (max -inf, sum 0): the reader merges
-        # them (`fused_linear(partials=True)`), so no split waits for the others here.
-        part_row_ptr = part_ptr + ((row * num_heads + head) * num_splits + split) * (BLOCK_D + 2)
-        tl.store(part_row_ptr + dims, acc)
-        tl.store(part_row_ptr + BLOCK_D, m_i)
-        tl.store(part_row_ptr + BLOCK_D + 1, l_i)
-    elif whole:
+    if whole:
         if split == 0:
             out = acc / l_i
             out_off = row * stride_out_batch + head * stride_out_head + dims
@@ -383,7 +374,6 @@ def paged_decode(
     pdl: bool = False,
     tickets: Optional[torch.Tensor] = None,
     keys_ready: Optional[str] = None,
-    partials: bool = False,
 ) -> torch.Tensor:
     """Attention of one query token per row over that row's paged keys.
 
@@ -409,13 +399,7 @@ def paged_decode(
         None promises that the tables, seq_lens and bias were written before the step too; with
         pdl, the first K/V tile of each program, its block ids and bias then load before the wait
         for the kernel before (the newest key after it). The same attention either way.
-    partials: return every key split's unmerged partial instead of the output, for a kernel that
-        reads the attention output to merge itself (`fused_linear(partials=True)`): no split
-        waits for the others, and the merge's round trips move into that kernel's load of its
-        input. Layout: [batch, num_heads, splits, block_d(head_dim) + 2] float32, each record
-        the weighted V sum (log2 units, unnormalised), the running max and the sum of weights;
-        a split past a row's keys holds zeros, max -inf and sum 0. Tickets are not used.
-    returns: [batch, num_heads, head_dim], query's dtype (with partials, above)
+    returns: [batch, num_heads, head_dim], query's dtype
     """
     max_distance = check_decode_args(query, key_cache, value_cache, block_table, seq_lens, bias_table, dense_bias)
     if keys_ready not in _READY:
@@ -425,8 +409,7 @@ def paged_decode(
     max_keys = block_table.shape[1] * block_size
     out = torch.empty((batch, num_heads, head_dim), dtype=query.dtype, device=query.device)
     if batch == 0 or num_heads == 0 or max_keys == 0:
-        return torch.empty((batch, num_heads, 1, block_d(head_dim) + 2), dtype=torch.float32,
-                           device=query.device) if partials else out
+        return out
 
     padded_d = block_d(head_dim)
     covered = max_keys if max_seq_len is None else max(1, min(max_keys, int(max_seq_len)))
@@ -456,11 +439,9 @@ def paged_decode(
     # binary. The partials' placeholder is float32 even for one split, as pointer types are part
     # of a binary's signature.
     fused = tickets is not None or (splits > 1 and config.fused_combine)
-    if partials:
-        fused, tickets = False, None
     # One buffer for the three partials: one allocation, one pointer argument.
-    part = torch.empty((batch, num_heads, splits, padded_d + 2) if splits > 1 or partials else (1,),
-                       dtype=torch.float32, device=query.device)
+    part = torch.empty((batch, num_heads, splits, padded_d + 2) if splits > 1 else (1,), dtype=torch.float32,
+                       device=query.device)
     ticket = out  # unused placeholder without the fused merge
     if tickets is not None:
         _check_tickets(tickets, batch * num_heads, query.device)
@@ -479,11 +460,8 @@ def paged_decode(
         BIAS_MODE=bias_mode, BLOCK_SIZE=block_size, BLOCK_N=config.block_n, BLOCK_D=padded_d,
         MERGE_CHUNK=_MERGE_CHUNK, FUSED_COMBINE=fused,
         PREFETCH=_PREFETCH[config.prefetch],
-        NUM_STAGES=config.num_stages, PDL=pdl, READY=_READY[keys_ready], PARTIALS=bool(partials),
-        num_warps=config.num_warps, **launch,
+        NUM_STAGES=config.num_stages, PDL=pdl, READY=_READY[keys_ready], num_warps=config.num_warps, **launch,
     )  # fmt: skip
-    if partials:
-        return part
     if splits > 1 and not fused:
         _combine_splits_kernel[(batch, num_heads)](
             part, out,

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import block_d, check_device, check_float, interpreting, pdl_options
+from ._checks import check_device, check_float, interpreting, pdl_options
 from .gemv import MAX_ROWS, gemv_config
 
 # EPILOGUE values.
@@ -54,58 +54,7 @@ def _round(x, like_ptr):
     return x.to(like_ptr.dtype.element_ty).to(tl.float32)
 
 
-@triton.jit
-def _merged_columns(
-    part_ptr,
-    k0,
-    rows,
-    heads,
-    num_splits,
-    like_ptr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    PART_D: tl.constexpr,
-    PART_CHUNK: tl.constexpr,
-):
-    """Columns [k0, k0 + BLOCK_K) of an attention output [BLOCK_M, BLOCK_K] float32, merged from its
-    split partials (`paged_decode(partials=True)`: [rows, heads, splits, PART_D + 2], head h's
-    column d at h * PART_D + d) and rounded to `like_ptr`'s type, as paged_decode stores it.
-
-    The merge is `decode._merge_splits`' log-sum-exp rescale, one split at a time for every (row,
-    head) of the tile at once; the PART_CHUNK splits of one pass are requested together (one
-    round trip to memory per pass).
-    """
-    TILE_H: tl.constexpr = BLOCK_K // PART_D
-    pairs = tl.arange(0, BLOCK_M * TILE_H)  # (row, head) pairs of the tile, row-major
-    row = pairs // TILE_H
-    head = k0 // PART_D + pairs % TILE_H
-    live = (row < rows) & (head < heads)
-    record = (row.to(tl.int64) * heads + head) * num_splits  # [pairs]: the pair's first split
-    dims = tl.arange(0, PART_D)
-    m_run = tl.full([BLOCK_M * TILE_H], float("-inf"), tl.float32)
-    l_run = tl.zeros([BLOCK_M * TILE_H], dtype=tl.float32)
-    acc_run = tl.zeros([BLOCK_M * TILE_H, PART_D], dtype=tl.float32)
-    for first in range(0, num_splits, PART_CHUNK):
-        for i in tl.static_range(PART_CHUNK):
-            split = first + i + tl.zeros_like(pairs)
-            ok = live & (split < num_splits)
-            off = (record + split) * (PART_D + 2)
-            m = tl.load(part_ptr + off + PART_D, mask=ok, other=float("-inf"))
-            l = tl.load(part_ptr + off + PART_D + 1, mask=ok, other=0.0)
-            acc = tl.load(part_ptr + off[:, None] + dims[None, :], mask=ok[:, None], other=0.0)
-            # Split 0 holds key 0 of every live pair, so the max is finite from the first split on
-            # (a dead pair's is held at 0, so that no step makes a NaN); an empty split weighs 0.
-            m_new = tl.where(live, tl.maximum(m_run, m), 0.0)
-            alpha = tl.exp2(m_run - m_new)
-            weight = tl.exp2(m - m_new)
-            acc_run = acc_run * alpha[:, None] + weight[:, None] * acc
-            l_run = l_run * alpha + weight * l
-            m_run = m_new
-    out = _round(acc_run / tl.where(live, l_run, 1.0)[:, None], like_ptr)  # a dead pair's columns: zeros
-    return tl.reshape(out, (BLOCK_M, BLOCK_K))
-
-
-@triton.jit(do_not_specialize=["rows", "num_splits"])  # workload sizes: see kernels/__init__.py
+@triton.jit(do_not_specialize=["rows"])  # workload sizes: see kernels/__init__.py
 def _fused_linear_kernel(
     x_ptr,  # [rows, K]
     norm_weight_ptr,  # [K] (NORM)
@@ -129,8 +78,6 @@ def _fused_linear_kernel(
     stride_cache_block,
     stride_cache_slot,
     stride_cache_head,
-    heads,
-    num_splits,
     NORM: tl.constexpr,
     EPILOGUE: tl.constexpr,
     CACHE_BLOCK: tl.constexpr,
@@ -140,9 +87,6 @@ def _fused_linear_kernel(
     ONE_K: tl.constexpr,
     PDL: tl.constexpr,
     EARLY: tl.constexpr,
-    PARTS: tl.constexpr,
-    PART_D: tl.constexpr,
-    PART_CHUNK: tl.constexpr,
 ):
     # Programs [0, tiles) read w0, then w1 and w2 (STORE_KV: q, k, v side by side). The gated
     # FF pairs w0 and w1 in every program instead: both halves of one output column meet here.
@@ -188,11 +132,8 @@ def _fused_linear_kernel(
     if ONE_K:
         # K fits one tile: x is read once, for the norm and the products (one round trip to
         # memory after the wait instead of two)
-        if PARTS:
-            x_one = _merged_columns(x_ptr, 0, rows, heads, num_splits, out_ptr, BLOCK_M, BLOCK_K, PART_D, PART_CHUNK)
-        else:
-            x_one = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)
-            x_one = x_one.to(tl.float32)
+        x_one = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)
+        x_one = x_one.to(tl.float32)
     if NORM:
         sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
         if ONE_K:
@@ -216,8 +157,6 @@ def _fused_linear_kernel(
                 w1 = tl.load(w1_rows + k[None, :], mask=w_mask, other=0.0)
         if ONE_K:
             xf = x_one
-        elif PARTS:
-            xf = _merged_columns(x_ptr, k0, rows, heads, num_splits, out_ptr, BLOCK_M, BLOCK_K, PART_D, PART_CHUNK)
         else:
             xf = tl.load(x_rows + k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
         if NORM:
@@ -380,41 +319,6 @@ def _check_store(x, N: int, rows: int, key_cache, value_cache, slot_mapping) -> 
     return _STORE_KV
 
 
-def fused_linear_reads_partials(rows: int, N: int, K: int) -> bool:
-    """Whether `fused_linear(partials=True)` takes an [rows, K] attention output to an [rows, N]
-    projection without spilling: one merged V sum and the one being added, for the columns a
-    program holds, in ~64 fp32 registers a thread (sm_90: 72 registers at t5-large's o projection,
-    one row, against 219 at four rows)."""
-    if not 0 < rows <= MAX_ROWS:
-        return False
-    _, block_k, num_warps = fused_config(rows, N, K)
-    return triton.next_power_of_2(rows) * block_k <= 1024 * num_warps
-
-
-def partial_chunk(splits: int, block_m: int, block_k: int, num_warps: int) -> int:
-    """Splits a `fused_linear(partials=True)` program requests per round trip to memory: up to 4 (a
-    power of two), with their V sums for its BLOCK_M x BLOCK_K columns in ~64 fp32 registers a thread."""
-    chunk = max(1, min(4, triton.next_power_of_2(splits), 2048 * num_warps // (block_m * block_k)))
-    return 1 << (chunk.bit_length() - 1)
-
-
-def _check_partials(x: torch.Tensor, weights: Sequence[torch.Tensor], norm_weight: Optional[torch.Tensor]) -> torch.Tensor:
-    """The checks of `fused_linear(partials=True)`'s x; returns an [rows, K] tensor in the weights'
-    dtype standing for the merged attention output in the other checks."""
-    if not isinstance(x, torch.Tensor) or x.dim() != 4 or x.dtype != torch.float32 or not x.is_contiguous():
-        raise ValueError("with partials=True, x must be paged_decode(..., partials=True)'s contiguous float32 "
-                         f"[rows, heads, splits, head_dim + 2], got {getattr(x, 'shape', type(x).__name__)}")
-    if norm_weight is not None:
-        raise ValueError("partials=True reads an attention output: give no norm_weight")
-    w0 = weights[0] if weights else None
-    rows, heads, splits, record = x.shape
-    K = w0.shape[-1] if isinstance(w0, torch.Tensor) and w0.dim() == 2 else -1
-    if heads == 0 or splits == 0 or K != heads * (record - 2) or block_d(record - 2) != record - 2:
-        raise ValueError(f"partials of {heads} heads of {record - 2} (a power of two >= 16) must cover the weights' "
-                         f"{K} input features")
-    return torch.empty((rows, K), dtype=w0.dtype, device=x.device)
-
-
 def fused_linear(
     x: torch.Tensor,
     weights: Sequence[torch.Tensor],
@@ -427,7 +331,6 @@ def fused_linear(
     slot_mapping: Optional[torch.Tensor] = None,
     pdl: bool = False,
     early_inputs: bool = False,
-    partials: bool = False,
 ) -> torch.Tensor:
     """`x @ weights[0].T` for at most MAX_ROWS rows, with the extras of the module docstring.
 
@@ -442,15 +345,8 @@ def fused_linear(
     early_inputs: the residual and slot_mapping were written before the kernel just before this
         one began (a residual two or more launches back in a dependent chain, a decode step's
         slots): they load before the wait, with the weights. The same result either way.
-    partials: x is an attention's unmerged output, `paged_decode(..., partials=True)` [rows, heads,
-        splits, head_dim + 2] float32 (heads * head_dim = K, head_dim a power of two): each
-        program merges the splits of the columns it reads and rounds them to the weights' dtype,
-        as paged_decode does before it stores its output (no norm_weight)
-    returns: [..., N] in x's dtype (with partials, [rows, N] in the weights' dtype)
+    returns: [..., N] in x's dtype
     """
-    parts = x if partials else None
-    if partials:
-        x = _check_partials(x, weights, norm_weight)
     epilogue = _check(x, weights, norm_weight, residual, activation, key_cache, value_cache, slot_mapping)
     N, K = weights[0].shape
     x2 = x.reshape(-1, K)
@@ -468,21 +364,14 @@ def fused_linear(
     if interpreting():
         block_n = 16  # the interpreter's cost is per program: fewer, wider ones on the CPU
     segments = 3 if epilogue == _STORE_KV else 1
-    heads, splits, part_d, chunk = 1, 1, 16, 1
-    if parts is not None:
-        heads, splits, part_d = parts.shape[1], parts.shape[2], parts.shape[3] - 2
-        block_k = max(block_k, part_d)  # whole heads per K tile (both powers of two)
-        chunk = partial_chunk(splits, block_m, block_k, num_warps)
-        x2 = parts
     pdl, launch = pdl_options(pdl)
     _fused_linear_kernel[(segments * triton.cdiv(N, block_n),)](
         x2, norm_weight if norm_weight is not None else x2, w0, w1, w2, residual2, out, cache, values, slots,
         rows, N, K, float(eps), cache.shape[3],
         x2.stride(0), w0.stride(0), residual2.stride(0), out.stride(0),
-        cache.stride(0), cache.stride(1), cache.stride(2), heads, splits,
+        cache.stride(0), cache.stride(1), cache.stride(2),
         NORM=norm_weight is not None, EPILOGUE=epilogue, CACHE_BLOCK=cache.shape[1],
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, ONE_K=K <= block_k, PDL=pdl,
-        EARLY=bool(early_inputs), PARTS=parts is not None, PART_D=part_d, PART_CHUNK=chunk,
-        num_warps=num_warps, **launch,
+        EARLY=bool(early_inputs), num_warps=num_warps, **launch,
     )  # fmt: skip
     return out.reshape(*x.shape[:-1], N)

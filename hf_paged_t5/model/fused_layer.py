@@ -8,16 +8,15 @@ modules as they are (`serves`), this runs each layer as
     norm + q                 | cross-attention | o + residual
     norm + wi (+ activation) | wo + residual
 
-(`kernels.fused_linear` and `kernels.paged_decode`: 8 launches; a split attention's partials
-are merged by the o projection that reads them, `merged_by_projection`), each a programmatic
-dependent launch where the GPU allows it (`pdl_available`). Each kernel of the chain triggers its dependent only
+(`kernels.fused_linear` and `kernels.paged_decode`: 8 launches; a split attention merges its
+partials in its last program, on the step's `tickets`), each a programmatic dependent launch
+where the GPU allows it (`pdl_available`). Each kernel of the chain triggers its dependent only
 after its own wait, so when a kernel starts, every kernel two or more launches back has finished:
 what those wrote (the residual stream, the step's tables and slots, the keys of earlier steps,
 the cross keys) loads before the wait (`early_inputs`, `keys_ready`), and only what the kernel
 just before wrote (its output, the newest key) after it. The arithmetic is HF's at every point
 where HF rounds (`fused_linear`'s docstring); the order of a dot product's sums is the GEMV's, as
-on the unfused path, and the split merge's sums run in another order than the attention's own
-merge only where three or more splits hold keys (two terms add alike in either order).
+on the unfused path.
 
 Whether a step is served is decided once per input shape for a decode plan's life (a
 `generate()` call, a batch job: `decode/runner.py`); a hook added in the middle of a call is
@@ -82,11 +81,11 @@ def _weights(block: nn.Module) -> list[torch.Tensor]:
 
 
 def serves(decoder: nn.Module, ops: ModuleType, pool: KVPool, input_ids: torch.Tensor) -> bool:
-    """Whether `decoder_layers` serves this step: the backend has `fused_linear` (and
-    `fused_linear_reads_partials`), one new token per row and at most its MAX_ROWS rows, a
-    bfloat16 decoder on one device with a bfloat16 pool, and in every layer HF's own norms, plain bias-free Linears, a ReLU or gated tanh-GELU feed-forward
+    """Whether `decoder_layers` serves this step: the backend has `fused_linear`, one new token per
+    row and at most its MAX_ROWS rows, a bfloat16 decoder on one device with a bfloat16 pool, and
+    in every layer HF's own norms, plain bias-free Linears, a ReLU or gated tanh-GELU feed-forward
     and no active dropout or hook (anything else runs `stacks.decoder_layers` op by op)."""
-    if not hasattr(ops, "fused_linear_reads_partials") or input_ids.dim() != 2 or input_ids.shape[1] != 1:
+    if not hasattr(ops, "fused_linear") or input_ids.dim() != 2 or input_ids.shape[1] != 1:
         return False
     dtype, device = decoder.embed_tokens.weight.dtype, decoder.embed_tokens.weight.device
     if not (_inactive(decoder.dropout) and _norm_ok(decoder.final_layer_norm, dtype, device)):
@@ -134,17 +133,6 @@ def decoder_layers(
     return decoder.dropout(hidden).unsqueeze(1)
 
 
-def merged_by_projection(ops: ModuleType, rows: int, head_dim: int, o_weight: torch.Tensor) -> bool:
-    """Whether an attention's split partials are merged by its o projection (`paged_decode(partials=
-    True)` then `fused_linear(partials=True)`) instead of by the attention's last split, which takes
-    an atomic ticket and reads the partials back (two round trips to memory) before it stores the
-    output the projection loads. The projection's tiles must hold whole heads (a head_dim that is a
-    power of two: every T5 layout's 64, 128) and the merge fit its registers (1-2 rows at t5-large
-    and flan-t5-xl shapes: `fused_linear_reads_partials`)."""
-    return (head_dim >= 16 and head_dim & (head_dim - 1) == 0
-            and ops.fused_linear_reads_partials(rows, *o_weight.shape))
-
-
 def _layer(ops: ModuleType, block: nn.Module, hidden: torch.Tensor, key_cache: torch.Tensor,
            value_cache: torch.Tensor, meta: StepMetadata, bias_table: torch.Tensor, pdl: bool) -> torch.Tensor:
     """One decoder layer over hidden [rows, d_model] (the residual stream, complete): returns the next."""
@@ -157,24 +145,22 @@ def _layer(ops: ModuleType, block: nn.Module, hidden: torch.Tensor, key_cache: t
         slot_mapping=meta.slot_mapping, pdl=pdl, early_inputs=True,
     )
     heads = key_cache.shape[2:]
-    merge = merged_by_projection(ops, rows, heads[1], attn.o.weight)
-    # With `merge`, attention returns its splits' partials and the o projection merges them.
-    split_out = dict(partials=True) if merge else dict(tickets=meta.tickets)
     out = ops.paged_decode(
         query=q.view(rows, *heads), key_cache=key_cache, value_cache=value_cache, block_table=meta.self_block_table,
-        seq_lens=meta.self_seq_lens, scale=1.0, bias_table=bias_table, pdl=pdl, keys_ready="past", **split_out,
+        seq_lens=meta.self_seq_lens, scale=1.0, bias_table=bias_table, pdl=pdl, tickets=meta.tickets,
+        keys_ready="past",
     )
-    hidden = ops.fused_linear(x=out if merge else out.view(rows, -1), weights=(attn.o.weight,), residual=hidden,
-                              pdl=pdl, early_inputs=True, partials=merge)
+    hidden = ops.fused_linear(x=out.view(rows, -1), weights=(attn.o.weight,), residual=hidden, pdl=pdl,
+                              early_inputs=True)
     cross = ca.EncDecAttention
     q = ops.fused_linear(x=hidden, weights=(cross.q.weight,), norm_weight=ca.layer_norm.weight,
                          eps=ca.layer_norm.variance_epsilon, pdl=pdl)
     out = ops.paged_decode(
         query=q.view(rows, *heads), key_cache=key_cache, value_cache=value_cache, block_table=meta.cross_block_table,
-        seq_lens=meta.cross_seq_lens, scale=1.0, pdl=pdl, keys_ready="all", **split_out,
+        seq_lens=meta.cross_seq_lens, scale=1.0, pdl=pdl, tickets=meta.tickets, keys_ready="all",
     )
-    hidden = ops.fused_linear(x=out if merge else out.view(rows, -1), weights=(cross.o.weight,), residual=hidden,
-                              pdl=pdl, early_inputs=True, partials=merge)
+    hidden = ops.fused_linear(x=out.view(rows, -1), weights=(cross.o.weight,), residual=hidden, pdl=pdl,
+                              early_inputs=True)
     dense, norm = ff.DenseReluDense, ff.layer_norm
     if hasattr(dense, "wi_0"):
         h = ops.fused_linear(x=hidden, weights=(dense.wi_0.weight, dense.wi_1.weight), norm_weight=norm.weight,
