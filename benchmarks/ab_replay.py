@@ -17,6 +17,8 @@ the figures as JSON. Run it in fresh processes, alternating the checkouts:
 thread) instead of `decode_config`'s pick (up to 4 splits of 128-key tiles merged by the last);
 at 512 keys that is 16 warps, whose 128-register cap spills. --variant wide-tiles: the same
 launches as splits of 256-key tiles on 8 warps (one tile per split, no spills at sm_90).
+--variant narrow-tiles: as many splits of 64 keys as the SMs take one program each (one tile
+per split; where the SMs do not cover the keys that way, the default 128-key tiles).
 """
 from __future__ import annotations
 
@@ -45,6 +47,9 @@ def few_programs_config(variant: str):
         if batch * num_heads < num_sms and max_keys <= 512 and head_dim <= 64:
             if variant == "wide-tiles":
                 return DecodeConfig(block_n=256, num_warps=8, num_splits=-(-max_keys // 256))
+            if variant == "narrow-tiles":
+                splits = max(1, min(-(-max_keys // 64), num_sms // (batch * num_heads)))
+                return DecodeConfig(block_n=64 if splits * 64 >= max_keys else 128, num_warps=4, num_splits=splits)
             block_n = max(128, 1 << (max_keys - 1).bit_length())
             return DecodeConfig(block_n=block_n, num_warps=max(4, block_n * 64 // 2048), num_splits=1)
         return default(batch, num_heads, head_dim, max_keys, num_sms)
@@ -74,7 +79,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("label")
     ap.add_argument("--cases", default=DEFAULT_CASES, help="layout:rows:beams,...")
-    ap.add_argument("--variant", choices=("default", "one-split", "wide-tiles"), default="default")
+    ap.add_argument("--variant", choices=("default", "one-split", "wide-tiles", "narrow-tiles"), default="default")
     args = ap.parse_args(argv)
     common.require_cuda("ab_replay.py")
     cases = []

@@ -155,8 +155,8 @@ def main(argv=None) -> None:
     counts = [int(p) for p in args.programs.split(",") if p]
     device = torch.device("cuda")
     weights, vectors = build(args.stages, args.dim, device)
-    bandwidth = common.copy_bandwidth(device, 1 << 30)
-    floor_us = weights[0].numel() * weights.element_size() / bandwidth * 1e6
+    bandwidth = common.copy_bandwidth(device, 1 << 30)  # GB/s
+    floor_us = weights[0].numel() * weights.element_size() / bandwidth * 1e-3
     rows = []
     for programs in counts:
         for variant in VARIANTS:
@@ -172,7 +172,7 @@ def main(argv=None) -> None:
         title=f"{args.stages} stages of a [{args.dim}, {args.dim}] bf16 GEMV, one CUDA graph",
     )
     common.write_json(folder / "handoff.json", dict(
-        stages=args.stages, dim=args.dim, copy_bandwidth_gbs=bandwidth / 1e9, floor_us_per_stage=floor_us,
+        stages=args.stages, dim=args.dim, copy_bandwidth_gbs=bandwidth, floor_us_per_stage=floor_us,
         persistent_programs=common.num_sms(device), rows=rows, environment=common.environment()))
 
 

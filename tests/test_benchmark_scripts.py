@@ -236,7 +236,8 @@ def test_bench_generate_takes_fewer_stock_rows_and_cases():
             bench_generate.parse_args(bad)
 
 
-@pytest.mark.parametrize("variant,block_n,warps,splits", [("one-split", 512, 16, 1), ("wide-tiles", 256, 8, 2)])
+@pytest.mark.parametrize("variant,block_n,warps,splits", [("one-split", 512, 16, 1), ("wide-tiles", 256, 8, 2),
+                                                        ("narrow-tiles", 64, 4, 8)])
 def test_ab_replay_variants_pick_their_decode_launch(monkeypatch, variant, block_n, warps, splits):
     """ab_replay's variants replace decode_config's pick only at few programs over <= 512 keys."""
     import importlib
