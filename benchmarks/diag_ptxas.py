@@ -78,20 +78,21 @@ def cases() -> list[tuple]:
     for model, d_model, d_ff, gated in shapes:
         for rows in (1, 4):
             block_m = 1 if rows == 1 else 4
-            steps = [("qkv", d_model, d_model, linear._PLAIN, True), ("o+residual", d_model, d_model,
+            steps = [("qkv+store", d_model, d_model, linear._STORE_KV, True), ("o+residual", d_model, d_model,
                      linear._RESIDUAL, False), ("wi+act", d_ff, d_model, linear._GATED_GELU if gated else linear._RELU,
                      True), ("wo+residual", d_model, d_ff, linear._RESIDUAL, False)]
             for what, n, k, epilogue, norm in steps:
                 block_n, block_k, warps = linear.fused_config(rows, n, k, epilogue == linear._GATED_GELU)
-                const = dict(NORM=norm, EPILOGUE=epilogue, BLOCK_M=block_m, BLOCK_N=block_n,
-                             BLOCK_K=block_k, ONE_K=k <= block_k, PDL=True, EARLY=epilogue == linear._RESIDUAL)
+                const = dict(NORM=norm, EPILOGUE=epilogue, CACHE_BLOCK=16, BLOCK_M=block_m, BLOCK_N=block_n,
+                             BLOCK_K=block_k, ONE_K=k <= block_k, PDL=True,
+                             EARLY=epilogue in (linear._STORE_KV, linear._RESIDUAL))
                 out.append((f"fused_linear {model} {what} rows {rows}", linear._fused_linear_kernel, const,
-                            dict(eps="fp32"), warps, True, frozenset(), 3))
+                            dict(eps="fp32", slot_mapping_ptr="*i32"), warps, True, frozenset(), 3))
         block_n, block_k, warps = gemv_config(1, d_model, d_model)
         out.append((f"gemv {model} rows 1", gemv._gemv_kernel, dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k),
                     {}, warps, False, frozenset(), 3))
     decode_types = dict(scale="fp32", block_table_ptr="*i32", seq_lens_ptr="*i32", bias_ptr="*fp32",
-                        part_ptr="*fp32", ticket_ptr="*i32", slot_mapping_ptr="*i32")
+                        part_ptr="*fp32", ticket_ptr="*i32")
     # a step's launches pass its counters, so the fused merge is compiled in at any split count;
     # the self-attention table [heads, max_distance + 1] has rows of 129 (not 16-divisible)
     table = frozenset({"stride_bias_head", "stride_bias_key"})
@@ -102,8 +103,7 @@ def cases() -> list[tuple]:
     ):
         const = dict(BIAS_MODE=bias, BLOCK_SIZE=16, BLOCK_N=block_n, BLOCK_D=64,
                      MERGE_CHUNK=16, FUSED_COMBINE=True, PREFETCH=prefetch, NUM_STAGES=stages, PDL=True,
-                     READY=1 if bias else 2,  # the step's self- ("past") and cross-attention ("all")
-                     NEW_KV=bool(bias) and prefetch != 2)  # few rows: self-attention stores the new K/V
+                     READY=1 if bias else 2)  # the step's self- ("past") and cross-attention ("all")
         out.append((f"paged_decode {label}", decode._paged_decode_kernel, const, decode_types, warps, True,
                     table if bias else frozenset(), stages))
     out.append(("rms_norm d_model 1024", rmsnorm._rms_norm_kernel,

@@ -96,7 +96,6 @@ def paged_decode(
     scale: float = 1.0,
     bias_table: Optional[torch.Tensor] = None,
     dense_bias: Optional[torch.Tensor] = None,
-    new_kv: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
 ) -> torch.Tensor:
     """Attention of one query token per row over that row's paged keys.
 
@@ -108,21 +107,12 @@ def paged_decode(
         or None (cross-attention)
     dense_bias: generic additive bias [batch | 1, num_heads | 1, max_keys] with
         max_keys >= max(seq_lens), or None. At most one of bias_table / dense_bias.
-    new_kv: (key, value, slot_mapping): each row's newest key and value [batch, num_heads,
-        head_dim], used for position seq_len - 1 and stored at its slot (negative: not stored)
     returns: [batch, num_heads, head_dim], query's dtype
     """
-    if new_kv is not None:
-        new_k, new_v, slots = new_kv
-        keep = slots >= 0
-        store_kv(new_k[keep], new_v[keep], key_cache, value_cache, slots[keep])
     out = torch.empty_like(query)
     lens = seq_lens.tolist()
     for row, length in enumerate(lens):
         k, v = gather_kv(key_cache, value_cache, block_table[row], length)
-        if new_kv is not None:  # the newest key from the given vectors, stored or not
-            k = torch.cat([k[:-1], new_k[row][None].to(k.dtype)])
-            v = torch.cat([v[:-1], new_v[row][None].to(v.dtype)])
         k_pos = torch.arange(length, device=query.device)
         q_pos = k_pos[-1:]
         bias = _bias_rows(bias_table, q_pos, k_pos, causal=True)
@@ -274,14 +264,16 @@ def fused_linear(
     eps: float = 0.0,
     residual: Optional[torch.Tensor] = None,
     activation: Optional[str] = None,
+    key_cache: Optional[torch.Tensor] = None,
+    value_cache: Optional[torch.Tensor] = None,
+    slot_mapping: Optional[torch.Tensor] = None,
     pdl: bool = False,
 ) -> torch.Tensor:
     """`kernels.fused_linear` as the ops HF runs one after another: the layer norm, each Linear
-    rounded to x's dtype, then the residual add, ReLU or gated GELU. `pdl` is the kernel's launch
-    mode and changes nothing here.
+    rounded to x's dtype, then the residual add, ReLU, gated GELU or K/V store. `pdl` is the
+    kernel's launch mode and changes nothing here.
 
-    x: [..., K]; weights: 1-3 [N, K]; returns [..., N] ([..., weights * N] for 2-3 weights and
-    no gated GELU: the products side by side)
+    x: [..., K]; weights: 1-3 [N, K]; returns [..., N] (q when K/V are stored)
     """
     if norm_weight is not None:
         x = rms_norm(x, norm_weight, eps)[0]
@@ -292,7 +284,12 @@ def fused_linear(
         return torch.relu(ys[0])
     if activation == "gelu_tanh":
         return gated_gelu(ys[0], ys[1])
-    return torch.cat(ys, dim=-1)
+    if key_cache is not None:
+        num_heads, head_dim = key_cache.shape[2:]
+        k, v = (y.reshape(-1, num_heads, head_dim) for y in ys[1:])
+        keep = slot_mapping >= 0  # a negative slot stores nothing, as in the kernel
+        store_kv(k[keep], v[keep], key_cache, value_cache, slot_mapping[keep])
+    return ys[0]
 
 
 def fused_linear_supports(x: torch.Tensor, weights) -> bool:

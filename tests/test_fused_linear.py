@@ -96,26 +96,49 @@ def check_against_float64(epilogue, rows, n, k, dtype, seed):
     assert error(out, exact) <= 1.5 * error(same_roundings, exact) + 1e-6
 
 
-@pytest.mark.parametrize("rows,count,k", [(1, 3, 40), (4, 3, 64), (3, 2, 1100)])
-def test_fused_linear_puts_several_products_side_by_side(rows, count, k):
-    """2-3 weights without the gated GELU (q / k / v): each product in its own N columns, the bits
-    of one launch per weight (the same rounding points and tiles)."""
-    (x, norm, _), ws = operands(rows, 24, k, torch.bfloat16, count, seed=rows + count)
-    out = kernels.fused_linear(x=x, weights=ws, norm_weight=norm, eps=1e-6)
-    assert out.shape == (rows, count * 24)
-    for i, w in enumerate(ws):
-        assert torch.equal(out[:, 24 * i:24 * (i + 1)], kernels.fused_linear(x=x, weights=[w], norm_weight=norm, eps=1e-6))
-    exact = reference.fused_linear(x.double(), [w.double() for w in ws], norm_weight=norm.double(), eps=1e-6)
-    same_roundings = torch.cat([op_by_op(kernels, x, [w], norm, 1e-6, None, None) for w in ws], dim=-1)
-    assert exact.shape == out.shape and error(out, exact) <= 1.5 * error(same_roundings, exact) + 1e-6
+@pytest.mark.parametrize("rows,block_size", [(1, 16), (4, 4), (3, 1)])
+def test_fused_linear_stores_k_and_v_to_their_slots(rows, block_size):
+    """q returned; k and v in the pool at each row's slot (a negative slot stores nothing); every
+    other slot untouched."""
+    num_heads, head_dim, k = 3, 8, 40
+    (x, norm, _), ws = operands(rows, num_heads * head_dim, k, torch.float16, 3, seed=rows)
+    num_blocks = 6
+    caches = [torch.randn(num_blocks, block_size, num_heads, head_dim, device=DEVICE).half() for _ in range(2)]
+    ref_caches = [c.clone() for c in caches]
+    slots = torch.randperm(num_blocks * block_size, generator=torch.Generator().manual_seed(rows))[:rows]
+    slots[-1] = -1 if rows > 1 else slots[-1]
+    slots = slots.to(device=DEVICE, dtype=torch.int32)
+    kw = dict(weights=ws, norm_weight=norm, eps=1e-6, slot_mapping=slots)
+    q = kernels.fused_linear(x=x, key_cache=caches[0], value_cache=caches[1], **kw)
+    q_ref = reference.fused_linear(x, key_cache=ref_caches[0], value_cache=ref_caches[1], **kw)
+    assert error(q, q_ref) < 1e-3
+    for cache, ref in zip(caches, ref_caches):
+        flat, flat_ref = cache.view(-1, num_heads, head_dim), ref.view(-1, num_heads, head_dim)
+        written = slots[slots >= 0].long()
+        assert error(flat[written], flat_ref[written]) < 1e-3
+        untouched = torch.ones(flat.shape[0], dtype=torch.bool, device=DEVICE)
+        untouched[written] = False
+        assert torch.equal(flat[untouched], flat_ref[untouched])
 
 
 @pytest.mark.parametrize("rows,k", [(1, 40), (3, 1100)])
 def test_early_inputs_are_the_same_projection(rows, k):
-    """`early_inputs` only moves the residual's load before the wait: the same bits."""
-    (x, _, residual), ws = operands(rows, 24, k, torch.bfloat16, 1, seed=k)
-    outs = [kernels.fused_linear(x=x, weights=ws, residual=residual, early_inputs=early) for early in (False, True)]
+    """`early_inputs` only moves the residual's and the slots' loads before the wait: the same bits
+    for the residual epilogue and the K/V store (its cache writes too)."""
+    num_heads, head_dim = 3, 8
+    (x, norm, residual), ws = operands(rows, num_heads * head_dim, k, torch.bfloat16, 3, seed=k)
+    outs = [kernels.fused_linear(x=x, weights=ws[:1], residual=residual, early_inputs=early) for early in (False, True)]
     assert torch.equal(*outs)
+    slots = torch.tensor([2, -1, 7][:rows], device=DEVICE, dtype=torch.int32)  # -1 stores nothing
+    stored = []
+    for early in (False, True):
+        caches = [torch.zeros(4, 4, num_heads, head_dim, device=DEVICE, dtype=torch.bfloat16) for _ in range(2)]
+        q = kernels.fused_linear(x=x, weights=ws, norm_weight=norm, eps=1e-6, key_cache=caches[0],
+                                 value_cache=caches[1], slot_mapping=slots, early_inputs=early)
+        stored.append((q, *caches))
+    assert all(torch.equal(a, b) for a, b in zip(*stored))
+    keys = stored[0][1].flatten(0, 1)
+    assert all(keys[slot].any() for slot in (2, 7)[:rows]) and not keys[0].any()
 
 
 def test_one_row_takes_k_in_one_tile_where_the_tile_fits():
@@ -144,7 +167,7 @@ def test_fused_linear_refuses_what_it_does_not_serve():
     big = torch.empty(4096, 2048, dtype=torch.float16, device="meta")  # past MULTI_ROW_ELEMENTS: cuBLAS at 2+ rows
     assert kernels.fused_linear_supports(torch.empty(1, 2048, dtype=torch.float16, device="meta"), [big])
     assert not kernels.fused_linear_supports(torch.empty(2, 2048, dtype=torch.float16, device="meta"), [big])
-    with pytest.raises(ValueError, match="at most one of residual and activation"):
+    with pytest.raises(ValueError, match="at most one of residual, activation"):
         kernels.fused_linear(x=x, weights=ws[:1], residual=residual, activation="relu")
     with pytest.raises(ValueError, match="takes 2 weight"):
         kernels.fused_linear(x=x, weights=ws[:1], activation="gelu_tanh")
@@ -152,8 +175,8 @@ def test_fused_linear_refuses_what_it_does_not_serve():
         kernels.fused_linear(x=x, weights=ws[:1], activation="swish")
     with pytest.raises(ValueError, match="norm_weight must be"):
         kernels.fused_linear(x=x, weights=ws[:1], norm_weight=norm[:5])
-    with pytest.raises(ValueError, match="this epilogue takes 1 weight"):
-        kernels.fused_linear(x=x, weights=ws[:2], residual=residual)
+    with pytest.raises(ValueError, match="needs key_cache, value_cache and slot_mapping together"):
+        kernels.fused_linear(x=x, weights=ws, slot_mapping=torch.zeros(2, dtype=torch.int32, device=DEVICE))
 
 
 # ---- the fused decode layer under generate() ----------------------------------------------
@@ -192,10 +215,9 @@ def test_fused_step_gives_the_unfused_logits(monkeypatch, family, rows):
 def test_the_fused_layer_loads_before_the_wait_only_what_two_launches_back_wrote(monkeypatch):
     """Each kernel of the dependent chain lets the next start only after its own wait, so a
     kernel may load before its wait what any but the kernel just before it wrote. Every launch
-    of a generate() step: a residual loaded early is not the output of the launch just before;
-    cross-attention ("all") follows no launch that writes keys, self-attention ("past") follows
-    the q/k/v launch whose output holds its newest key and value (`new_kv`, read after the wait;
-    its slots are the step's own)."""
+    of a generate() step: a residual loaded early is not the output of the launch just before,
+    slots loaded early are the step's own; cross-attention ("all") follows no launch that stores
+    keys, self-attention ("past") follows the one storing its newest key."""
     class Recorder:
         def __init__(self, ops, log):
             self._ops, self._log = ops, log
@@ -231,14 +253,12 @@ def test_the_fused_layer_loads_before_the_wait_only_what_two_launches_back_wrote
         for (_, before, out_before), (name, kw, _) in zip(log, log[1:]):
             if name == "fused_linear" and kw.get("residual") is not None:
                 assert kw["early_inputs"] and kw["residual"].data_ptr() != out_before
+            if name == "fused_linear" and kw.get("slot_mapping") is not None:
+                assert kw["early_inputs"] and kw["slot_mapping"].data_ptr() != out_before
             if name == "paged_decode":
-                self_attention = kw.get("bias_table") is not None
-                assert kw["keys_ready"] == ("past" if self_attention else "all")
-                # the newest K/V of self-attention: from the launch just before (after the wait)
-                assert (kw.get("new_kv") is not None) == self_attention
-                if self_attention:
-                    assert len(before["weights"]) == 3 and kw["new_kv"][0].untyped_storage().data_ptr() == out_before
-                    assert kw["new_kv"][2].data_ptr() != out_before  # the slots: the step's own
+                stores_keys = before.get("key_cache") is not None
+                assert kw["keys_ready"] == ("past" if stores_keys else "all")
+                assert stores_keys == (kw.get("bias_table") is not None)  # self-attention follows its store
 
 
 def test_unserved_steps_run_op_by_op(monkeypatch):

@@ -235,39 +235,6 @@ def test_paged_decode_keys_ready_is_the_same_attention(prefetch, bias, num_split
         paged_decode(*args, keys_ready="newest")
 
 
-@pytest.mark.parametrize("prefetch", ["tile", "table", "async"])
-@pytest.mark.parametrize("bias", ["table", None])
-@pytest.mark.parametrize("num_splits,ready", [(1, None), (3, "past"), (2, None)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_decode_stores_and_uses_the_new_key(prefetch, bias, num_splits, ready, dtype):
-    """`new_kv`: the attention takes each row's newest key and value from the given (strided)
-    vectors and stores them at their slots: the bits and the cache of `store_kv` then
-    `paged_decode`, rows whose newest key lies in a split's first tile, at a tile edge or further
-    on. A negative slot stores nothing (that row's cache slot keeps what it held)."""
-    block_size, block_n = 4, 16
-    lens = [1, block_n, block_n + 1, 2 * block_n + 3, 5]
-    key_cache, value_cache, block_table, seq_lens = make_paged_kv(lens, block_size, 2, 16, dtype, seed=11)
-    g = torch.Generator().manual_seed(12)
-    packed = torch.randn(len(lens), 3, 2, 16, generator=g).to(dtype).to(DEVICE)  # q, k, v side by side
-    query, new_k, new_v = packed[:, 0], packed[:, 1], packed[:, 2]
-    slots = torch.tensor([int(block_table[r, (n - 1) // block_size]) * block_size + (n - 1) % block_size
-                          for r, n in enumerate(lens)], dtype=torch.int64, device=DEVICE)
-    slots[4] = -1  # a row whose newest key goes nowhere
-    kwargs = dict(bias_table=torch.randn(2, 40, device=DEVICE)) if bias else {}
-    config = DecodeConfig(block_n, 4, 3 if prefetch == "async" else 1, num_splits, fused_combine=True, prefetch=prefetch)
-    want_k, want_v = key_cache.clone(), value_cache.clone()
-    store_kv(key=new_k, value=new_v, key_cache=want_k, value_cache=want_v, slot_mapping=slots)
-    want = paged_decode(query, want_k, want_v, block_table, seq_lens, scale=0.5, config=config, **kwargs)
-    got = paged_decode(query, key_cache, value_cache, block_table, seq_lens, scale=0.5, config=config,
-                       keys_ready=ready, new_kv=(new_k, new_v, slots), **kwargs)
-    assert torch.equal(key_cache, want_k) and torch.equal(value_cache, want_v)
-    assert torch.equal(got[:4], want[:4])
-    with pytest.raises(ValueError, match="the query's shape"):
-        paged_decode(query, key_cache, value_cache, block_table, seq_lens, new_kv=(new_k[:2], new_v, slots))
-    with pytest.raises(TypeError, match="int32 or int64"):
-        paged_decode(query, key_cache, value_cache, block_table, seq_lens, new_kv=(new_k, new_v, slots.float()))
-
-
 @pytest.mark.parametrize("num_splits", [2, 7, 64])
 def test_paged_decode_fused_combine_split_counts(num_splits):
     """The ticket reaches num_splits exactly once per (row, head), empty splits included."""

@@ -25,9 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import block_d, broadcast_strides, check_decode_args, check_device, check_float, interpreting, pdl_options
+from ._checks import block_d, broadcast_strides, check_decode_args, interpreting, pdl_options
 from .launch import _PREFETCH, DecodeConfig, _num_sms, decode_config
-from .store_kv import store_kv
 
 # BIAS_MODE values.
 _NO_BIAS, _TABLE_BIAS, _DENSE_BIAS = 0, 1, 2
@@ -75,54 +74,6 @@ def _load_kv(slot_off, tile_start, key_cache_ptr, value_cache_ptr, end, dims, di
     k = tl.load(key_cache_ptr + kv_off, mask=kv_mask, other=0.0)
     v = tl.load(value_cache_ptr + kv_off, mask=kv_mask, other=0.0)
     return k, v
-
-
-@triton.jit
-def _with_newest(k, v, new_k, new_v, tile_start, q_pos, BLOCK_N: tl.constexpr):
-    """The K/V tile of keys [tile_start, tile_start + BLOCK_N) with the newest key's row (at q_pos)
-    taken from new_k / new_v [BLOCK_D] instead of the cache (`paged_decode`'s new_kv)."""
-    newest = ((tile_start + tl.arange(0, BLOCK_N)) == q_pos)[:, None]
-    k = tl.where(newest, new_k[None, :].to(k.dtype), k)
-    v = tl.where(newest, new_v[None, :].to(v.dtype), v)
-    return k, v
-
-
-@triton.jit
-def _store_newest(
-    new_key_ptr,
-    new_value_ptr,
-    slot,
-    row,
-    head,
-    q_pos,
-    start,
-    end,
-    key_cache_ptr,
-    value_cache_ptr,
-    stride_new_key_batch,
-    stride_new_key_head,
-    stride_new_value_batch,
-    stride_new_value_head,
-    stride_cache_block,
-    stride_cache_slot,
-    stride_cache_head,
-    dims,
-    dim_mask,
-    BLOCK_SIZE: tl.constexpr,
-):
-    """The newest key and value of (row, head) [BLOCK_D], stored at `slot` (negative: nowhere) by
-    the one split whose keys hold it, as `store_kv` would have stored them."""
-    new_k = tl.load(new_key_ptr + row * stride_new_key_batch + head * stride_new_key_head + dims, mask=dim_mask,
-                    other=0.0)
-    new_v = tl.load(new_value_ptr + row * stride_new_value_batch + head * stride_new_value_head + dims,
-                    mask=dim_mask, other=0.0)
-    if (q_pos >= start) & (q_pos < end) & (slot >= 0):
-        # int64: block_id * stride_cache_block passes 2^31 in pools of a few GB.
-        off = (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_slot
-        off += head * stride_cache_head + dims
-        tl.store(key_cache_ptr + off, new_k.to(key_cache_ptr.dtype.element_ty), mask=dim_mask)
-        tl.store(value_cache_ptr + off, new_v.to(value_cache_ptr.dtype.element_ty), mask=dim_mask)
-    return new_k, new_v
 
 
 @triton.jit
@@ -233,9 +184,6 @@ def _paged_decode_kernel(
     out_ptr,  # [batch, num_heads, head_dim], written with one split (with several and FUSED_COMBINE, by the last split)
     part_ptr,  # [batch, num_heads, num_splits, BLOCK_D + 2] fp32, written with several splits (layout: _combine_splits_kernel)
     ticket_ptr,  # [batch, num_heads] int32 zeros, with FUSED_COMBINE: splits of (row, head) done so far (left at zero)
-    new_key_ptr,  # [batch, num_heads, head_dim] with NEW_KV: each row's newest key (at seq_len - 1), not yet stored
-    new_value_ptr,  # like new_key_ptr
-    slot_mapping_ptr,  # [batch] int32 / int64 with NEW_KV: where the newest key and value go (negative: nowhere)
     scale,
     head_dim,
     max_keys,
@@ -253,10 +201,6 @@ def _paged_decode_kernel(
     stride_bias_key,
     stride_out_batch,
     stride_out_head,
-    stride_new_key_batch,
-    stride_new_key_head,
-    stride_new_value_batch,
-    stride_new_value_head,
     BIAS_MODE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -267,7 +211,6 @@ def _paged_decode_kernel(
     NUM_STAGES: tl.constexpr,
     PDL: tl.constexpr,
     READY: tl.constexpr,
-    NEW_KV: tl.constexpr,
 ):
     # Heads vary fastest over the grid: programs running side by side read neighbouring
     # head slices of the same slots, so together they stream whole blocks.
@@ -294,14 +237,6 @@ def _paged_decode_kernel(
         q_pos, row, head, max_distance, dense_len, bias_ptr, stride_bias_batch, stride_bias_head, stride_bias_key,
     )  # fmt: skip
     q_off = row * stride_query_batch + head * stride_query_head + dims
-    slot = -1
-    if NEW_KV:  # the step's slots, written before its first kernel (before the wait, as seq_lens)
-        slot = tl.load(slot_mapping_ptr + row).to(tl.int64)
-    newest_args = (
-        new_key_ptr, new_value_ptr, slot, row, head, q_pos, start, end, key_cache_ptr, value_cache_ptr,
-        stride_new_key_batch, stride_new_key_head, stride_new_value_batch, stride_new_value_head,
-        stride_cache_block, stride_cache_slot, stride_cache_head, dims, dim_mask,
-    )  # fmt: skip
     m_i = tl.full([], float("-inf"), tl.float32)
     l_i = tl.full([], 0.0, tl.float32)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -312,15 +247,11 @@ def _paged_decode_kernel(
             tl.extra.cuda.gdc_launch_dependents()
         # Work in log2 units (exp2 is the native instruction); fp32 so fp16 scores never overflow.
         q = tl.load(query_ptr + q_off, mask=dim_mask, other=0.0).to(tl.float32) * (scale * 1.4426950408889634)
-        if NEW_KV:
-            new_k, new_v = _store_newest(*newest_args, BLOCK_SIZE)
         # Plain loop: Triton's pipeliner copies the K/V of the next NUM_STAGES - 1 tiles into
         # shared memory asynchronously (the block ids a stage earlier still).
         for tile_start in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
             slots = _tile_slots(tile_start, *slot_args, BLOCK_SIZE, BLOCK_N)
             k, v = _load_kv(slots, tile_start, *kv_args, BLOCK_N)
-            if NEW_KV:
-                k, v = _with_newest(k, v, new_k, new_v, tile_start, q_pos, BLOCK_N)
             bias = _tile_bias(tile_start, end, *bias_args, BIAS_MODE, BLOCK_N)
             acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, k, v, bias, tile_start, end, BIAS_MODE, BLOCK_N)
     else:
@@ -342,12 +273,7 @@ def _paged_decode_kernel(
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         q = tl.load(query_ptr + q_off, mask=dim_mask, other=0.0).to(tl.float32) * (scale * 1.4426950408889634)
-        if NEW_KV:
-            # The newest key is not in the cache yet: this kernel stores it, and every tile takes
-            # its row from the given vectors (the first tile's now, a later one's as it loads).
-            new_k, new_v = _store_newest(*newest_args, BLOCK_SIZE)
-            k, v = _with_newest(k, v, new_k, new_v, start, q_pos, BLOCK_N)
-        elif READY == 1:
+        if READY == 1:
             # The newest key was stored by the kernel just before: loaded again after the wait, its
             # row of the first tile replaces the one loaded before (a later tile loads after the wait).
             mine = ((start + tl.arange(0, BLOCK_N)) == q_pos)[:, None] & dim_mask[None, :]
@@ -363,8 +289,6 @@ def _paged_decode_kernel(
             else:
                 slots = _tile_slots(tile_start + BLOCK_N, *slot_args, BLOCK_SIZE, BLOCK_N)
                 k_next, v_next = _load_kv(slots, tile_start + BLOCK_N, *kv_args, BLOCK_N)
-            if NEW_KV:
-                k_next, v_next = _with_newest(k_next, v_next, new_k, new_v, tile_start + BLOCK_N, q_pos, BLOCK_N)
             bias_next = _tile_bias(tile_start + BLOCK_N, end, *bias_args, BIAS_MODE, BLOCK_N)
             acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, k, v, bias, tile_start, end, BIAS_MODE, BLOCK_N)
             k, v, bias = k_next, v_next, bias_next
@@ -435,23 +359,6 @@ def _check_tickets(tickets: torch.Tensor, needed: int, device: torch.device) -> 
                          f"got {tickets.numel()} on {tickets.device}")
 
 
-def _check_new_kv(new_kv, query: torch.Tensor, key_cache: torch.Tensor) -> None:
-    if not isinstance(new_kv, (tuple, list)) or len(new_kv) != 3:
-        raise TypeError("new_kv must be (key, value, slot_mapping)")
-    key, value, slots = new_kv
-    for name, tensor in (("new_kv's key", key), ("new_kv's value", value)):
-        check_float(name, tensor, 3)
-        check_device(name, tensor, query.device)
-        if tensor.shape != query.shape or tensor.dtype != key_cache.dtype:
-            raise ValueError(f"{name} must be {list(query.shape)} (the query's shape) in the cache's "
-                             f"{key_cache.dtype}, got {list(tensor.shape)} {tensor.dtype}")
-    if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64):
-        raise TypeError("new_kv's slot_mapping must be an int32 or int64 tensor")
-    check_device("new_kv's slot_mapping", slots, query.device)
-    if slots.shape != (query.shape[0],):
-        raise ValueError(f"new_kv's slot_mapping must be [batch={query.shape[0]}], got {list(slots.shape)}")
-
-
 def paged_decode(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -467,7 +374,6 @@ def paged_decode(
     pdl: bool = False,
     tickets: Optional[torch.Tensor] = None,
     keys_ready: Optional[str] = None,
-    new_kv: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
 ) -> torch.Tensor:
     """Attention of one query token per row over that row's paged keys.
 
@@ -493,19 +399,11 @@ def paged_decode(
         None promises that the tables, seq_lens and bias were written before the step too; with
         pdl, the first K/V tile of each program, its block ids and bias then load before the wait
         for the kernel before (the newest key after it). The same attention either way.
-    new_kv: (key, value, slot_mapping), or None: each row's newest key and value (at seq_len - 1)
-        [batch, num_heads, head_dim] in the cache's dtype, not yet in the cache (every key before
-        it is), and slot_mapping [batch] int32 / int64, where they belong (negative: nowhere).
-        The attention takes them from there and stores them, as `store_kv` then `paged_decode`
-        would, in one launch (two where the launch streams keys through shared memory, many
-        rows: `store_kv` first): a decode step of one new token per row
     returns: [batch, num_heads, head_dim], query's dtype
     """
     max_distance = check_decode_args(query, key_cache, value_cache, block_table, seq_lens, bias_table, dense_bias)
     if keys_ready not in _READY:
         raise ValueError(f"keys_ready must be 'all', 'past' or None, got {keys_ready!r}")
-    if new_kv is not None:
-        _check_new_kv(new_kv, query, key_cache)
     batch, num_heads, head_dim = query.shape
     block_size = key_cache.shape[1]
     max_keys = block_table.shape[1] * block_size
@@ -535,11 +433,6 @@ def paged_decode(
     else:
         bias_mode, bias, bias_strides, dense_len = _NO_BIAS, query, [0, 0, 0], 0
 
-    if new_kv is not None and _PREFETCH[config.prefetch] == 2:
-        # Keys through shared memory (many rows): a row substituted in every tile costs ~60
-        # registers a thread there (sm_90: 156 against 96), so the new K/V are stored first.
-        store_kv(key=new_kv[0], value=new_kv[1], key_cache=key_cache, value_cache=value_cache, slot_mapping=new_kv[2])
-        new_kv = None
     pdl, launch = pdl_options(pdl)
     # With tickets (a decode step's launch) the fused merge is compiled in whatever the split
     # count: the kernel branches on the count at run time, so one and several splits share one
@@ -556,22 +449,18 @@ def paged_decode(
     elif fused:
         ticket = torch.zeros((batch, num_heads), dtype=torch.int32, device=query.device)
 
-    # without new_kv, placeholders of the pointer types a step's launches pass (one binary)
-    new_key, new_value, new_slots = new_kv if new_kv is not None else (query, query, seq_lens)
     _paged_decode_kernel[(num_heads, batch, splits)](
-        query, key_cache, value_cache, block_table, seq_lens, bias, out, part, ticket, new_key, new_value, new_slots,
+        query, key_cache, value_cache, block_table, seq_lens, bias, out, part, ticket,
         float(scale), head_dim, max_keys, keys_per_split, max_distance, dense_len,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         block_table.stride(0),
         *bias_strides,
         out.stride(0), out.stride(1),
-        new_key.stride(0), new_key.stride(1), new_value.stride(0), new_value.stride(1),
         BIAS_MODE=bias_mode, BLOCK_SIZE=block_size, BLOCK_N=config.block_n, BLOCK_D=padded_d,
         MERGE_CHUNK=_MERGE_CHUNK, FUSED_COMBINE=fused,
         PREFETCH=_PREFETCH[config.prefetch],
-        NUM_STAGES=config.num_stages, PDL=pdl, READY=_READY[keys_ready], NEW_KV=new_kv is not None,
-        num_warps=config.num_warps, **launch,
+        NUM_STAGES=config.num_stages, PDL=pdl, READY=_READY[keys_ready], num_warps=config.num_warps, **launch,
     )  # fmt: skip
     if splits > 1 and not fused:
         _combine_splits_kernel[(batch, num_heads)](

@@ -10,16 +10,17 @@ float32), together with:
   eps)` rounded to the activations' dtype, times the norm weight, rounded). Every program reads
   whole rows of x anyway; where K fits one tile, x is read once for both, otherwise the norm
   costs one more pass over it, from cache;
-- up to three weights of one shape (q, k, v) in one launch, their products side by side;
+- up to three weights of one shape (q, k, v) in one launch;
 - an epilogue: `residual + y` (a sub-layer's residual add, each term rounded as HF rounds
-  `hidden + out`), ReLU, or the gated GELU `gelu_tanh(x @ W0.T) * (x @ W1.T)` (two weights paired
-  per output column; `gated_gelu.py`'s formula).
+  `hidden + out`), ReLU, the gated GELU `gelu_tanh(x @ W0.T) * (x @ W1.T)` (two weights paired
+  per output column; `gated_gelu.py`'s formula), or, with three weights, k and v written to
+  paged cache slots and q returned.
 
 With `pdl` (Hopper and later; the caller launches a chain of such kernels) each program requests
 its first weight tile, which no earlier kernel writes, before it waits for the previous kernel
 (`gdc_wait`): the weights stream while the previous kernel finishes, and the launch gap hides.
-So does the norm weight where K fits one tile, and with `early_inputs` the residual, written
-further back.
+So does the norm weight where K fits one tile, and with `early_inputs` the residual or the slot
+mapping, written further back.
 
 Half precision only (`fused_linear_supports`): float32 keeps cuBLAS so float32 results stay
 bit-comparable with stock HF.
@@ -38,7 +39,7 @@ from ._checks import check_device, check_float, interpreting, pdl_options
 from .gemv import MAX_ROWS, gemv_config
 
 # EPILOGUE values.
-_PLAIN, _RESIDUAL, _RELU, _GATED_GELU = 0, 1, 2, 3
+_PLAIN, _RESIDUAL, _RELU, _GATED_GELU, _STORE_KV = 0, 1, 2, 3, 4
 _ACTIVATIONS = MappingProxyType({None: _PLAIN, "relu": _RELU, "gelu_tanh": _GATED_GELU})
 SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 # Past this many weight elements, a step of 2-4 rows ran slower fused than on cuBLAS's GEMMs with
@@ -61,17 +62,25 @@ def _fused_linear_kernel(
     w1_ptr,  # [N, K], the second weight (k, or the gated FF's linear half); w0_ptr when unused
     w2_ptr,  # [N, K], the third weight (v); w0_ptr when unused
     residual_ptr,  # [rows, N] (EPILOGUE == RESIDUAL)
-    out_ptr,  # [rows, weights * N] (the gated FF: [rows, N])
+    out_ptr,  # [rows, N]
+    key_cache_ptr,  # [num_blocks, CACHE_BLOCK, num_heads, head_dim] (EPILOGUE == STORE_KV)
+    value_cache_ptr,  # like key_cache_ptr
+    slot_mapping_ptr,  # [rows] int32 / int64; a negative slot stores nothing (STORE_KV)
     rows,
     N,
     K,
     eps,
+    head_dim,
     stride_x_row,
     stride_w_row,
     stride_residual_row,
     stride_out_row,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
     NORM: tl.constexpr,
     EPILOGUE: tl.constexpr,
+    CACHE_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -79,8 +88,8 @@ def _fused_linear_kernel(
     PDL: tl.constexpr,
     EARLY: tl.constexpr,
 ):
-    # Programs [0, tiles) read w0, then w1 and w2 (q, k, v: their columns side by side). The
-    # gated FF pairs w0 and w1 in every program instead: both halves of one output column meet.
+    # Programs [0, tiles) read w0, then w1 and w2 (STORE_KV: q, k, v side by side). The gated
+    # FF pairs w0 and w1 in every program instead: both halves of one output column meet here.
     tiles = tl.cdiv(N, BLOCK_N)
     pid = tl.program_id(0)
     segment = pid // tiles
@@ -106,10 +115,13 @@ def _fused_linear_kernel(
     if NORM and ONE_K:
         # a parameter: no kernel of the step writes it (in the loop, its load would follow the norm)
         g_one = tl.load(norm_weight_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-    if EARLY and EPILOGUE == 1:
-        # The residual was written before the kernel just before this one began: requested now,
-        # it is not a round trip after the products.
-        res = tl.load(residual_ptrs, mask=out_mask, other=0.0)
+    if EARLY:
+        # The residual and the slots were written before the kernel just before this one began:
+        # requested now, they are not a round trip after the products.
+        if EPILOGUE == 1:
+            res = tl.load(residual_ptrs, mask=out_mask, other=0.0)
+        if EPILOGUE == 4:
+            slot = tl.load(slot_mapping_ptr + offs_m, mask=mask_m, other=-1)
     if PDL:
         # Everything below reads what earlier kernels wrote, and writes what they may still read.
         tl.extra.cuda.gdc_wait()
@@ -170,7 +182,21 @@ def _fused_linear_kernel(
         inner = SQRT_2_OVER_PI * (y + 0.044715 * y * y * y)
         y = y / (1.0 + tl.exp(tl.minimum(-2.0 * inner, 80.0))) * _round(acc1, out_ptr)
     y = y.to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + offs_m[:, None] * stride_out_row + segment * N + offs_n[None, :], y, mask=out_mask)
+    if segment == 0:
+        tl.store(out_ptr + offs_m[:, None] * stride_out_row + offs_n[None, :], y, mask=out_mask)
+    else:
+        cache_ptr = key_cache_ptr
+        if segment == 2:
+            cache_ptr = value_cache_ptr
+        if EARLY and EPILOGUE == 4:
+            slot_ids = slot
+        else:
+            slot_ids = tl.load(slot_mapping_ptr + offs_m, mask=mask_m, other=-1)
+        # int64: block_id * stride_cache_block passes 2^31 in pools of a few GB.
+        slot_ids = slot_ids.to(tl.int64)
+        row_off = (slot_ids // CACHE_BLOCK) * stride_cache_block + (slot_ids % CACHE_BLOCK) * stride_cache_slot
+        col_off = (offs_n // head_dim) * stride_cache_head + offs_n % head_dim
+        tl.store(cache_ptr + row_off[:, None] + col_off[None, :], y, mask=out_mask & (slot_ids >= 0)[:, None])
 
 
 # One row's product tile (BLOCK_N x BLOCK_K per weight) may grow to this many elements per thread
@@ -233,6 +259,9 @@ def _check(
     norm_weight: Optional[torch.Tensor],
     residual: Optional[torch.Tensor],
     activation: Optional[str],
+    key_cache: Optional[torch.Tensor],
+    value_cache: Optional[torch.Tensor],
+    slot_mapping: Optional[torch.Tensor],
 ) -> int:
     """The checks of `fused_linear`'s arguments; returns its EPILOGUE."""
     check_float("x", x, x.dim())
@@ -250,19 +279,44 @@ def _check(
                              f"{tuple(norm_weight.shape)} {norm_weight.dtype}")
     if activation not in _ACTIVATIONS:
         raise ValueError(f"activation must be one of {list(_ACTIVATIONS)}, got {activation!r}")
-    if residual is not None and activation is not None:
-        raise ValueError("give at most one of residual and activation")
-    if activation == "gelu_tanh" and len(weights) != 2:
-        raise ValueError(f"the gated GELU takes 2 weights, got {len(weights)}")
-    if (residual is not None or activation == "relu") and len(weights) != 1:
-        raise ValueError(f"this epilogue takes 1 weight, got {len(weights)}")
+    stores = key_cache is not None or value_cache is not None or slot_mapping is not None
+    chosen = [residual is not None, activation is not None, stores]
+    if sum(chosen) > 1:
+        raise ValueError("give at most one of residual, activation and key_cache / value_cache / slot_mapping")
+    expected = 2 if activation == "gelu_tanh" else 3 if stores else 1
+    if len(weights) != expected:
+        raise ValueError(f"this epilogue takes {expected} weight(s), got {len(weights)}")
     rows, N = x.numel() // x.shape[-1], weights[0].shape[0]
     if residual is not None:
         check_float("residual", residual, residual.dim())
         check_device("residual", residual, x.device)
         if residual.numel() != rows * N or residual.shape[-1] != N or residual.dtype != x.dtype:
             raise ValueError(f"residual must hold [{rows}, {N}] in {x.dtype}, got {tuple(residual.shape)} {residual.dtype}")
+    if stores:
+        return _check_store(x, N, rows, key_cache, value_cache, slot_mapping)
     return _RESIDUAL if residual is not None else _ACTIVATIONS[activation]
+
+
+def _check_store(x, N: int, rows: int, key_cache, value_cache, slot_mapping) -> int:
+    if key_cache is None or value_cache is None or slot_mapping is None:
+        raise ValueError("storing K/V needs key_cache, value_cache and slot_mapping together")
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        check_float(name, cache, 4)
+        check_device(name, cache, x.device)
+        if cache.dtype != x.dtype:
+            raise TypeError(f"{name} is {cache.dtype} but x is {x.dtype}; build the pool in {x.dtype}")
+    if key_cache.shape != value_cache.shape or key_cache.stride() != value_cache.stride():
+        raise ValueError("key_cache and value_cache must have the same shape and strides")
+    num_heads, head_dim = key_cache.shape[2:]
+    if num_heads * head_dim != N or key_cache.stride(3) != 1:
+        raise ValueError(f"the cache's heads x head_dim ({num_heads} x {head_dim}) must equal the weights' {N} "
+                         "outputs, head_dim contiguous")
+    if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise TypeError("slot_mapping must be an int32 or int64 tensor")
+    check_device("slot_mapping", slot_mapping, x.device)
+    if slot_mapping.shape != (rows,):
+        raise ValueError(f"slot_mapping must be [rows={rows}], got {tuple(slot_mapping.shape)}")
+    return _STORE_KV
 
 
 def fused_linear(
@@ -272,6 +326,9 @@ def fused_linear(
     eps: float = 0.0,
     residual: Optional[torch.Tensor] = None,
     activation: Optional[str] = None,
+    key_cache: Optional[torch.Tensor] = None,
+    value_cache: Optional[torch.Tensor] = None,
+    slot_mapping: Optional[torch.Tensor] = None,
     pdl: bool = False,
     early_inputs: bool = False,
 ) -> torch.Tensor:
@@ -281,34 +338,40 @@ def fused_linear(
     norm_weight: [K], or None: x is first T5-layer-normed with `eps`
     residual: [..., N]: returns residual + x @ W.T (one weight)
     activation: "relu" (one weight) or "gelu_tanh" (two: gelu_tanh(x @ W0.T) * x @ W1.T), or None
+    key_cache, value_cache: [num_blocks, block_size, num_heads, head_dim] with num_heads * head_dim
+        = N, and slot_mapping [rows] int: three weights (q, k, v); k and v go to the slots
+        (negative: none), q is returned
     pdl: launch as a programmatic dependent launch (`pdl_available`); ignored under the interpreter
-    early_inputs: the residual was written before the kernel just before this one began (two or
-        more launches back in a dependent chain): it loads before the wait, with the weights.
-        The same result either way.
-    returns: [..., N] in x's dtype; with 2-3 weights and no gated GELU, [..., weights * N]: each
-        weight's product in its own N columns (q | k | v)
+    early_inputs: the residual and slot_mapping were written before the kernel just before this
+        one began (a residual two or more launches back in a dependent chain, a decode step's
+        slots): they load before the wait, with the weights. The same result either way.
+    returns: [..., N] in x's dtype
     """
-    epilogue = _check(x, weights, norm_weight, residual, activation)
+    epilogue = _check(x, weights, norm_weight, residual, activation, key_cache, value_cache, slot_mapping)
     N, K = weights[0].shape
     x2 = x.reshape(-1, K)
     rows = x2.shape[0]
-    segments = 1 if epilogue == _GATED_GELU else len(weights)
-    out = torch.empty((rows, segments * N), dtype=x.dtype, device=x.device)
+    out = torch.empty((rows, N), dtype=x.dtype, device=x.device)
     residual2 = residual.reshape(rows, N) if residual is not None else out
     w0 = weights[0]
     w1 = weights[1] if len(weights) > 1 else w0
     w2 = weights[2] if len(weights) > 2 else w0
+    cache = key_cache if key_cache is not None else out.view(1, 1, 1, -1)
+    values = value_cache if value_cache is not None else cache
+    slots = slot_mapping if slot_mapping is not None else out
     block_n, block_k, num_warps = fused_config(rows, N, K, epilogue == _GATED_GELU)
     block_m = triton.next_power_of_2(rows)
     if interpreting():
         block_n = 16  # the interpreter's cost is per program: fewer, wider ones on the CPU
+    segments = 3 if epilogue == _STORE_KV else 1
     pdl, launch = pdl_options(pdl)
     _fused_linear_kernel[(segments * triton.cdiv(N, block_n),)](
-        x2, norm_weight if norm_weight is not None else x2, w0, w1, w2, residual2, out,
-        rows, N, K, float(eps),
+        x2, norm_weight if norm_weight is not None else x2, w0, w1, w2, residual2, out, cache, values, slots,
+        rows, N, K, float(eps), cache.shape[3],
         x2.stride(0), w0.stride(0), residual2.stride(0), out.stride(0),
-        NORM=norm_weight is not None, EPILOGUE=epilogue,
+        cache.stride(0), cache.stride(1), cache.stride(2),
+        NORM=norm_weight is not None, EPILOGUE=epilogue, CACHE_BLOCK=cache.shape[1],
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, ONE_K=K <= block_k, PDL=pdl,
         EARLY=bool(early_inputs), num_warps=num_warps, **launch,
     )  # fmt: skip
-    return out.reshape(*x.shape[:-1], segments * N)
+    return out.reshape(*x.shape[:-1], N)

@@ -291,16 +291,14 @@ def decoder_self_attention(
     """
     rows, num_new = hidden.shape[:2]
     q, k, v = (_heads(y, attn) for y in project_group(ops, (attn.q, attn.k, attn.v), hidden))
+    ops.store_kv(key=k, value=v, key_cache=key_cache, value_cache=value_cache, slot_mapping=meta.slot_mapping)
     table, lens = _per_token_rows(meta.self_block_table, meta.self_seq_lens, num_new, causal=True)
     kwargs = dict(query=q, key_cache=key_cache, value_cache=value_cache, block_table=table, seq_lens=lens,
                   bias_table=bias_table, scale=1.0)
-    launch = _decode_launch(ops, q, meta, "past") if state is None else {}
-    if launch.get("keys_ready") == "past" and k.dtype == key_cache.dtype:
-        # one new token per row (Triton backend): the attention stores the new K/V itself, one launch less
-        out = ops.paged_decode(**kwargs, **launch, new_kv=(k, v, meta.slot_mapping))
+    if state is not None:
+        out = state.self_decode(**kwargs)
     else:
-        ops.store_kv(key=k, value=v, key_cache=key_cache, value_cache=value_cache, slot_mapping=meta.slot_mapping)
-        out = state.self_decode(**kwargs) if state is not None else ops.paged_decode(**kwargs, **launch)
+        out = ops.paged_decode(**kwargs, **_decode_launch(ops, q, meta, "past"))
     # out: [rows * num_new, num_heads, head_dim]
     return project(ops, attn.o, out.reshape(rows, num_new, -1))
 

@@ -4,8 +4,8 @@
 the residual adds and the activation, ~17 kernels per layer. Where every layer is HF's own
 modules as they are (`serves`), this runs each layer as
 
-    norm + q/k/v             | self-attention + K/V store | o + residual
-    norm + q                 | cross-attention            | o + residual
+    norm + q/k/v + K/V store | self-attention | o + residual
+    norm + q                 | cross-attention | o + residual
     norm + wi (+ activation) | wo + residual
 
 (`kernels.fused_linear` and `kernels.paged_decode`: 8 launches; a split attention merges its
@@ -14,9 +14,7 @@ where the GPU allows it (`pdl_available`). Each kernel of the chain triggers its
 after its own wait, so when a kernel starts, every kernel two or more launches back has finished:
 what those wrote (the residual stream, the step's tables and slots, the keys of earlier steps,
 the cross keys) loads before the wait (`early_inputs`, `keys_ready`), and only what the kernel
-just before wrote (its output: the query and the newest key and value) after it. The
-self-attention stores the newest K/V itself (`paged_decode`'s `new_kv`), as the op-by-op step
-of one new token per row does on this backend, so both launch one attention binary. The arithmetic is HF's at every point
+just before wrote (its output, the newest key) after it. The arithmetic is HF's at every point
 where HF rounds (`fused_linear`'s docstring); the order of a dot product's sums is the GEMV's, as
 on the unfused path.
 
@@ -141,15 +139,16 @@ def _layer(ops: ModuleType, block: nn.Module, hidden: torch.Tensor, key_cache: t
     sa, ca, ff = block.layer[0], block.layer[1], block.layer[-1]
     rows = hidden.shape[0]
     attn = sa.SelfAttention
+    q = ops.fused_linear(
+        x=hidden, weights=(attn.q.weight, attn.k.weight, attn.v.weight), norm_weight=sa.layer_norm.weight,
+        eps=sa.layer_norm.variance_epsilon, key_cache=key_cache, value_cache=value_cache,
+        slot_mapping=meta.slot_mapping, pdl=pdl, early_inputs=True,
+    )
     heads = key_cache.shape[2:]
-    qkv = ops.fused_linear(x=hidden, weights=(attn.q.weight, attn.k.weight, attn.v.weight),
-                           norm_weight=sa.layer_norm.weight, eps=sa.layer_norm.variance_epsilon, pdl=pdl)
-    q, k, v = qkv.view(rows, 3, *heads).unbind(1)
-    # the attention stores the new K/V at the step's slots and takes them from k, v meanwhile
     out = ops.paged_decode(
-        query=q, key_cache=key_cache, value_cache=value_cache, block_table=meta.self_block_table,
+        query=q.view(rows, *heads), key_cache=key_cache, value_cache=value_cache, block_table=meta.self_block_table,
         seq_lens=meta.self_seq_lens, scale=1.0, bias_table=bias_table, pdl=pdl, tickets=meta.tickets,
-        keys_ready="past", new_kv=(k, v, meta.slot_mapping),
+        keys_ready="past",
     )
     hidden = ops.fused_linear(x=out.view(rows, -1), weights=(attn.o.weight,), residual=hidden, pdl=pdl,
                               early_inputs=True)
