@@ -267,3 +267,18 @@ def test_diag_handoff_stages_compute_the_chain(variant):
     torch.testing.assert_close(vectors[1:], want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="divide"):
         diag_handoff.launcher(variant, weights, vectors, programs=5, persistent=1)
+
+
+def test_diag_stages_chains_run_each_launch_kind():
+    """diag_stages builds a dependent chain of every fused-layer launch kind (interpreter, tiny
+    layout, no dependent launches): each runs and gives finite outputs of the input's shape."""
+    import diag_stages
+
+    shape = diag_stages.shape_of("tiny")
+    for kind in diag_stages.KINDS:
+        run, nbytes = diag_stages.chain(kind, shape, rows=2, launches=2, keys=20, device="cpu", pdl=False)
+        out = run()
+        assert nbytes > 0 and torch.isfinite(out.float()).all()
+        assert out.shape == ((2, 4, 16) if kind in ("self", "cross") else (2, 64))
+    with pytest.raises(ValueError, match="unknown kind"):
+        diag_stages.chain("lm_head", shape, rows=1, launches=2, keys=20, device="cpu")
