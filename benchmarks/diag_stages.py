@@ -1,8 +1,8 @@
 """What each launch of the fused decode layer costs as one stage of a dependent chain.
 
 `diag_handoff.py` gives the price of a bare stage (a [1024, 1024] GEMV passed on by a dependent
-launch: ~1.9 µs on an H200, 0.5 µs of it bytes). A batch-1 step averages ~3.2 µs per launch;
-this finds where the rest goes. Each kind of the fused layer's launches (`model/fused_layer.py`)
+launch: ~1.9 µs on one H200, 0.5 µs of it bytes, and a t5-large batch-1 step ~3.2 µs per launch:
+docs/performance.md, "What one dependent stage costs", 2026-12-04); this finds where the rest goes. Each kind of the fused layer's launches (`model/fused_layer.py`)
 runs as a chain of `--launches` launches in one CUDA graph, each a programmatic dependent launch
 reading the output of the one before, with distinct weights per launch (as distinct layers have)
 and the step's launch options:
