@@ -295,9 +295,10 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     return 2 * src.numel() * src.element_size() / ms / 1e6
 
 
-def graph_us(calls: Sequence[Callable[[], object]]) -> float:
-    """Median µs per call of `calls` replayed back to back in one CUDA graph (NaN without CUDA):
-    no host launch cost in the number, as a captured decode step runs them."""
+def graph_us(calls: Sequence[Callable[[], object]], replays: int = 7) -> float:
+    """Median µs per call of `calls` replayed back to back in one CUDA graph, over `replays`
+    replays (NaN without CUDA): no host launch cost in the number, as a captured decode step runs
+    them."""
     if not torch.cuda.is_available():
         return float("nan")
     side = torch.cuda.Stream()
@@ -313,16 +314,9 @@ def graph_us(calls: Sequence[Callable[[], object]]) -> float:
             fn()
     graph.replay()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(7):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+    times = replay_times_us(graph, replays)
     del graph
-    return median(times) * 1e3 / len(calls)
+    return median(times) / len(calls)
 
 
 def replay_times_us(graph, replays: int) -> list[float]:

@@ -8,7 +8,7 @@ measures the chain's two ways of passing a vector from one stage to the next, wi
 each stage is a [dim, dim] GEMV (bf16 weights, fp32 vectors) over the previous stage's output,
 `programs` programs of dim / programs weight rows each, every program reading the whole input
 vector, as the step's projections do. Variants, each captured in a CUDA graph (µs per stage: the
-upper median of the replays' GPU time / stages):
+median of the replays' GPU time / stages):
 
 - launches: one kernel launch per stage;
 - pdl: the same launches as programmatic dependent launches; each program loads its weight rows
@@ -124,24 +124,14 @@ def launcher(variant: str, weights: torch.Tensor, vectors: torch.Tensor, program
 def time_variant(variant: str, weights: torch.Tensor, vectors: torch.Tensor, programs: int, replays: int) -> dict:
     """Checked once eagerly, then captured and replayed: µs per stage and the largest error."""
     stages = weights.shape[0]
-    persistent = common.num_sms(weights.device)
-    run = launcher(variant, weights, vectors, programs, persistent)
+    run = launcher(variant, weights, vectors, programs, common.num_sms(weights.device))
     vectors[1:].zero_()
     run()
     torch.cuda.synchronize()
     want = expected(weights, vectors[0])
     error = ((vectors[1:] - want).abs().max() / want.abs().max()).item()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()  # warm: nothing compiles while capturing
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    times = sorted(common.replay_times_us(graph, replays))
-    per_stage = times[len(times) // 2] / stages
-    return dict(us_per_stage=per_stage, replay_us=times[len(times) // 2], max_rel_error=error)
+    replay_us = common.graph_us([run], replays)
+    return dict(us_per_stage=replay_us / stages, replay_us=replay_us, max_rel_error=error)
 
 
 def main(argv=None) -> None:

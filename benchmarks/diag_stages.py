@@ -15,7 +15,7 @@ and the step's launch options:
   causal bias table, "past"; cross: "all"), on the step's tickets, each query the output of
   the attention before.
 
-µs per launch = the upper median of the replays' GPU time / launches; beside it, the launch's
+µs per launch = the median of the replays' GPU time / launches; beside it, the launch's
 weight and K/V bytes at the copy bandwidth measured in the run.
 
     python benchmarks/diag_stages.py [--layouts t5-large,flan-t5-xl] [--rows 1] [--launches 48]
@@ -115,20 +115,6 @@ def chain(kind: str, shape: dict, rows: int, launches: int, keys: int, device, p
     raise ValueError(f"unknown kind {kind!r}; known: {', '.join(KINDS)}")
 
 
-def time_chain(run, launches: int, replays: int) -> float:
-    """µs per launch of `run` captured in one CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run()  # compiles outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    times = sorted(common.replay_times_us(graph, replays))
-    return times[len(times) // 2] / launches
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layouts", default="t5-large,flan-t5-xl")
@@ -150,7 +136,7 @@ def main(argv=None) -> None:
         for kind in kinds:
             keys = args.self_keys if kind == "self" else args.keys
             run, nbytes = chain(kind, shape, args.rows, args.launches, keys, device)
-            us = time_chain(run, args.launches, args.replays)
+            us = common.graph_us([run], args.replays) / args.launches
             rows.append(dict(layout=layout, kind=kind, rows=args.rows, us_per_launch=us,
                              bytes_us=nbytes / bandwidth * 1e-3))
             print(f"{layout} {kind}: {us:.2f} us per launch (bytes {rows[-1]['bytes_us']:.2f})", flush=True)

@@ -12,8 +12,8 @@ the second launch. As a programmatic dependent launch (`pdl`) a program reads se
 it waits for the kernel before it, and with `keys_ready` its first tile's block ids, K/V and bias
 too (keys written before that kernel began; a row's newest key, written by it, after the wait).
 The grid depends on tensor shapes and the host bound `max_seq_len` only: no host-device sync, so
-the wrapper can be captured in a CUDA graph; programs past a row's
-`seq_len` contribute nothing. Launch knobs are a `DecodeConfig`, picked by `decode_config`.
+the wrapper can be captured in a CUDA graph; programs past a row's `seq_len` contribute nothing.
+Launch knobs are a `DecodeConfig`, picked by `decode_config`.
 """
 
 from __future__ import annotations
