@@ -2,7 +2,9 @@
 
 bf16, random weights (`hf_paged_t5.tiny.build_model`), 512-token inputs; by default the t5-small
 and t5-large layouts at b1 / b16 / 8 sources x 4 beams, 128 new tokens forced (`--cases` names
-others as layout:rows:beams:new_tokens); median of 7 calls after 2 warm-up calls. Prints one line: the label, the package file imported, and the ms per case as JSON. Run it
+others as layout:rows:beams:new_tokens); median of 7 calls after 2 warm-up calls. Prints one line:
+the label, the package file imported, and per case the ms and a hash of the last call's tokens
+(equal hashes: the same tokens) as JSON. Run it
 in fresh processes alternating the checkouts, e.g. with the older one extracted to /tmp/before
 (`git archive REV hf_paged_t5 | tar -x -C /tmp/before`):
 
@@ -13,6 +15,7 @@ in fresh processes alternating the checkouts, e.g. with the older one extracted 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import time
 
 import torch
@@ -54,10 +57,11 @@ def time_cases(label: str, cases: list[tuple[str, int, int, int]]) -> dict:
             times = []
             for _ in range(7):
                 start = time.perf_counter()
-                model.generate(**kw)
+                out = model.generate(**kw)
                 torch.cuda.synchronize()
                 times.append(time.perf_counter() - start)
-            res[f"{shape} b{b}x{beams}" + ("" if new == 128 else f" new{new}")] = round(sorted(times)[3] * 1e3, 2)
+            res[f"{shape} b{b}x{beams}" + ("" if new == 128 else f" new{new}")] = dict(
+                ms=round(sorted(times)[3] * 1e3, 2), tokens=hashlib.sha1(out.cpu().numpy().tobytes()).hexdigest()[:8])
         del model
         torch.cuda.empty_cache()
     common.ab_side(label, res)

@@ -20,6 +20,11 @@ def storages(model) -> int:
     return len({p.untyped_storage().data_ptr() for p in model.parameters()})
 
 
+def buffers(groups) -> int:
+    """The tensors the weights of packed `groups` lie in (a chain of cross groups shares one)."""
+    return len({g[0].weight.untyped_storage().data_ptr() for g in groups})
+
+
 def packed_fp16(family="t5v1_1", **kw):
     model = make_model(family, dtype=torch.float16, **kw)
     return model, packing.pack_model(model, device_types=CPU)
@@ -33,7 +38,13 @@ def test_pack_keeps_parameters_and_values():
     groups = packing.pack_model(model, device_types=CPU)
     # per layer: encoder q/k/v and wi_0/wi_1; decoder q/k/v, cross k/v and wi_0/wi_1 (2 + 2 layers)
     assert len(groups) == 2 * 2 + 2 * 3
-    assert storages(model) == count - sum(len(g) - 1 for g in groups)
+    # each group one tensor, the decoder's two cross (k, v) groups one tensor together
+    assert buffers(groups) == len(groups) - 1
+    assert storages(model) == count - sum(len(g) for g in groups) + buffers(groups)
+    cross = [(b.layer[1].EncDecAttention.k, b.layer[1].EncDecAttention.v) for b in model.decoder.block]
+    with torch.no_grad():
+        (run,) = packing.packed_runs(cross)
+    assert run[:2] == (0, 2) and torch.equal(run[2], torch.cat([layer.weight for group in cross for layer in group]))
     after = dict(model.named_parameters())
     assert after.keys() == params.keys() and all(after[n] is params[n] for n in params)
     assert all(torch.equal(p, values[n]) for n, p in after.items())
@@ -238,7 +249,7 @@ def test_gpu_patch_packs_without_growing_memory(family):
     count = storages(model)
     hp.patch_model(model)
     groups = model._hf_paged_t5.packed
-    assert len(groups) == 6 * 2 + 6 * 3 and storages(model) == count - sum(len(g) - 1 for g in groups)
+    assert len(groups) == 6 * 2 + 6 * 3 and storages(model) == count - sum(len(g) for g in groups) + buffers(groups)
     hp.unpatch_model(model)
     assert storages(model) == count
     assert _patch_growth(model, pack=True) <= unpacked + (64 << 10)
@@ -273,3 +284,43 @@ def test_gpu_packed_error_no_larger(family, rows):
                         (logits - exact_logits).norm() / exact_logits.norm())
     for unpacked, packed in zip(errors[False], errors[True]):
         assert packed <= 1.1 * unpacked + 1e-3
+
+
+@pytest.mark.parametrize("span_bytes", [None, 1])
+def test_cross_store_spans_the_layers(monkeypatch, span_bytes):
+    """Where packing laid every decoder layer's cross (k, v) out back to back, their K/V are stored
+    by one GEMM and one indexed copy (`span_bytes` 1: one layer at a time, the same path): the pool
+    then holds what each layer's own store writes, at the given slots and nowhere else."""
+    from hf_paged_t5.model import stacks
+
+    model = make_model("t5v1_1", dtype=torch.float16)
+    hp.patch_model(model, hp.PagedCacheConfig(block_size=4, backend="cpu"))
+    packing.pack_model(model, device_types=CPU)
+    runtime = model._hf_paged_t5
+    pool = runtime.get_pool(model.decoder)
+    pool.reserve(8)
+    if span_bytes is not None:
+        monkeypatch.setattr(stacks, "CROSS_SPAN_BYTES", span_bytes)
+    tokens = torch.randn(5, model.config.d_model, generator=torch.Generator().manual_seed(0)).half()
+    slots = torch.tensor([3, 9, 4, 17, 8])
+    spans = []
+    real_span = stacks._store_span
+    monkeypatch.setattr(stacks, "_store_span", lambda *a: spans.append(a[3].shape[0]) or real_span(*a))
+
+    def stored():
+        for group in pool.groups:
+            group.fill_(float("nan"))
+        with torch.no_grad():
+            stacks.store_cross_packed(model.decoder, runtime.ops_for, pool, tokens, slots)
+        return torch.cat([g.flatten(0, 1) for g in pool.groups]).clone()
+
+    spanned = stored()
+    assert spans == [len(model.decoder.block)]
+    monkeypatch.setattr(packing, "packed_runs", lambda found: [(i, i + 1, None) for i in range(len(found))])
+    by_layer = stored()
+    assert len(spans) == 1
+    torch.testing.assert_close(spanned, by_layer, rtol=1e-3, atol=1e-3, equal_nan=True)
+    written = torch.zeros(by_layer.shape[1] * by_layer.shape[2], dtype=torch.bool)
+    written[slots] = True
+    untouched = spanned.flatten(1, 2)[:, ~written]
+    assert untouched.isnan().all() and not spanned.flatten(1, 2)[:, written].isnan().any()

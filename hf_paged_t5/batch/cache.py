@@ -37,7 +37,7 @@ import torch
 
 from ..kv.pool import KVPool, StepMetadata
 from ..kv.tables import BlockTables, blocks_for
-from ..model.stacks import upload
+from ..kv.tables import upload
 
 
 MIN_GRAPH_ROWS = 64

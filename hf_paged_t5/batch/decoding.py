@@ -29,7 +29,7 @@ from transformers import GenerationConfig, LogitsProcessorList
 
 from ..decode.beam_state import BeamState, fill_value
 from ..decode.min_length import forbid_eos, row_eos_mask
-from ..model.stacks import upload
+from ..kv.tables import upload
 
 # Processors that read the scores only, never `input_ids`: they run on all rows at once.
 SCORES_ONLY = frozenset(

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..model.stacks import upload
+from ..kv.tables import upload
 from ..decode.greedy_state import pick_tokens
 from .decoding import LogitsRules, RowLimits
 

@@ -38,11 +38,12 @@ from ..kv.block_manager import PoolExhaustedError
 from ..hf import forward as hf_forward
 from ..kv.pool import KVPool
 from ..decode.graphs import predicted_key
+from ..kv.tables import upload
 from ..model import attention as attention_ops
 from ..model.attention import prefill_lengths
 from ..model.bias import is_local, self_attention
 from ..model.encoder_graphs import bucket_of
-from ..model.stacks import encoder_forward, store_cross_ahead, store_cross_packed, upload
+from ..model.stacks import encoder_forward, store_cross_ahead, store_cross_packed
 
 from .requests import BatchResult, Request
 

@@ -20,6 +20,7 @@ from .late_flag import LateFlag
 from ..kv.pool import KVPool, StepMetadata
 from ..model.attention import run_compiled_ahead
 from ..model.encoder_graphs import capture
+from ..model.stacks import weight_devices
 
 logger = logging.getLogger(__name__)
 
@@ -401,5 +402,5 @@ class Streams:
 
 def graphable(decoder: nn.Module) -> bool:
     """The decode step can be captured: every decoder weight on one CUDA device."""
-    devices = {p.device for p in decoder.parameters()}
+    devices = weight_devices(decoder)
     return len(devices) == 1 and next(iter(devices)).type == "cuda"

@@ -23,7 +23,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..kv.pool import KVPool, LayerSpec, StepMetadata
-from ..kv.tables import BlockTables, blocks_for
+from ..kv.tables import BlockTables, blocks_for, upload
 
 __all__ = ["KVPool", "LayerSpec", "PagedEncoderDecoderCache", "StepMetadata"]
 
@@ -203,11 +203,8 @@ class PagedEncoderDecoderCache(Cache):
         self_table, self_lens, cross_table, cross_lens = self.host_tables()
         state = self._device_state.get(device)
         if state is None:
-            state = {
-                "self_block_table": self_table.to(device),
-                "cross_block_table": cross_table.to(device),
-                "cross_seq_lens": cross_lens.to(device),
-            }
+            state = {name: upload(t, device) for name, t in (
+                ("self_block_table", self_table), ("cross_block_table", cross_table), ("cross_seq_lens", cross_lens))}
             self._device_state[device] = state
         device_table = self.rows.device_table
         return StepMetadata(

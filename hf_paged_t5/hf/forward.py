@@ -17,7 +17,7 @@ from ..model import longt5
 from ..model import bias as bias_mod
 from ..model.bias import is_local, self_attention
 from ..model.encoder_graphs import MAX_GRAPH_TOKENS
-from ..model.stacks import encoder_forward, mask_layout, pack_tokens, store_cross
+from ..model.stacks import encoder_forward, mask_layout, pack_tokens, store_cross, weight_devices
 from .cache import PagedEncoderDecoderCache
 from .policy import cpu_stock_reason
 from .runtime import PagedRuntime
@@ -175,7 +175,7 @@ def make_encoder_forward(runtime: PagedRuntime, original):
         if not stock and runtime.config.backend == "auto" and next(self.parameters()).device.type == "cpu" \
                 and not runtime.runner.owned_here():
             padded = lens is not None and min(lens) < attention_mask.shape[1]
-            reason = cpu_stock_reason(runtime.config.backend, {p.device for p in self.parameters()}, runtime.d_model,
+            reason = cpu_stock_reason(runtime.config.backend, weight_devices(self), runtime.d_model,
                                       1, padded)
             if reason is not None:
                 runtime.warn_once(reason, "the encoder")

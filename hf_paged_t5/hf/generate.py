@@ -18,7 +18,7 @@ from ..decode.graphs import predicted_key
 from ..decode.loop import beam_loop, sample_loop
 from ..model.attention import compile_elsewhere
 from ..model.fused_layer import ROW_COUNTS
-from ..model.stacks import EMPTY_ROW, mask_rows, store_cross_ahead
+from ..model.stacks import EMPTY_ROW, mask_rows, store_cross_ahead, weight_devices
 from . import cache_export
 from .cache import PagedEncoderDecoderCache
 from .forward import like
@@ -36,7 +36,7 @@ def make_generate(runtime: PagedRuntime, original):
         if inputs is not None:
             model_kwargs["input_ids"] = inputs
         reason = fallback_reason(gen_config, model_kwargs, self.training)
-        devices = frozenset(p.device for p in self.parameters())
+        devices = weight_devices(self)
         if reason is None and any(d.type == "meta" for d in devices):
             reason = "weights offloaded by accelerate (meta device) are served by stock HF"
         if reason is None and runtime.runner.owned_here():

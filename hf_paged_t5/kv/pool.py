@@ -65,9 +65,11 @@ class KVPool:
         """
         old_k, old_v = (self.key_caches, self.value_caches) if keep else ([], [])
         self.key_caches, self.value_caches, self.groups = [], [], []
+        self._group_of: list[tuple[int, int]] = []  # per layer: (index in `groups`, its place there)
         for spec, count in _runs(self.specs):
             shape = (count, 2, num_blocks, self.block_size, spec.num_heads, spec.head_dim)
             group = torch.empty(shape, dtype=spec.dtype, device=spec.device)
+            self._group_of.extend((len(self.groups), i) for i in range(count))
             self.groups.append(group)
             self.key_caches.extend(group[:, 0].unbind(0))
             self.value_caches.extend(group[:, 1].unbind(0))
@@ -75,6 +77,15 @@ class KVPool:
             self.key_caches[i][: k.shape[0]].copy_(k)
             self.value_caches[i][: v.shape[0]].copy_(v)
         self.generation += 1
+
+    def layer_span(self, start: int, stop: int) -> Optional[torch.Tensor]:
+        """Layers start..stop-1's K/V as one view [stop - start, 2, num_blocks, block_size, num_heads,
+        head_dim] (`key_caches[i]` is `span[i - start, 0]`), or None where they lie in more than one
+        group (another device, dtype or head shape between them)."""
+        group, first = self._group_of[start]
+        if self._group_of[stop - 1] != (group, first + stop - 1 - start):
+            return None
+        return self.groups[group][first : first + stop - start]
 
     def bytes_per_block(self) -> int:
         return sum(

@@ -211,5 +211,16 @@ class BlockTables:
     def owned_on(self, device: torch.device) -> torch.Tensor:
         """Owned mode: [slots, width] int32 on `device`, the blocks each row writes into."""
         if self._device_owned is None or self._device_owned.device != torch.device(device):
-            self._device_owned = torch.from_numpy(self.owned).to(device)
+            self._device_owned = upload(torch.from_numpy(self.owned), device)
         return self._device_owned
+
+
+
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`host` (a CPU tensor) on `device` without waiting for the device: a plain `.to(cuda)` from
+    pageable memory synchronizes the stream, i.e. waits for every queued step. The pinned copy is
+    held by PyTorch's host allocator until the transfer has read it."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

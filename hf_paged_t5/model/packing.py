@@ -117,33 +117,102 @@ def _packable(group: Group, shared: Counter, device_types: Iterable[str]) -> boo
     )
 
 
+# A chain of decoder layers' cross-attention (k, v) groups shares one buffer up to this size, so
+# the cross K/V store runs one GEMM for many layers (`packed_runs`); a larger model packs several
+# chains (T5 v1.1 XXL: 64 MiB a layer, 4 layers a chain), and packing holds at most one chain's
+# worth of extra memory at a time.
+CROSS_CHAIN_BYTES = 256 << 20
+
+
+def _chains(model: nn.Module) -> list[list[Group]]:
+    """`groups(model)` in buffers to pack: consecutive decoder layers' cross (k, v) groups of one
+    device, dtype and width together up to `CROSS_CHAIN_BYTES`, every other group alone."""
+    decoder = getattr(model, "decoder", None)
+    cross = {id(block.layer[1].EncDecAttention.k) for block in getattr(decoder, "block", ())
+             if len(block.layer) > 2 and hasattr(block.layer[1], "EncDecAttention")}
+    chains: list[list[Group]] = []
+    chain: list[Group] = []  # the open chain of cross groups (the layers' other groups lie between)
+    size = 0
+    for group in groups(model):
+        weights = [getattr(layer, "weight", None) for layer in group]
+        if id(group[0]) not in cross or not all(isinstance(w, torch.Tensor) for w in weights):
+            chains.append([group])
+            continue
+        nbytes = sum(w.numel() * w.element_size() for w in weights)
+        before = chain[-1][0].weight if chain else None
+        if (before is not None and size + nbytes <= CROSS_CHAIN_BYTES and before.dtype == weights[0].dtype
+                and before.device == weights[0].device and before.shape[1:] == weights[0].shape[1:]):
+            chain.append(group)
+            size += nbytes
+        else:
+            chain, size = [group], nbytes
+            chains.append(chain)
+    return chains
+
+
 def pack_model(model: nn.Module, device_types: Iterable[str] = ("cuda",)) -> list[Group]:
     """Lay out every packable group of `model` (`groups`) as slices of one tensor; returns the
-    groups packed now (already packed groups are left as they are and not returned)."""
+    groups packed now (already packed groups are left as they are and not returned). Consecutive
+    decoder layers' cross (k, v) groups share one tensor (`_chains`) where all of them pack."""
     shared = Counter(p.untyped_storage().data_ptr() for p in model.parameters())
     packed: list[Group] = []
     with torch.no_grad():
-        for group in groups(model):
-            if packed_weight(group) is not None or not _packable(group, shared, device_types):
-                continue
-            weights = [layer.weight for layer in group]
-            try:
-                whole = torch.empty((sum(w.shape[0] for w in weights), weights[0].shape[1]),
-                                    dtype=weights[0].dtype, device=weights[0].device)
-            except torch.cuda.OutOfMemoryError:
-                # a group's weights move through one new buffer; a GPU too full for it keeps the
-                # rest as they are (separate GEMMs, the same results)
-                logger.info("hf_paged_t5: projection weights left unpacked: no room on %s for a "
-                            "%d-weight group", weights[0].device, len(weights))
-                break
-            start = 0
-            for layer, w in zip(group, weights):
-                rows = w.shape[0]
-                whole[start:start + rows].copy_(w)
-                layer.weight.data = whole[start:start + rows]
-                start += rows
-            packed.append(group)
+        for chain in _chains(model):
+            todo = [g for g in chain if packed_weight(g) is None and _packable(g, shared, device_types)]
+            buffers = [todo] if len(todo) == len(chain) else [[g] for g in todo]
+            for buffer in buffers:
+                if not _pack(buffer):
+                    return packed
+                packed.extend(buffer)
     return packed
+
+
+def _pack(buffer: list[Group]) -> bool:
+    """Move the weights of `buffer`'s groups into one new tensor, back to back; False (nothing
+    moved) where the device has no room for it."""
+    weights = [layer.weight for group in buffer for layer in group]
+    try:
+        whole = torch.empty((sum(w.shape[0] for w in weights), weights[0].shape[1]),
+                            dtype=weights[0].dtype, device=weights[0].device)
+    except torch.cuda.OutOfMemoryError:
+        # the weights move through one new buffer; a GPU too full for it keeps the rest as they
+        # are (separate GEMMs, the same results)
+        logger.info("hf_paged_t5: projection weights left unpacked: no room on %s for a "
+                    "%d-weight group", weights[0].device, len(weights))
+        return False
+    start = 0
+    for layer, w in ((layer, layer.weight) for group in buffer for layer in group):
+        rows = w.shape[0]
+        whole[start:start + rows].copy_(w)
+        layer.weight.data = whole[start:start + rows]
+        start += rows
+    return True
+
+
+def packed_runs(found: Sequence[Group]) -> list[tuple[int, int, Optional[torch.Tensor]]]:
+    """`found` (groups in order) as runs (start, stop, weight): consecutive groups whose weights
+    lie back to back in one tensor, `weight` their [sum(out_features), in_features] view
+    (`packed_weight` of all their layers), or a group alone with weight None where it is not
+    packed with the next."""
+    runs: list[tuple[int, int, Optional[torch.Tensor]]] = []
+    i = 0
+    while i < len(found):
+        j = i + 1
+        while j < len(found) and _back_to_back(found[j - 1][-1], found[j][0]):
+            j += 1
+        weight = packed_weight(tuple(layer for group in found[i:j] for layer in group)) if j - i > 1 else None
+        if weight is None:
+            runs.extend((k, k + 1, None) for k in range(i, j))
+        else:
+            runs.append((i, j, weight))
+        i = j
+    return runs
+
+
+def _back_to_back(a: nn.Module, b: nn.Module) -> bool:
+    wa, wb = getattr(a, "weight", None), getattr(b, "weight", None)
+    return (isinstance(wa, torch.Tensor) and isinstance(wb, torch.Tensor) and wa.device.type != "meta"
+            and wa.data_ptr() + wa.numel() * wa.element_size() == wb.data_ptr())
 
 
 def unpack(packed: Iterable[Group]) -> None:

@@ -10,13 +10,16 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Callable, Optional
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from . import attention as attn_ops
-from . import fused_layer, longt5
+from . import fused_layer, longt5, packing
 from .bias import is_local, self_attention
 from ..kv.pool import KVPool, StepMetadata
+from ..kv.tables import upload
 
 # The encoder runs its feed-forward over the packed tokens in row chunks so that each
 # [chunk_tokens, d_ff] intermediate stays under this many bytes; otherwise the FF's two or three
@@ -32,18 +35,25 @@ FF_MIN_CHUNK_TOKENS = 1024
 FF_MAX_CHUNKS = 4
 
 
+def weight_devices(module: nn.Module) -> frozenset:
+    """The devices of `module`'s parameters: what `{p.device for p in module.parameters()}` gives,
+    by a plain walk of the module tree (`parameters()` dedupes names and modules through sets and
+    generators: ~1-3 ms a t5-large call, several times this walk)."""
+    devices: set = set()
+    stack = [module]
+    while stack:
+        current = stack.pop()
+        if current is None:
+            continue
+        for param in current._parameters.values():
+            if param is not None:
+                devices.add(param.device)
+        stack.extend(current._modules.values())
+    return frozenset(devices)
+
+
 def module_device(module: nn.Module) -> torch.device:
     return next(module.parameters()).device
-
-
-def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`host` (a CPU tensor) on `device` without waiting for the device: a plain `.to(cuda)` from
-    pageable memory synchronizes the stream, i.e. waits for every queued step. The pinned copy is
-    held by PyTorch's host allocator until the transfer has read it."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def pack_tokens(mask: torch.Tensor, device: Optional[torch.device] = None) -> tuple[torch.Tensor, list[int], torch.Tensor, int]:
@@ -57,19 +67,25 @@ def pack_tokens(mask: torch.Tensor, device: Optional[torch.device] = None) -> tu
         cu_seqlens [batch + 1] int32, max length
     """
     device = mask.device if device is None else torch.device(device)
-    real = mask.bool()
-    lens = real.sum(dim=1).tolist()
+    real = _host_real(mask)
+    lens = real.sum(axis=1).tolist()
     if any(n == 0 for n in lens):
         rows = [i for i, n in enumerate(lens) if n == 0]
         raise ValueError(
             f"rows {rows} of the batch are all padding (attention_mask is 0 everywhere); "
             "remove them or give each row at least one real token"
         )
-    index = real.reshape(-1).nonzero().squeeze(1)
+    index = torch.from_numpy(np.flatnonzero(real))
     cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(lens), 0)
-    index = upload(index, device) if index.device.type == "cpu" else index.to(device)
-    return index, lens, upload(cu, device), max(lens)
+    return upload(index, device), lens, upload(cu, device), max(lens)
+
+
+def _host_real(mask: torch.Tensor) -> np.ndarray:
+    """[batch, seq_len] bool on the host: where `mask` is nonzero (one read back of a device mask)."""
+    if mask.dtype == torch.bfloat16:  # numpy has no bfloat16
+        mask = mask.ne(0)
+    return mask.detach().cpu().numpy() != 0
 
 
 def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -95,20 +111,22 @@ def mask_layout(mask: torch.Tensor, right_padded: bool = False) -> tuple[list[in
     zeros between a row's ones (HF keeps the tokens after such a hole at their original
     distances; packing would close it up); with `right_padded`, padding before a row's first
     token too (LongT5's transient-global blocks are counted from the tensor's first position).
-    One host read of [2 x batch + 3] numbers.
+    One host read of the mask.
 
     mask: [batch, seq_len], nonzero = real token; the reason is EMPTY_ROW, HOLE, LEFT_PADDED or None
     """
     if mask.numel() == 0:
         return [0] * mask.shape[0], [0] * mask.shape[0], None  # an empty batch or empty rows: the callers' own checks say so
-    real = mask.bool()
-    lens = real.sum(dim=1)
-    positions = torch.arange(real.shape[1], device=real.device)
-    first = torch.where(real, positions, real.shape[1]).amin(dim=1)
-    last = torch.where(real, positions, -1).amax(dim=1)
-    flags = torch.stack([(lens == 0).any(), ((last - first + 1 != lens) & (lens > 0)).any(),
-                         ((first > 0) & (lens > 0)).any()])
-    *rows, empty, holes, late = torch.cat([lens, first.to(lens.dtype), flags.to(lens.dtype)]).tolist()
+    real = _host_real(mask)
+    width = real.shape[1]
+    lens = real.sum(axis=1)
+    some = lens > 0
+    first = np.where(some, real.argmax(axis=1), width)
+    last = np.where(some, width - 1 - real[:, ::-1].argmax(axis=1), -1)
+    empty = bool((~some).any())
+    holes = bool(((last - first + 1 != lens) & some).any())
+    late = bool(((first > 0) & some).any())
+    rows = lens.tolist() + first.tolist()
     left = right_padded and late
     batch = mask.shape[0]
     reason = EMPTY_ROW if empty else HOLE if holes else longt5.LEFT_PADDED if left else None
@@ -260,11 +278,13 @@ def store_cross(
     per_source = encoder_hidden.shape[0] == cache.num_sources
     sources = encoder_hidden if per_source else encoder_hidden[:: cache.expand]
     if encoder_mask is None:
-        encoder_mask = torch.ones(sources.shape[:2], dtype=torch.long, device=sources.device)
+        encoder_mask = torch.ones(sources.shape[:2], dtype=torch.bool)  # on the host: nothing to read back
     elif encoder_mask.shape[0] != sources.shape[0]:
         encoder_mask = encoder_mask[:: cache.expand]
-    index, lens, _, _ = pack_tokens(encoder_mask)
-    packed = sources.reshape(-1, sources.shape[-1])[index.to(sources.device)]  # [total_tokens, d_model]
+    index, lens, _, _ = pack_tokens(encoder_mask, sources.device)
+    packed = sources.reshape(-1, sources.shape[-1])  # [total_tokens, d_model]
+    if sum(lens) < packed.shape[0]:
+        packed = packed[index]
     store_cross_packed(decoder, ops_for, cache.pool, packed, cache.store_cross_plan(lens))
 
 
@@ -295,17 +315,51 @@ def store_cross_packed(
 ) -> None:
     """Every decoder layer's cross-attention K/V of `packed` [tokens, d_model] (real encoder tokens,
     source by source) into the pool at `slot_mapping` [tokens] int (stored as int32 where the pool
-    allows: `_slot_dtype`). The tokens and slots move to each layer device once."""
+    allows: `_slot_dtype`). The tokens and slots move to each layer device once.
+
+    Layers whose cross (k, v) weights `packing` laid out back to back and whose K/V share one pool
+    tensor run as one GEMM and one indexed copy per `CROSS_SPAN_BYTES` of output (`_store_span`),
+    instead of a GEMM and a store launch per layer: a t5-large call's 24 layers spent ~4 ms of host
+    time launching them one by one, longer than the GPU took."""
     on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
     slot_mapping = slot_mapping.to(_slot_dtype(pool))
-    for i, block in enumerate(decoder.block):
-        device = module_device(block)
+
+    def inputs(device):
         if device not in on_device:
             on_device[device] = (packed.to(device), upload(slot_mapping, device))
-        tokens, slots = on_device[device]
-        attn_ops.store_cross_kv(
-            ops_for(device), block.layer[1].EncDecAttention, tokens, pool.key_caches[i], pool.value_caches[i], slots,
-        )
+        return on_device[device]
+
+    attns = [block.layer[1].EncDecAttention for block in decoder.block]
+    for start, stop, weight in packing.packed_runs([(attn.k, attn.v) for attn in attns]):
+        span = pool.layer_span(start, stop) if weight is not None else None
+        tokens, slots = inputs(weight.device if weight is not None else module_device(decoder.block[start]))
+        if span is not None and weight.dtype == tokens.dtype == span.dtype and span.device == weight.device:
+            _store_span(ops_for(weight.device), weight, tokens, span, slots)
+            continue
+        for i in range(start, stop):
+            tokens, slots = inputs(module_device(decoder.block[i]))
+            attn_ops.store_cross_kv(ops_for(tokens.device), attns[i], tokens, pool.key_caches[i],
+                                    pool.value_caches[i], slots)
+
+
+# `_store_span`'s projected K/V of many layers is computed this many bytes at a time at most
+# (t5-large at 512 tokens: 24 layers in one GEMM; 8,192 tokens: 2 layers a GEMM).
+CROSS_SPAN_BYTES = 64 << 20
+
+
+def _store_span(ops: ModuleType, weight: torch.Tensor, tokens: torch.Tensor, span: torch.Tensor,
+                slots: torch.Tensor) -> None:
+    """K/V of consecutive layers at once: weight [layers * 2 * inner, d_model] (each layer's k then
+    v rows), span [layers, 2, num_blocks, block_size, heads, head_dim] (`KVPool.layer_span`)."""
+    layers, _, num_blocks, block_size, heads, head_dim = span.shape
+    per_layer = 2 * heads * head_dim
+    step = max(1, CROSS_SPAN_BYTES // max(1, tokens.shape[0] * per_layer * tokens.element_size()))
+    for first in range(0, layers, step):
+        last = min(layers, first + step)
+        w = weight[first * per_layer : last * per_layer]
+        y = ops.gemv(tokens, w) if ops.gemv_supports(tokens, w) else F.linear(tokens, w)
+        dest = span[first:last].view((last - first) * 2, num_blocks * block_size, heads, head_dim)
+        dest[:, slots] = y.view(-1, (last - first) * 2, heads, head_dim).transpose(0, 1)
 
 
 def decoder_layers(
