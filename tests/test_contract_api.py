@@ -411,3 +411,56 @@ def test_runtime_stats_counts_the_pool_and_graphs():
         assert stats["graphs_captured"] == stats["decode_graphs"] == 0  # no CUDA graphs on the CPU
     finally:
         hp.unpatch_model(model)
+
+
+_MASK = torch.ones(2, 5, dtype=torch.long)
+
+
+@pytest.mark.parametrize("given, kwargs, served", [
+    (None, dict(max_new_tokens=5), True),
+    (None, dict(max_new_tokens=5, num_beams=3, attention_mask=_MASK, do_sample=False), True),
+    ("config", dict(attention_mask=_MASK), True),
+    (None, dict(output_scores=True, return_dict_in_generate=True, min_new_tokens=2, max_new_tokens=4), True),
+    (None, dict(output_attentions=True, max_new_tokens=3), False),  # HF's own: it re-adds the flag
+])
+def test_generate_prepares_its_config_once(monkeypatch, given, kwargs, served):
+    """HF's generate() prepares the generation config again inside a patched call; it gets the one
+    the wrapper prepared (`PreparedConfig`) only where that is what its own preparation returns,
+    on this transformers version."""
+    from transformers import GenerationConfig
+
+    from hf_paged_t5.hf.generate import PreparedConfig
+
+    model = make_model("t5")
+    given = GenerationConfig(max_length=9, num_beams=2) if given == "config" else given
+    config, model_kwargs = model._prepare_generation_config(given, **kwargs)
+    prepared = PreparedConfig(given, kwargs, config, model_kwargs)
+    hf_kwargs = {**kwargs, "past_key_values": object()}  # what the paged call adds: its cache
+    assert prepared.serves((given,), hf_kwargs) == served
+    assert not prepared.serves((given,), {**hf_kwargs, "max_new_tokens": 7})
+    if served:
+        hf_config, hf_model_kwargs = model._prepare_generation_config(given, **hf_kwargs)
+        ours, ours_kwargs = prepared.result(hf_kwargs)
+        assert ours is config and ours.to_dict() == hf_config.to_dict()
+        assert ours_kwargs.keys() == hf_model_kwargs.keys()
+        assert all(ours_kwargs[k] is hf_model_kwargs[k] for k in ours_kwargs)
+
+
+def test_a_patched_generate_prepares_one_config(monkeypatch):
+    """One preparation per patched call (HF's own inside it answered by the wrapper's), the
+    tokens stock HF's."""
+    from transformers import GenerationMixin
+
+    model = make_model("t5")
+    ids, mask = make_batch([5, 3])
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    with torch.no_grad():
+        stock = model.generate(**kw)
+    hp.patch_model(model)
+    real, calls = GenerationMixin._prepare_generation_config, []
+    monkeypatch.setattr(GenerationMixin, "_prepare_generation_config",
+                        lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    with torch.no_grad():
+        paged = model.generate(**kw)
+    assert len(calls) == 1 and "_prepare_generation_config" not in model.__dict__
+    assert torch.equal(stock, paged)

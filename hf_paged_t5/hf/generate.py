@@ -18,7 +18,7 @@ from ..decode.graphs import predicted_key
 from ..decode.loop import beam_loop, sample_loop
 from ..model.attention import compile_elsewhere
 from ..model.fused_layer import ROW_COUNTS
-from ..model.stacks import EMPTY_ROW, mask_rows, store_cross_ahead, weight_devices
+from ..model.stacks import EMPTY_ROW, known_mask, mask_rows, store_cross_ahead, weight_devices
 from . import cache_export
 from .cache import PagedEncoderDecoderCache
 from .forward import like
@@ -33,26 +33,34 @@ def make_generate(runtime: PagedRuntime, original):
         # HF's own merge: the user's config (or the model's), unset fields from model.generation_config,
         # then the keyword arguments; what HF then runs is what the pool and the loop are sized for
         gen_config, model_kwargs = self._prepare_generation_config(generation_config, **kwargs)
+        prepared = PreparedConfig(generation_config, kwargs, gen_config, model_kwargs)
         if inputs is not None:
             model_kwargs["input_ids"] = inputs
-        reason = fallback_reason(gen_config, model_kwargs, self.training)
-        devices = weight_devices(self)
-        if reason is None and any(d.type == "meta" for d in devices):
-            reason = "weights offloaded by accelerate (meta device) are served by stock HF"
-        if reason is None and runtime.runner.owned_here():
-            reason = "a generate() nested in a running generate() of the same model is served by stock HF"
-        if reason is None:
-            source, source_lens, reason = _encoder_inputs(self, gen_config, model_kwargs)
-        if reason is None:
-            reason = cpu_stock_reason(runtime.config.backend, devices, runtime.d_model, gen_config.num_beams or 1,
-                                      min(source_lens) < source.shape[1])
-        if reason is not None:
-            runtime.warn_once(reason)
-            return original(inputs, generation_config, **kwargs)
-        return _paged_generate(runtime, self, original, inputs, generation_config, gen_config, model_kwargs, kwargs,
-                               devices, source, source_lens)
+        with known_mask(model_kwargs.get("attention_mask")):
+            return _generate(self, runtime, original, inputs, generation_config, prepared, model_kwargs, kwargs)
 
     return like(original, generate)
+
+
+def _generate(model, runtime, original, inputs, generation_config, prepared: "PreparedConfig", model_kwargs, kwargs):
+    """The paged call, or stock HF's for a reason it logs once."""
+    gen_config = prepared.config
+    reason = fallback_reason(gen_config, model_kwargs, model.training)
+    devices = weight_devices(model)
+    if reason is None and any(d.type == "meta" for d in devices):
+        reason = "weights offloaded by accelerate (meta device) are served by stock HF"
+    if reason is None and runtime.runner.owned_here():
+        reason = "a generate() nested in a running generate() of the same model is served by stock HF"
+    if reason is None:
+        source, source_lens, reason = _encoder_inputs(model, gen_config, model_kwargs)
+    if reason is None:
+        reason = cpu_stock_reason(runtime.config.backend, devices, runtime.d_model, gen_config.num_beams or 1,
+                                  min(source_lens) < source.shape[1])
+    if reason is not None:
+        runtime.warn_once(reason)
+        return original(inputs, generation_config, **kwargs)
+    return _paged_generate(runtime, model, original, inputs, generation_config, prepared, model_kwargs, kwargs,
+                           devices, source, source_lens)
 
 
 def _encoder_inputs(model: nn.Module, gen_config, model_kwargs: dict):
@@ -82,8 +90,9 @@ def _encoder_inputs(model: nn.Module, gen_config, model_kwargs: dict):
     return source, lens, None
 
 
-def _paged_generate(runtime, model, original, inputs, generation_config, gen_config, model_kwargs, kwargs, devices,
-                    source, source_lens):
+def _paged_generate(runtime, model, original, inputs, generation_config, prepared: "PreparedConfig", model_kwargs,
+                    kwargs, devices, source, source_lens):
+    gen_config = prepared.config
     expand = max(gen_config.num_beams or 1, gen_config.num_return_sequences or 1)
     dec_ids = model_kwargs.get("decoder_input_ids")
     start_len = (dec_ids.shape[1] + 1) if dec_ids is not None else 1  # at most: HF may not prepend the start
@@ -120,7 +129,7 @@ def _paged_generate(runtime, model, original, inputs, generation_config, gen_con
             if loop is not None:
                 kwargs = {**_stop_strings_as_criteria(kwargs, gen_config), "custom_generate": loop}
             ahead = _first_step_ahead(runtime, model, cache, source, source_lens)
-            with _encoder_outputs_per_source(model, expand), runtime.also_ahead(ahead):
+            with _encoder_outputs_per_source(model, expand), runtime.also_ahead(ahead), prepared.reused_by(model):
                 result = original(inputs, generation_config, **kwargs, **{runtime.cache_kwarg: cache})
             # an output that holds the cache gets HF's own, filled from the blocks released below
             result = cache_export.replace_paged_cache(result, cache, model_kwargs.get("attention_mask"), source.shape[1])
@@ -128,6 +137,54 @@ def _paged_generate(runtime, model, original, inputs, generation_config, gen_con
         finally:
             if cache is not None:
                 cache.release()
+
+
+class PreparedConfig:
+    """The generation config this wrapper prepared with HF's own `_prepare_generation_config`,
+    handed to the same call inside HF's generate() instead of preparing it again (HF builds and
+    validates a default model config, deep-copies the generation config and merges it twice:
+    ~1-2 ms of host time, a sixth of a short call's). HF's call gets it where its arguments are
+    this wrapper's: the same config object, every keyword that set a generation field with the
+    same value, and only keywords that set none added (the cache). Anything else runs HF's own.
+
+    config, model_kwargs: what `_prepare_generation_config(generation_config, **kwargs)` returned.
+    """
+
+    def __init__(self, generation_config, kwargs: dict, config, model_kwargs: dict) -> None:
+        self.given, self.config = generation_config, config
+        # the keywords HF's merge took as generation fields (`GenerationConfig.update`)
+        self.fields = {k: v for k, v in kwargs.items() if k not in model_kwargs}
+
+    def serves(self, args: tuple, kwargs: dict) -> bool:
+        return (
+            len(args) == 1 and args[0] is self.given
+            and all(k in kwargs and kwargs[k] is v for k, v in self.fields.items())
+            and not any(hasattr(self.config, k) for k in kwargs if k not in self.fields)
+        )
+
+    def result(self, kwargs: dict) -> tuple:
+        """What HF's `_prepare_generation_config(self.given, **kwargs)` returns for `serves` arguments."""
+        model_kwargs = {k: v for k, v in kwargs.items() if k not in self.fields}
+        for flag in ("output_attentions", "output_hidden_states"):
+            if getattr(self.config, flag):
+                model_kwargs[flag] = getattr(self.config, flag)
+        return self.config, model_kwargs
+
+    @contextlib.contextmanager
+    def reused_by(self, model: nn.Module):
+        """While entered, the next `model._prepare_generation_config` call is answered by this one
+        where it `serves` (once: a later call is HF's own)."""
+        def prepare(*args, **kwargs):
+            model.__dict__.pop("_prepare_generation_config", None)
+            if self.serves(args, kwargs):
+                return self.result(kwargs)
+            return model._prepare_generation_config(*args, **kwargs)
+
+        model._prepare_generation_config = prepare
+        try:
+            yield
+        finally:
+            model.__dict__.pop("_prepare_generation_config", None)
 
 
 def _first_step_ahead(runtime: PagedRuntime, model: nn.Module, cache: PagedEncoderDecoderCache, source: torch.Tensor,

@@ -7,6 +7,8 @@ the fp16 clamps, so results match stock HF.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from types import ModuleType
 from typing import Callable, Optional
 
@@ -67,18 +69,22 @@ def pack_tokens(mask: torch.Tensor, device: Optional[torch.device] = None) -> tu
         cu_seqlens [batch + 1] int32, max length
     """
     device = mask.device if device is None else torch.device(device)
-    real = _host_real(mask)
-    lens = real.sum(axis=1).tolist()
-    if any(n == 0 for n in lens):
+    lens, firsts, empty, holes, _ = _layout(mask)
+    if empty:
         rows = [i for i, n in enumerate(lens) if n == 0]
         raise ValueError(
             f"rows {rows} of the batch are all padding (attention_mask is 0 everywhere); "
             "remove them or give each row at least one real token"
         )
-    index = torch.from_numpy(np.flatnonzero(real))
+    if holes:
+        index = np.flatnonzero(_host_real(mask))
+    else:  # each row's tokens are one run from its first real position
+        counts = np.asarray(lens)
+        starts = np.arange(len(lens)) * mask.shape[1] + np.asarray(firsts)
+        index = np.repeat(starts - (np.cumsum(counts) - counts), counts) + np.arange(int(counts.sum()))
     cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(lens), 0)
-    return upload(index, device), lens, upload(cu, device), max(lens)
+    return upload(torch.from_numpy(index), device), lens, upload(cu, device), max(lens)
 
 
 def _host_real(mask: torch.Tensor) -> np.ndarray:
@@ -111,26 +117,57 @@ def mask_layout(mask: torch.Tensor, right_padded: bool = False) -> tuple[list[in
     zeros between a row's ones (HF keeps the tokens after such a hole at their original
     distances; packing would close it up); with `right_padded`, padding before a row's first
     token too (LongT5's transient-global blocks are counted from the tensor's first position).
-    One host read of the mask.
+    One host read of the mask (none for `known_mask`'s after the first).
 
     mask: [batch, seq_len], nonzero = real token; the reason is EMPTY_ROW, HOLE, LEFT_PADDED or None
     """
     if mask.numel() == 0:
         return [0] * mask.shape[0], [0] * mask.shape[0], None  # an empty batch or empty rows: the callers' own checks say so
+    rows, firsts, empty, holes, late = _layout(mask)
+    left = right_padded and late
+    reason = EMPTY_ROW if empty else HOLE if holes else longt5.LEFT_PADDED if left else None
+    return rows, firsts, reason
+
+
+# The mask of the generate() call running in this context and its layout, read once (`known_mask`).
+_known: contextvars.ContextVar = contextvars.ContextVar("hf_paged_t5_known_mask", default=None)
+
+
+@contextlib.contextmanager
+def known_mask(mask: Optional[torch.Tensor]):
+    """While entered, `mask_layout` and `pack_tokens` of this very tensor read it once: a
+    generate() call's encoder and cross K/V store ask again for its attention_mask, and each read
+    of a device mask waits for the work queued before it (the encoder's, for the store). The
+    caller does not change the mask meanwhile (HF's generate() does not)."""
+    token = _known.set(None if mask is None else [mask, None])
+    try:
+        yield
+    finally:
+        _known.reset(token)
+
+
+def _layout(mask: torch.Tensor) -> tuple[list[int], list[int], bool, bool, bool]:
+    """(real tokens per row, first real position per row, a row has none, a row has a hole, a
+    row starts after position 0) of a non-empty mask: one read of it, or none for `known_mask`'s."""
+    known = _known.get()
+    if known is not None and known[0] is mask:
+        if known[1] is None:
+            known[1] = _read_layout(mask)
+        return known[1]
+    return _read_layout(mask)
+
+
+def _read_layout(mask: torch.Tensor) -> tuple[list[int], list[int], bool, bool, bool]:
+    if mask.shape[1] == 0:
+        return [0] * mask.shape[0], [0] * mask.shape[0], mask.shape[0] > 0, False, False
     real = _host_real(mask)
     width = real.shape[1]
     lens = real.sum(axis=1)
     some = lens > 0
     first = np.where(some, real.argmax(axis=1), width)
     last = np.where(some, width - 1 - real[:, ::-1].argmax(axis=1), -1)
-    empty = bool((~some).any())
-    holes = bool(((last - first + 1 != lens) & some).any())
-    late = bool(((first > 0) & some).any())
-    rows = lens.tolist() + first.tolist()
-    left = right_padded and late
-    batch = mask.shape[0]
-    reason = EMPTY_ROW if empty else HOLE if holes else longt5.LEFT_PADDED if left else None
-    return rows[:batch], rows[batch:], reason
+    return (lens.tolist(), first.tolist(), bool((~some).any()), bool(((last - first + 1 != lens) & some).any()),
+            bool(((first > 0) & some).any()))
 
 
 def ff_chunk_tokens(d_ff: int, element_size: int, tokens: int) -> int:
