@@ -579,6 +579,38 @@ def call_phases(model) -> list[tuple]:
             (greedy_graph.GreedyStep, "__init__", "step state"), (beam_graph.BeamStep, "__init__", "step state")]
 
 
+def call_host_parts(model) -> list[tuple]:
+    """(owner, attribute, label) of the parts of a patched generate() call whose host time
+    `profile_step.py --host` reports: HF's preamble pieces and the paged call's own set-up."""
+    # private: `hf_paged_t5.hf.generate._generate` / `._encoder_inputs` / `._paged_generate`,
+    # `hf.runtime.PagedRuntime.check_weights` / `.get_pool`, `hf.cache.PagedEncoderDecoderCache`,
+    # `decode.graphs.ResidentLoop` / `DecodeGraphs.prepare`, `decode.greedy_graph.GreedyStep.reset`,
+    # `decode.runner.DecodeRunner.plan`, `model.stacks.store_cross_packed`
+    from transformers import GenerationMixin
+
+    from hf_paged_t5.decode import graphs, greedy_graph, runner
+    from hf_paged_t5.hf import cache, generate, runtime
+    from hf_paged_t5.model import stacks
+
+    parts = [
+        (GenerationMixin, "_prepare_generation_config", "HF: generation config"),
+        (GenerationMixin, "_prepare_special_tokens", "HF: special tokens"),
+        (GenerationMixin, "_validate_model_kwargs", "HF: kwargs check"),
+        (GenerationMixin, "_prepare_encoder_decoder_kwargs_for_generation", "HF: encoder call"),
+        (model.encoder, "forward", "encoder forward"),
+        (generate, "_encoder_inputs", "inputs and mask"),
+        (runtime.PagedRuntime, "check_weights", "weights check"),
+        (runtime.PagedRuntime, "get_pool", "pool"),
+        (cache.PagedEncoderDecoderCache, "__init__", "cache"),
+        (stacks, "store_cross_packed", "cross K/V store"),
+        (graphs.ResidentLoop, "__init__", "prompt + buffers"),
+        (graphs.DecodeGraphs, "prepare", "step buffers"),
+        (greedy_graph.GreedyStep, "reset", "update state"),
+        (runner.DecodeRunner, "plan", "plan"),
+    ]
+    return [part for part in parts if hasattr(part[0], part[1])]  # (HF renames its helpers between versions)
+
+
 @contextlib.contextmanager
 def on_callers_stream():
     """While entered, a patched generate() runs on the caller's stream instead of its own

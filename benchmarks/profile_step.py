@@ -2,8 +2,10 @@
 decode graph and the greedy / beam update of the device-resident loops), the decode graph alone,
 and the phases of a call with one new token (what every step of a call shares). With --gaps, the
 GPU's idle time inside one call: the longest gaps between kernels, by the kernels on either side.
+With --host, the host time of a 1-token call's parts (HF's preamble pieces, the paged set-up; a
+part inside another counts in both) and stock HF's 1-token call on the same weights.
 
-    python benchmarks/profile_step.py [--models t5-small,t5-large] [--batch 1,64] [--table PATH] [--gaps]
+    python benchmarks/profile_step.py [--models t5-small,t5-large] [--batch 1,64] [--table PATH] [--gaps] [--host]
 """
 
 from __future__ import annotations
@@ -66,11 +68,21 @@ def gpu_gaps(prof, top: int = 12) -> str:
     return "\n".join(lines)
 
 
+def host_parts_ms(model, kw: dict, calls: int = 10) -> tuple[float, dict]:
+    """(ms of a 1-token call, {part: host ms per call}) over `calls` calls (`common.call_host_parts`)."""
+    with torch.inference_mode(), common.timers(common.call_host_parts(model)) as (spent, _):
+        total, _ = common.timed(lambda: [model.generate(**one_token(kw)) for _ in range(calls)])
+    return 1e3 * total / calls, {label: 1e3 * s / calls for label, s in spent.most_common()}
+
+
 def run(name: str, batch: int, beams: int, table: str | None, new: int = 64, table_new: int = 16,
-        gaps: bool = False) -> None:
-    model = hp.patch_model(common.make_model(name, "sdpa", torch.bfloat16))
+        gaps: bool = False, host: bool = False) -> None:
+    stock = common.make_model(name, "sdpa", torch.bfloat16)
     ids, mask = common.random_inputs(batch, 512)
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, num_beams=beams)
+    if host:
+        print(f"{name} b{batch} beams{beams}: stock HF 1-token call {fixed_ms(stock, kw, calls=10):.2f} ms", flush=True)
+    model = hp.patch_model(stock)
     with torch.inference_mode():
         for _ in range(2):  # warm: the second call of a shape captures its graphs (encoder, decode)
             model.generate(**kw)
@@ -92,6 +104,12 @@ def run(name: str, batch: int, beams: int, table: str | None, new: int = 64, tab
                 model.generate(**{**kw, "max_new_tokens": table_new, "min_new_tokens": table_new})
             print(f"{name} b{batch} beams{beams}, {table_new} new tokens: {gpu_gaps(prof)}", flush=True)
     fixed = fixed_ms(model, kw)
+    if host:
+        with torch.inference_mode():
+            model.generate(**one_token(kw))
+        total, parts = host_parts_ms(model, kw)
+        print(f"{name} b{batch} beams{beams}: patched 1-token call {total:.2f} ms; host ms per call: "
+              + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()), flush=True)
     phases = phase_ms(model, kw)
     print(f"{name} b{batch} beams{beams}: phases of a 1-token call (ms, synced) "
           + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()), flush=True)
@@ -110,12 +128,13 @@ def main(argv=None) -> None:
     ap.add_argument("--table", default=None, help="append a torch.profiler table of one call to this file")
     ap.add_argument("--table-new-tokens", type=int, default=16, help="new tokens of the profiled call")
     ap.add_argument("--gaps", action="store_true", help="print the GPU's idle gaps inside one profiled call")
+    ap.add_argument("--host", action="store_true", help="print the host time of a 1-token call's parts, and stock's call")
     args = ap.parse_args(argv)
     common.require_cuda("profile_step.py")
     for name in args.models.split(","):
         for b in args.batch.split(","):
             for k in args.beams.split(","):
-                run(name, int(b), int(k), args.table, table_new=args.table_new_tokens, gaps=args.gaps)
+                run(name, int(b), int(k), args.table, table_new=args.table_new_tokens, gaps=args.gaps, host=args.host)
 
 
 if __name__ == "__main__":

@@ -139,11 +139,13 @@ def test_private_state_reads_resolve():
     assert common.graphs_captured(model) == 0
     hp.patch_model(model)
     ids, mask = common.random_inputs(2, 8, "cpu", model.config.vocab_size)
-    targets = common.call_phases(model) + common.batch_run_phases() + common.step_launches()
+    parts = common.call_host_parts(model)
+    targets = common.call_phases(model) + common.batch_run_phases() + common.step_launches() + parts
     before = [inspect.getattr_static(owner, attr) for owner, attr, _ in targets]
-    with common.timers(targets, synced=True), common.on_callers_stream(), torch.inference_mode():
+    with common.timers(targets, synced=True) as (_, calls), common.on_callers_stream(), torch.inference_mode():
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, min_new_tokens=3)
     assert out.shape == (2, 4)
+    assert {"HF: generation config", "inputs and mask", "cross K/V store", "step buffers"} <= set(calls)
     assert [inspect.getattr_static(owner, attr) for owner, attr, _ in targets] == before  # all restored
     assert common.graphs_captured(model) == 0 and common.decode_graphs(model) == {}
     assert common.kv_pool(model) is not None
