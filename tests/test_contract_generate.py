@@ -8,6 +8,7 @@ Every case has its own seed (weights, inputs and sampling), so no tie hides a wr
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import pytest
@@ -96,3 +97,25 @@ def test_scores_and_logits_seed_sweep(family, mode, sweep):
     seed, model, inputs = _case(family, mode, "sweep", sweep)
     compare_with_stock(model, seed=seed, float64=True, near_ties=True, **inputs, max_new_tokens=7, **MODES[mode],
                        **OUTPUTS)
+
+
+def test_beam_tie_oracle_tells_equal_hypotheses_from_worse_ones():
+    """`oracle.beam_hypotheses_tie` takes a row whose hypothesis scores what stock's does (in fp64,
+    within stock's own fp32 error), and not one that scores worse."""
+    from oracle import beam_hypotheses_tie
+
+    seed, model, inputs = _case("umt5", "beam", "sweep", 1)
+    kw = dict(**inputs, max_new_tokens=7, **MODES["beam"], **OUTPUTS)
+    stock = model.generate(**kw)
+    assert stock.sequences[5].tolist() == [0, 0, 0, 0, 0, 0, 0, 106]
+
+    def with_row(tokens):
+        other = copy.copy(stock)
+        other.sequences = stock.sequences.clone()
+        other.sequences[5] = torch.tensor(tokens)
+        return other
+
+    # another hypothesis of that source at -13.8375 in fp64 (stock's scores -13.8375; fp32 rounds both)
+    assert beam_hypotheses_tie(model, stock, with_row([0, 0, 0, 0, 106, 358, 0, 72]), kw)
+    assert not beam_hypotheses_tie(model, stock, with_row([0, 0, 0, 0, 106, 358, 0, 73]), kw)
+    assert not beam_hypotheses_tie(model, stock, with_row([0, 5, 0, 0, 0, 0, 0, 106]), kw)
