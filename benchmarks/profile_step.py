@@ -107,8 +107,8 @@ def run(name: str, batch: int, beams: int, table: str | None, new: int = 64, tab
     if host:
         with torch.inference_mode():
             model.generate(**one_token(kw))
-        total, parts = host_parts_ms(model, kw)
-        print(f"{name} b{batch} beams{beams}: patched 1-token call {total:.2f} ms; host ms per call: "
+        call_ms, parts = host_parts_ms(model, kw)
+        print(f"{name} b{batch} beams{beams}: patched 1-token call {call_ms:.2f} ms; host ms per call: "
               + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()), flush=True)
     phases = phase_ms(model, kw)
     print(f"{name} b{batch} beams{beams}: phases of a 1-token call (ms, synced) "
