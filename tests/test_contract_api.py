@@ -464,3 +464,23 @@ def test_a_patched_generate_prepares_one_config(monkeypatch):
         paged = model.generate(**kw)
     assert len(calls) == 1 and "_prepare_generation_config" not in model.__dict__
     assert torch.equal(stock, paged)
+
+
+def test_another_threads_call_prepares_its_own_config():
+    """While a patched call holds its prepared config for HF's generate(), another thread's
+    preparation (a stock call of the same model) is HF's own and leaves it in place."""
+    import threading
+
+    from hf_paged_t5.hf.generate import PreparedConfig
+
+    model = make_model("t5")
+    config, model_kwargs = model._prepare_generation_config(None, max_new_tokens=5)
+    prepared = PreparedConfig(None, dict(max_new_tokens=5), config, model_kwargs)
+    seen = []
+    with prepared.reused_by(model):
+        thread = threading.Thread(target=lambda: seen.append(model._prepare_generation_config(None, max_new_tokens=5)))
+        thread.start()
+        thread.join()
+        assert seen[0][0] is not config and seen[0][0].max_new_tokens == 5
+        assert model._prepare_generation_config(None, max_new_tokens=5)[0] is config  # this thread's, once
+        assert model._prepare_generation_config(None, max_new_tokens=5)[0] is not config

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from typing import Any, Callable, Optional
 
 import torch
@@ -173,13 +174,19 @@ class PreparedConfig:
     @contextlib.contextmanager
     def reused_by(self, model: nn.Module):
         """While entered, the next `model._prepare_generation_config` call is answered by this one
-        where it `serves` (once: a later call is HF's own)."""
-        def prepare(*args, **kwargs):
-            model.__dict__.pop("_prepare_generation_config", None)
-            if self.serves(args, kwargs):
-                return self.result(kwargs)
-            return model._prepare_generation_config(*args, **kwargs)
+        where it `serves` (once: a later call is HF's own); another thread's call is HF's own."""
+        thread = threading.get_ident()
 
+        def prepare(*args, **kwargs):
+            if threading.get_ident() == thread:
+                model.__dict__.pop("_prepare_generation_config", None)
+                if self.serves(args, kwargs):
+                    return self.result(kwargs)
+            return type(model)._prepare_generation_config(model, *args, **kwargs)
+
+        if "_prepare_generation_config" in model.__dict__:  # a user's own stays as it is
+            yield
+            return
         model._prepare_generation_config = prepare
         try:
             yield
