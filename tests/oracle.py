@@ -209,7 +209,9 @@ def assert_within_stock_error(paged, stock, ref, what: str) -> None:
     a list of them: all steps of one output, so that one step's lucky stock rounding does not set
     the scale). The floor of the allowed error is ULPS_FLOOR fp32 ulps of the largest value.
 
-    Infinite entries (masked scores) must be the same in all three and are left out.
+    Infinite entries (masked scores) must be the same in paged's and stock's and are left out,
+    with those the fp64 reference masks otherwise (its top-k at a near tie of the k-th value:
+    stock fp32 and fp64 disagree there, whatever the paged path does).
     """
     as_list = (lambda x: list(x) if isinstance(x, (list, tuple)) else [x])
     paged, stock, ref = as_list(paged), as_list(stock), as_list(ref)
@@ -219,10 +221,10 @@ def assert_within_stock_error(paged, stock, ref, what: str) -> None:
     for t, (p, s, r) in enumerate(zip(paged, stock, ref)):
         p, s, r = p.double(), s.double(), r.double().to(p.device)
         assert p.shape == s.shape == r.shape, f"{what}[{t}]: shapes {p.shape}, {s.shape}, {r.shape}"
-        finite = torch.isfinite(r)
-        assert torch.equal(torch.isfinite(s), finite) and torch.equal(torch.isfinite(p), finite), (
-            f"{what}[{t}]: masked (infinite) entries differ"
-        )
+        finite = torch.isfinite(s)
+        assert torch.equal(torch.isfinite(p), finite), f"{what}[{t}]: masked (infinite) entries differ from stock's"
+        # an fp64 run's own top-k may mask another entry at a near tie of the k-th value
+        finite &= torch.isfinite(r)
         deviations["paged"].append((p - r)[finite].abs())
         deviations["stock"].append((s - r)[finite].abs())
         if finite.any():

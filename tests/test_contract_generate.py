@@ -119,3 +119,18 @@ def test_beam_tie_oracle_tells_equal_hypotheses_from_worse_ones():
     assert beam_hypotheses_tie(model, stock, with_row([0, 0, 0, 0, 106, 358, 0, 72]), kw)
     assert not beam_hypotheses_tie(model, stock, with_row([0, 0, 0, 0, 106, 358, 0, 73]), kw)
     assert not beam_hypotheses_tie(model, stock, with_row([0, 5, 0, 0, 0, 0, 0, 106]), kw)
+
+
+def test_the_oracle_holds_masks_to_stocks():
+    """`oracle.assert_within_stock_error` wants paged's masked (infinite) scores where stock's are;
+    an entry the fp64 reference masks otherwise (its own top-k at a near tie) is left out."""
+    from oracle import assert_within_stock_error
+
+    ninf = float("-inf")
+    stock = torch.tensor([[0.5, -1.0, ninf, -2.0]])
+    ref = torch.tensor([[0.5, -1.0, ninf, ninf]], dtype=torch.float64)
+    assert_within_stock_error(stock.clone(), stock, ref, "scores")
+    with pytest.raises(AssertionError, match="masked"):
+        assert_within_stock_error(torch.tensor([[0.5, ninf, ninf, -2.0]]), stock, ref, "scores")
+    with pytest.raises(AssertionError, match="deviation"):
+        assert_within_stock_error(torch.tensor([[0.5, -1.5, ninf, -2.0]]), stock, ref, "scores")
