@@ -36,8 +36,7 @@ import numpy as np
 import torch
 
 from ..kv.pool import KVPool, StepMetadata
-from ..kv.tables import BlockTables, blocks_for
-from ..kv.tables import upload
+from ..kv.tables import BlockTables, blocks_for, upload
 
 
 MIN_GRAPH_ROWS = 64

@@ -215,7 +215,6 @@ class BlockTables:
         return self._device_owned
 
 
-
 def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`host` (a CPU tensor) on `device` without waiting for the device: a plain `.to(cuda)` from
     pageable memory synchronizes the stream, i.e. waits for every queued step. The pinned copy is
