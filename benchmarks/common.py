@@ -517,6 +517,15 @@ def decode_graphs(model) -> dict:
     return {key: static.graph for key, static in steps if static.graph is not None}
 
 
+def kept_update_graphs(model) -> list:
+    """The CUDA graphs of the loop updates the patched model keeps for later calls (greedy / beam
+    token selection of small batches), oldest first."""
+    # private: `...graphs._updates` ((id(static), key) -> (static, state)); a state's `_graph`
+    runtime = _runtime(model)
+    graphs = runtime.runner.graphs if hasattr(runtime, "runner") else runtime.graphs
+    return [state._graph for _, state in graphs._updates.values() if getattr(state, "_graph", None) is not None]
+
+
 def kv_pool(model):
     """The patched model's KV pool (a `KVPool`; None before its first paged call)."""
     # private: `model._hf_paged_t5.pool`

@@ -93,6 +93,11 @@ def run(name: str, batch: int, beams: int, table: str | None, new: int = 64, tab
         graph = next(iter(common.decode_graphs(model).values()))
         replay, _ = common.timed(lambda: [graph.replay() for _ in range(100)])
         replay = replay / 100 * 1e3
+        updates = common.kept_update_graphs(model)
+        update = None
+        if updates:
+            update, _ = common.timed(lambda: [updates[-1].replay() for _ in range(100)])
+            update = update / 100 * 1e3
         if table:
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 model.generate(**{**kw, "max_new_tokens": table_new, "min_new_tokens": table_new})
@@ -116,8 +121,8 @@ def run(name: str, batch: int, beams: int, table: str | None, new: int = 64, tab
     print(f"{name} b{batch} beams{beams}: per call outside the steps (generate() with 1 new token) {fixed:.2f} ms",
           flush=True)
     print(f"{name} b{batch} beams{beams}: generate {total:.3f} ms/step | host launches per step (decode graph + "
-          f"update) {launches:.3f} | decode graph replay alone (GPU) {replay:.3f} | generate minus replay "
-          f"{total - replay:.3f}", flush=True)
+          f"update) {launches:.3f} | decode graph replay alone (GPU) {replay:.3f} | update graph replay alone "
+          f"{common.fmt(update, '.3f')} | generate minus replay {total - replay:.3f}", flush=True)
 
 
 def main(argv=None) -> None:
@@ -126,6 +131,7 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", default="1")
     ap.add_argument("--beams", default="1")
     ap.add_argument("--table", default=None, help="append a torch.profiler table of one call to this file")
+    ap.add_argument("--new-tokens", type=int, default=64, help="new tokens of the timed calls")
     ap.add_argument("--table-new-tokens", type=int, default=16, help="new tokens of the profiled call")
     ap.add_argument("--gaps", action="store_true", help="print the GPU's idle gaps inside one profiled call")
     ap.add_argument("--host", action="store_true", help="print the host time of a 1-token call's parts, and stock's call")
@@ -134,7 +140,7 @@ def main(argv=None) -> None:
     for name in args.models.split(","):
         for b in args.batch.split(","):
             for k in args.beams.split(","):
-                run(name, int(b), int(k), args.table, table_new=args.table_new_tokens, gaps=args.gaps, host=args.host)
+                run(name, int(b), int(k), args.table, new=args.new_tokens, table_new=args.table_new_tokens, gaps=args.gaps, host=args.host)
 
 
 if __name__ == "__main__":
