@@ -517,13 +517,23 @@ def decode_graphs(model) -> dict:
     return {key: static.graph for key, static in steps if static.graph is not None}
 
 
-def kept_update_graphs(model) -> list:
-    """The CUDA graphs of the loop updates the patched model keeps for later calls (greedy / beam
-    token selection of small batches), oldest first."""
-    # private: `...graphs._updates` ((id(static), key) -> (static, state)); a state's `_graph`
+def update_replay_ms(model, replays: int = 100) -> float | None:
+    """ms per replay of the newest loop update the patched model keeps for later calls (greedy /
+    beam token selection of small batches; None where none is kept), its length counter reset to
+    the prompt's first so the replays stay inside its sequences, and put back after."""
+    # private: `...graphs._updates` ((id(static), key) -> (static, state)); a state's `_graph`, `cur_len`
     runtime = _runtime(model)
     graphs = runtime.runner.graphs if hasattr(runtime, "runner") else runtime.graphs
-    return [state._graph for _, state in graphs._updates.values() if getattr(state, "_graph", None) is not None]
+    kept = [state for _, state in graphs._updates.values() if getattr(state, "_graph", None) is not None]
+    if not kept or not hasattr(kept[-1], "cur_len"):
+        return None
+    state = kept[-1]
+    saved = state.cur_len.clone()
+    replays = min(replays, state.max_length - state.prompt_len - 1)
+    state.cur_len.fill_(state.prompt_len)
+    seconds, _ = timed(lambda: [state._graph.replay() for _ in range(replays)])
+    state.cur_len.copy_(saved)
+    return seconds / replays * 1e3
 
 
 def kv_pool(model):

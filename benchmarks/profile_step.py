@@ -93,11 +93,7 @@ def run(name: str, batch: int, beams: int, table: str | None, new: int = 64, tab
         graph = next(iter(common.decode_graphs(model).values()))
         replay, _ = common.timed(lambda: [graph.replay() for _ in range(100)])
         replay = replay / 100 * 1e3
-        updates = common.kept_update_graphs(model)
-        update = None
-        if updates:
-            update, _ = common.timed(lambda: [updates[-1].replay() for _ in range(100)])
-            update = update / 100 * 1e3
+        update = common.update_replay_ms(model)
         if table:
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 model.generate(**{**kw, "max_new_tokens": table_new, "min_new_tokens": table_new})

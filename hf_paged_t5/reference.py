@@ -295,3 +295,56 @@ def fused_linear(
 def fused_linear_supports(x: torch.Tensor, weights) -> bool:
     """The torch backend runs each decoder layer op by op with the model's own modules."""
     return False
+
+
+def greedy_update(
+    logits: torch.Tensor,
+    sequences: torch.Tensor,
+    cur_len: torch.Tensor,
+    unfinished: torch.Tensor,
+    all_done: torch.Tensor,
+    done_at: torch.Tensor,
+    step_ids: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    self_seq_lens: torch.Tensor,
+    owned: torch.Tensor,
+    block_size: int,
+    tickets: Optional[torch.Tensor] = None,
+    eos_until: Optional[torch.Tensor] = None,
+    pad: Optional[torch.Tensor] = None,
+    eos: Optional[torch.Tensor] = None,
+) -> None:
+    """One greedy step of the device-resident loop, in place, as HF's `_sample` picks a token:
+    the float32 scores of the last position, EOS at -inf where a min-length rule holds, argmax,
+    the pad id in rows that had finished, the EOS criterion; then the next decode step's inputs.
+
+    logits: [rows, positions, vocab]; sequences: [rows, capacity] int64, the token goes to column
+    `cur_len` (0-d int64, then advanced by one); unfinished: [rows] bool; all_done: 0-d bool,
+    "no row unfinished"; done_at: 0-d int64, -1 until every row has finished, then the column at
+    which that first held; step_ids: [rows, 1] int64 (the token); slot_mapping, self_seq_lens:
+    [rows] int32 (its cache slot in the row's blocks `owned` [rows, width] int32, and cur_len + 1);
+    eos_until: [vocab] int32 or None, EOS forbidden while cur_len < eos_until[v]
+    (`kernels.greedy.eos_until`); pad (0-d int64) and eos ([n] int64) together or neither: rows
+    are padded and finished only with an EOS criterion, as in HF. `tickets` is the kernel's and
+    unused here. The column and the block index are clamped to their tensors (a step queued after
+    the last one writes inside them).
+    """
+    rows = logits.shape[0]
+    cur = cur_len
+    scores = logits[:, -1].to(torch.float32)
+    if eos_until is not None:
+        scores = scores.masked_fill(cur < eos_until, -math.inf)
+    tokens = torch.argmax(scores, dim=-1)
+    if pad is not None:
+        tokens = torch.where(unfinished, tokens, pad)
+    sequences.scatter_(1, cur.clamp(max=sequences.shape[1] - 1).expand(rows, 1), tokens[:, None])
+    if eos is not None:
+        unfinished &= ~(tokens[:, None] == eos).any(-1)
+        all_done.copy_(~unfinished.any())
+        done_at.copy_(torch.where(all_done & (done_at < 0), cur, done_at))
+    step_ids.copy_(tokens.view_as(step_ids))
+    index = torch.div(cur, block_size, rounding_mode="floor").clamp(max=owned.shape[1] - 1).expand(rows, 1)
+    block = torch.gather(owned, 1, index)
+    slot_mapping.copy_(block[:, 0] * block_size + cur % block_size)
+    self_seq_lens.copy_(cur + 1)
+    cur_len += 1

@@ -321,34 +321,35 @@ def _run_updates(state, seed, steps=6):
         state.logits[:, 0, [3, 5]] += 4.0  # the EOS ids win often: rows end, get padded
         state.run()
         trace.append([t.clone() for t in (state.sequences, state.cur_len, state.unfinished, state.all_done,
-                                          state.step_ids, state.slot_mapping, state.self_seq_lens)])
+                                          state.done_at, state.step_ids, state.slot_mapping, state.self_seq_lens)])
     return trace
 
 
 def test_kept_greedy_state_refilled_equals_a_fresh_one():
     """`GreedyStep.reset` (what a kept, captured update's next call runs instead of a new capture)
     refills everything the update reads: the same writes, step by step, as a fresh state for the
-    second call — other prompt, EOS id, pad id, minimum's EOS mask, blocks — after a first call that ended
-    rows and moved every counter."""
+    second call — other prompt, EOS id, pad id, minimum (its table of EOS lengths), blocks — after
+    a first call that ended rows and moved every counter."""
     owned_a = torch.tensor([[3, 7, 1], [4, 0, 2], [6, 5, 8]], dtype=torch.int32)
     owned_b = torch.tensor([[8, 2, 6], [1, 3, 0], [7, 4, 5]], dtype=torch.int32)
     first = _greedy_state(torch.tensor([[0, 2], [0, 6], [0, 1]]), [3], 2, owned_a)
     _run_updates(first, seed=1)
     assert not first.unfinished.all()  # the first call ended rows
-    second = dict(input_ids=torch.tensor([[0, 9], [0, 4], [0, 1]]), eos=[5], minimum=2, owned=owned_b, pad=7)
+    second = dict(input_ids=torch.tensor([[0, 9], [0, 4], [0, 1]]), eos=[5], minimum=3, owned=owned_b, pad=7)
     reused = _run_updates(_greedy_state(**second, state=first), seed=2)
     fresh = _run_updates(_greedy_state(**second), seed=2)
     assert not fresh[-1][2].all()  # the second call ended rows too
     for step, (a, b) in enumerate(zip(reused, fresh)):
         for x, y in zip(a, b):
             assert torch.equal(x, y), step
-    # what a captured update bakes in makes another signature: the minimum, the prompt length it
-    # skips, the number of EOS ids, the rows' block count
+    # what a captured update bakes in makes another signature: the number of EOS ids, the rows'
+    # block count; the minimum and the prompt length it skips are in the refilled table
     sig = lambda *a: greedy_graph.GreedyStep.signature(*_greedy_args(*a), owned_b, 20, 4)  # noqa: E731
     ids = second["input_ids"]
     base = sig(ids, [5], 2)
     assert sig(torch.tensor([[7, 3], [2, 2], [9, 9]]), [3], 2) == base
-    assert len({base, sig(ids, [5], 3), sig(ids[:, :1], [5], 2), sig(ids, [5, 6], 2)}) == 4
+    assert sig(ids, [5], 3) == base and sig(ids[:, :1], [5], 2) == base
+    assert sig(ids, [5, 6], 2) != base
     assert greedy_graph.GreedyStep.signature(*_greedy_args(ids, [5], 2), owned_b[:, :2], 20, 4) != base
 
 

@@ -340,6 +340,9 @@ class ResidentLoop:
                                      logits_like=self.logits)
         self.static.logits[:rows].copy_(self.logits[:, -1:])
         self._late = LateFlag(self.device)
+        # the greedy loop's "finished at column" flag: copied on the update stream (`next_step_read`)
+        self._late_side = LateFlag(self.device, dtype=torch.int64,
+                                   side=graphs.streams.update(self.device) if self.cuda else None)
 
     def capture_update(self, state, what: str) -> None:
         """`state.capture()` when capturing; a failed capture leaves the update eager (slower, same values)."""
@@ -366,6 +369,20 @@ class ResidentLoop:
                 then()
 
         return self._late.queue_unless(flag, stop_on, queue)[0]
+
+    def next_step_read(self, done_at: torch.Tensor, then: Callable[[], None]) -> int:
+        """Queue the next decode step and `then` unless `done_at` (a 0-d int64 set once, from -1
+        to the column after which every row had finished) is set, and return its value. On CUDA the
+        copy runs on the update stream and is read after the step is queued: the value is the
+        state before that step or after it, either exact about where the sequences end; a step
+        queued past that column is dropped by the caller."""
+
+        def queue():
+            self.cache.advance(1)
+            self.graphs.replay(self.static, self.step_fn)
+            then()
+
+        return int(self._late_side.read_late(done_at, lambda v: v >= 0, queue)[0])
 
 
 class Streams:

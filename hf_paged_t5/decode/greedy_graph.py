@@ -6,8 +6,9 @@ decode step takes on the GPU. Here the host only replays: the decode graph, then
 update, which does what `sample_loop` does — HF's float32 copy of the logits, the min-length
 processors, argmax, padding of finished rows, the EOS criterion — and then writes the chosen
 tokens into the decode graph's input and the next step's slot mapping and self lengths into its
-metadata, all from a step counter that lives on the device. The "all finished" flag is read one
-step late, as in `sample_loop`.
+metadata, all from a step counter that lives on the device. On CUDA the update is one kernel
+(`kernels.greedy_update`), elsewhere its PyTorch twin (`reference.greedy_update`). The "all
+finished" flag is read one step late, as in `sample_loop`.
 
 Only what this covers takes the path (`supported`): greedy search, logits processors none or
 min-length, stopping criteria max length and EOS, no streamer, the whole model on one device.
@@ -22,10 +23,11 @@ from typing import Callable
 import torch
 from transformers.generation.stopping_criteria import EosTokenCriteria
 
+from .. import reference
 from .graphs import DecodeGraphs, ResidentLoop, capture_update
 from .loop import criteria_supported, eos_ids, lean_processors
 from .greedy_state import GreedyState
-from .min_length import MinLength, forbid_eos
+from .min_length import MinLength, eos_until
 
 # Largest batch whose captured update is kept across generate() calls (`DecodeGraphs.keep_update`).
 _CACHED_UPDATE_ROWS = 16
@@ -64,33 +66,36 @@ class GreedyStep(GreedyState):
         self.logits, self.step_ids, self.slot_mapping, self.self_seq_lens = logits, step_ids, slot_mapping, self_seq_lens
         self.owned, self.block_size = owned, block_size
         vocab = logits.shape[-1]
-        self.minimum = [p for p in lean_processors(logits_processor) if isinstance(p, MinLength)]
-        self.min_masks = [p.eos_mask(vocab, device) for p in self.minimum]
+        minimum = [p for p in lean_processors(logits_processor) if isinstance(p, MinLength)]
+        self.until = eos_until(minimum, vocab, device)  # [vocab] int32, or None without a rule
         self.cur_len = torch.full((), self.prompt_len, dtype=torch.int64, device=device)
         self.all_done = torch.zeros((), dtype=torch.bool, device=device)
+        self.done_at = torch.full((), -1, dtype=torch.int64, device=device)
+        self.tickets = torch.zeros(1, dtype=torch.int32, device=device)
         self._graph = None
 
     @staticmethod
     def signature(input_ids, generation_config, logits_processor, stopping_criteria, owned, vocab: int,
                   block_size: int) -> tuple:
-        """What a captured update bakes in besides the tensors `reset` refills: shapes, and the
-        min-length processors' Python numbers. Two calls with one signature (and one static step)
-        can share the captured update."""
-        minimum = tuple((p.minimum, p.skip) for p in lean_processors(logits_processor) if isinstance(p, MinLength))
+        """What a captured update bakes in besides the tensors `reset` refills: shapes, and whether
+        a min-length rule and an EOS criterion are there. Two calls with one signature (and one
+        static step) can share the captured update."""
+        minimum = any(isinstance(p, MinLength) for p in lean_processors(logits_processor))
         eos = [c.eos_token_id.numel() for c in stopping_criteria if type(c) is EosTokenCriteria]
         return (input_ids.shape[0], generation_config.max_length, tuple(owned.shape), vocab, block_size, minimum,
                 sum(eos) if eos else None)
 
     def reset(self, input_ids, generation_config, logits_processor, stopping_criteria, owned) -> None:
         """Refill every tensor the captured update reads with this call's values (device copies, no
-        sync): the prompt, the counters, the rows' blocks, the EOS ids, pad id and min-length masks."""
+        sync): the prompt, the counters, the rows' blocks, the EOS ids, pad id and min-length table."""
         super().reset(input_ids)
         self.cur_len.fill_(self.prompt_len)
         self.all_done.fill_(False)
+        self.done_at.fill_(-1)
         self.owned.copy_(owned)
-        minimum = [p for p in lean_processors(logits_processor) if isinstance(p, MinLength)]
-        for p, mask in zip(minimum, self.min_masks):
-            mask.copy_(p.eos_mask(mask.shape[0], self.device))
+        if self.until is not None:
+            minimum = [p for p in lean_processors(logits_processor) if isinstance(p, MinLength)]
+            self.until.copy_(eos_until(minimum, self.until.shape[0], self.device))
         if self.eos is not None:
             self.eos.copy_(eos_ids(stopping_criteria, self.device))
             self.pad.copy_(generation_config._pad_token_tensor.to(self.device))
@@ -98,26 +103,19 @@ class GreedyStep(GreedyState):
     def update(self) -> None:
         """`sample_loop`'s token selection for the logits in `self.logits`, then the next decode
         step's inputs (capturable: no host sync, no per-step Python numbers)."""
-        cur = self.cur_len
-        scores = self.logits[:, -1].to(torch.float32)  # HF: next_token_logits, a float32 copy
-        for p, mask in zip(self.minimum, self.min_masks):
-            scores = forbid_eos(scores, mask, p.blocked(cur))
-        tokens = self.choose(scores, cur)  # argmax, finished rows padded, written at column `cur`
-        column = cur.expand(tokens.shape[0], 1)
-        if self.eos is not None:
-            self.unfinished &= ~(tokens[:, None] == self.eos).any(-1)
-            self.all_done.copy_(~self.unfinished.any())
-        # the token at position `cur` goes into the cache at position `cur` in the next step
-        self.step_ids.copy_(tokens[:, None])
-        # (clamped: after the last token no step runs, and its position may lie past the blocks)
-        index = torch.div(column, self.block_size, rounding_mode="floor").clamp_(max=self.owned.shape[1] - 1)
-        block = torch.gather(self.owned, 1, index)
-        self.slot_mapping.copy_(block[:, 0] * self.block_size + cur % self.block_size)
-        self.self_seq_lens.copy_(cur + 1)
-        cur += 1
+        if self.device.type == "cuda":
+            from .. import kernels  # Triton: only where a GPU runs it
+
+            update = kernels.greedy_update
+        else:
+            update = reference.greedy_update
+        update(logits=self.logits, sequences=self.sequences, cur_len=self.cur_len, unfinished=self.unfinished,
+               all_done=self.all_done, done_at=self.done_at, step_ids=self.step_ids, slot_mapping=self.slot_mapping,
+               self_seq_lens=self.self_seq_lens, owned=self.owned, block_size=self.block_size, tickets=self.tickets,
+               eos_until=self.until, pad=self.pad if self.eos is not None else None, eos=self.eos)
 
     def capture(self, side: torch.cuda.Stream) -> None:
-        state = [self.sequences, self.cur_len, self.unfinished, self.all_done, self.step_ids,
+        state = [self.sequences, self.cur_len, self.unfinished, self.all_done, self.done_at, self.step_ids,
                  self.slot_mapping, self.self_seq_lens]
         self._graph = capture_update(self.update, state, side)
 
@@ -126,6 +124,24 @@ class GreedyStep(GreedyState):
             self._graph.replay()
         else:
             self.update()
+
+
+def update_ahead(rows: int, vocab: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Launch the greedy update once on throwaway buffers of a call's shapes, for a compile-only
+    pass (`kernels/ahead.py`): its one binary (every call's, whatever its rules) then compiles with
+    the call's other kernels."""
+    from .. import kernels
+
+    int32 = dict(dtype=torch.int32, device=device)
+    int64 = dict(dtype=torch.int64, device=device)
+    flag = torch.zeros((), dtype=torch.bool, device=device)
+    kernels.greedy_update(
+        logits=torch.empty(rows, 1, vocab, dtype=dtype, device=device), sequences=torch.zeros(rows, 2, **int64),
+        cur_len=torch.zeros((), **int64), unfinished=torch.ones(rows, dtype=torch.bool, device=device),
+        all_done=flag, done_at=torch.zeros((), **int64), step_ids=torch.zeros(rows, 1, **int64),
+        slot_mapping=torch.zeros(rows, **int32), self_seq_lens=torch.zeros(rows, **int32),
+        owned=torch.zeros(rows, 1, **int32), block_size=1, tickets=torch.zeros(1, **int32),
+        eos_until=torch.zeros(vocab, **int32), pad=torch.zeros((), **int64), eos=torch.zeros(1, **int64))
 
 
 def graph_greedy_loop(graphs: DecodeGraphs, step_fn: Callable, cache,
@@ -157,10 +173,12 @@ def graph_greedy_loop(graphs: DecodeGraphs, step_fn: Callable, cache,
         if key is not None and state._graph is not None:
             graphs.keep_update(static, key, state)
     state.run()  # the first new token, from the prefill's logits
-    cur_len = state.prompt_len + 1
-    while cur_len < state.max_length:
-        if loop.next_step(state.all_done, stop_on=True, then=state.run):
-            break  # every row had finished: the step just queued is dropped
-        cur_len += 1
-    out = state.sequences[:, :cur_len]
+    length = state.prompt_len + 1
+    while length < state.max_length:
+        done_at = loop.next_step_read(state.done_at, then=state.run)
+        if done_at >= 0:
+            length = done_at + 1  # every row had finished there: a step queued after it is dropped
+            break
+        length += 1
+    out = state.sequences[:, :length]
     return out.clone() if key is not None else out  # a kept update's buffer is the next call's

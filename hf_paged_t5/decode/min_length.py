@@ -4,8 +4,9 @@ minimum length, every EOS id scores -inf.
 `MinLength` is the rule of one processor (its EOS ids, minimum and the prompt length it skips);
 `blocked(cur_len)` says whether the rule holds at a length, as a Python bool on the host or as a
 tensor on the device (CUDA graphs, rows at different lengths); `forbid_eos` applies it. The eager
-loops, the captured greedy and beam updates and the batch engine's per-row twin all go through
-`forbid_eos`, so the four give the same scores as HF's processors.
+loops, the captured beam update and the batch engine's per-row twin go through `forbid_eos`; the
+captured greedy update (`kernels.greedy_update` and its twin) reads the rules folded into one
+table, `eos_until`: the same -inf entries, so all give the scores of HF's processors.
 """
 
 from __future__ import annotations
@@ -55,3 +56,16 @@ class MinLength:
     def eos_mask(self, vocab_size: int, device: torch.device) -> torch.Tensor:
         """[vocab_size] bool: the EOS ids this processor forbids below the minimum."""
         return torch.isin(torch.arange(vocab_size, device=device), self.eos_token_id.to(device))
+
+
+def eos_until(processors, vocab_size: int, device: torch.device) -> Optional[torch.Tensor]:
+    """[vocab_size] int32: for each entry, the decoder length from which the min-length rules of
+    `processors` (`MinLength`s) stop forbidding it (0: never forbidden); None without any rule.
+    A rule forbids its EOS ids while `cur_len - skip < minimum`, i.e. while cur_len < minimum + skip."""
+    if not processors:
+        return None
+    until = torch.zeros(vocab_size, dtype=torch.int32, device=device)
+    for p in processors:
+        mask = p.eos_mask(vocab_size, device)
+        until = torch.where(mask, torch.clamp(until, min=p.minimum + p.skip), until)
+    return until

@@ -209,6 +209,8 @@ def _first_step_ahead(runtime: PagedRuntime, model: nn.Module, cache: PagedEncod
         self_tokens, cross_tokens = cache.max_self_blocks * cache.block_size, max(source_lens)
         key = predicted_key(cache, cache.num_rows, self_tokens, cross_tokens)
         runtime.runner.step_ahead(model, cache, source.device, cache.num_rows, key)
+        greedy_graph.update_ahead(cache.num_rows, model.lm_head.out_features, model.decoder.embed_tokens.weight.dtype,
+                                  source.device)
         with compile_elsewhere(source.device) as sending:
             for rows in sorted(ROW_COUNTS, reverse=True) if sending else ():
                 other = predicted_key(cache, rows, self_tokens, cross_tokens)

@@ -8,6 +8,7 @@
 - `gemv`: x @ weight.T for at most a few rows (batch-1 decode projections).
 - `fused_linear`: the same with the layer norm before it and the residual add, activation or
   K/V store after it folded in (a decode step's layer in a few kernels).
+- `greedy_update`: a greedy decode step's token choice and the next step's inputs, one launch.
 - `prefill`: varlen flash-attention over packed sequences, bidirectional or causal.
 - `local_prefill`: varlen local (windowed) attention plus optional side keys (LongT5's encoder).
 
@@ -21,6 +22,7 @@ moving would keep compiling. These arguments are loop bounds and masks, where th
 from .decode import paged_decode
 from .gated_gelu import gated_gelu
 from .gemv import gemv, gemv_supports
+from .greedy import greedy_update
 from .launch import pdl_available
 from .linear import fused_linear, fused_linear_supports
 from .local import local_prefill
@@ -28,5 +30,5 @@ from .prefill import prefill
 from .rmsnorm import rms_norm
 from .store_kv import store_kv
 
-__all__ = ["fused_linear", "fused_linear_supports", "gated_gelu", "gemv", "gemv_supports", "local_prefill",
-           "paged_decode", "pdl_available", "prefill", "rms_norm", "store_kv"]
+__all__ = ["fused_linear", "fused_linear_supports", "gated_gelu", "gemv", "gemv_supports", "greedy_update",
+           "local_prefill", "paged_decode", "pdl_available", "prefill", "rms_norm", "store_kv"]
