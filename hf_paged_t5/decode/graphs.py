@@ -339,10 +339,12 @@ class ResidentLoop:
         self.static = graphs.prepare(step_fn, cache, rows, self.device, slots=None, capture=self.capture,
                                      logits_like=self.logits)
         self.static.logits[:rows].copy_(self.logits[:, -1:])
-        self._late = LateFlag(self.device)
-        # the greedy loop's "finished at column" flag: copied on the update stream (`next_step_read`)
-        self._late_side = LateFlag(self.device, dtype=torch.int64,
-                                   side=graphs.streams.update(self.device) if self.cuda else None)
+        # Both loops' flags are copied on the update stream, off the decode steps' stream: the beam
+        # loop queues only the decode step after the copy (its bookkeeping, which writes the flag,
+        # is queued once the host has read it), and the greedy loop's flag is set once
+        side = graphs.streams.update(self.device) if self.cuda else None
+        self._late = LateFlag(self.device, side=side)
+        self._late_side = LateFlag(self.device, dtype=torch.int64, side=side)
 
     def capture_update(self, state, what: str) -> None:
         """`state.capture()` when capturing; a failed capture leaves the update eager (slower, same values)."""
@@ -355,18 +357,17 @@ class ResidentLoop:
                            what, exc)
             torch.cuda.synchronize(self.device)
 
-    def next_step(self, flag: torch.Tensor, stop_on: bool, then: Optional[Callable[[], None]] = None) -> bool:
-        """Queue the next decode step (and `then`, the update that reads its logits) and return
-        whether the loop stops: the device bool `flag` held `stop_on` before them. On CUDA it is
-        read after they are queued, so the GPU never waits for the host; a step queued after the
-        last one is dropped by the caller (its K/V lands in the call's own blocks, freed by
-        `release`). On the CPU nothing is queued once the loop stops (`late_flag.LateFlag`)."""
+    def next_step(self, flag: torch.Tensor, stop_on: bool) -> bool:
+        """Queue the next decode step and return whether the loop stops: the device bool `flag`
+        held `stop_on` before it. On CUDA it is read after the step is queued, so the GPU never
+        waits for the host; a step queued after the last one is dropped by the caller (its K/V
+        lands in the call's own blocks, freed by `release`). The copy runs on the update stream:
+        nothing the step queues may write `flag` (the beam loop queues its bookkeeping after the
+        read). On the CPU nothing is queued once the loop stops (`late_flag.LateFlag`)."""
 
         def queue():
             self.cache.advance(1)
             self.graphs.replay(self.static, self.step_fn)
-            if then is not None:
-                then()
 
         return self._late.queue_unless(flag, stop_on, queue)[0]
 
