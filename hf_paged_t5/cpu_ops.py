@@ -32,9 +32,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .reference import gemv, gemv_supports, rms_norm, store_kv
+from .reference import gemv, gemv_supports, greedy_update, rms_norm, store_kv
 
-__all__ = ["DecodeState", "gemv", "gemv_supports", "local_prefill", "paged_decode", "prefill", "rms_norm", "store_kv"]
+__all__ = ["DecodeState", "gemv", "gemv_supports", "greedy_update", "local_prefill", "paged_decode", "prefill", "rms_norm", "store_kv"]
 
 # Query rows per SDPA call in `prefill`: bounds the [batch, heads, rows, keys] bias + mask.
 PREFILL_QUERY_CHUNK = 1024

@@ -102,6 +102,14 @@ def test_min_length_rule_is_hf_processors(cur):
     assert torch.equal(ref["step_ids"][:, 0], expect)
 
 
+def test_min_length_table_keeps_huge_minimums_in_int32():
+    """A min-length past int32 (a user's min_length=2**40) still forbids EOS at every length."""
+    from hf_paged_t5.decode.min_length import MinLength
+
+    until = eos_until([MinLength(torch.tensor([2]), 2**40, 3)], 5, torch.device("cpu"))
+    assert until.dtype == torch.int32 and until.tolist() == [0, 0, 2**31 - 1, 0, 0]
+
+
 def test_finishing_rows_set_done_once():
     """Rows that pick EOS finish; once none is left, all_done holds and done_at keeps the first
     column it held at, however many steps follow."""

@@ -6,9 +6,9 @@ decode step takes on the GPU. Here the host only replays: the decode graph, then
 update, which does what `sample_loop` does — HF's float32 copy of the logits, the min-length
 processors, argmax, padding of finished rows, the EOS criterion — and then writes the chosen
 tokens into the decode graph's input and the next step's slot mapping and self lengths into its
-metadata, all from a step counter that lives on the device. On CUDA the update is one kernel
-(`kernels.greedy_update`), elsewhere its PyTorch twin (`reference.greedy_update`). The "all
-finished" flag is read one step late, as in `sample_loop`.
+metadata, all from a step counter that lives on the device: one launch of the backend's
+`greedy_update` (the Triton kernel, or its PyTorch twin in `reference`). The "finished at
+column" flag is read one step late, as in `sample_loop`.
 
 Only what this covers takes the path (`supported`): greedy search, logits processors none or
 min-length, stopping criteria max length and EOS, no streamer, the whole model on one device.
@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 from transformers.generation.stopping_criteria import EosTokenCriteria
 
-from .. import reference
+from ..model.attention import backend_ops
 from .graphs import DecodeGraphs, ResidentLoop, capture_update
 from .loop import criteria_supported, eos_ids, lean_processors
 from .greedy_state import GreedyState
@@ -52,11 +52,13 @@ class GreedyStep(GreedyState):
     logits: [rows, 1, vocab] the buffer the decode step writes (the update reads it).
     step_ids: [rows, 1] int64 the decode step's input; slot_mapping, self_seq_lens: [rows] int32
         of its metadata; owned: [rows, max_self_blocks] int32 the blocks each row writes into.
+    ops: the kernel namespace whose `greedy_update` runs the update (default: Triton's on CUDA,
+        the PyTorch twin elsewhere).
     The sequences are [rows, max_length]; the length counter `cur_len` lives on the device.
     """
 
     def __init__(self, input_ids, generation_config, logits_processor, stopping_criteria, logits, step_ids,
-                 slot_mapping, self_seq_lens, owned, block_size: int) -> None:
+                 slot_mapping, self_seq_lens, owned, block_size: int, ops=None) -> None:
         device = input_ids.device
         self.eos = eos_ids(stopping_criteria, device)
         # HF pads finished rows only when an EOS criterion is there
@@ -65,6 +67,7 @@ class GreedyStep(GreedyState):
         self.device, self.max_length = device, generation_config.max_length
         self.logits, self.step_ids, self.slot_mapping, self.self_seq_lens = logits, step_ids, slot_mapping, self_seq_lens
         self.owned, self.block_size = owned, block_size
+        self.ops = ops if ops is not None else backend_ops("triton" if device.type == "cuda" else "torch")
         vocab = logits.shape[-1]
         minimum = [p for p in lean_processors(logits_processor) if isinstance(p, MinLength)]
         self.until = eos_until(minimum, vocab, device)  # [vocab] int32, or None without a rule
@@ -103,16 +106,11 @@ class GreedyStep(GreedyState):
     def update(self) -> None:
         """`sample_loop`'s token selection for the logits in `self.logits`, then the next decode
         step's inputs (capturable: no host sync, no per-step Python numbers)."""
-        if self.device.type == "cuda":
-            from .. import kernels  # Triton: only where a GPU runs it
-
-            update = kernels.greedy_update
-        else:
-            update = reference.greedy_update
-        update(logits=self.logits, sequences=self.sequences, cur_len=self.cur_len, unfinished=self.unfinished,
-               all_done=self.all_done, done_at=self.done_at, step_ids=self.step_ids, slot_mapping=self.slot_mapping,
-               self_seq_lens=self.self_seq_lens, owned=self.owned, block_size=self.block_size, tickets=self.tickets,
-               eos_until=self.until, pad=self.pad if self.eos is not None else None, eos=self.eos)
+        self.ops.greedy_update(
+            logits=self.logits, sequences=self.sequences, cur_len=self.cur_len, unfinished=self.unfinished,
+            all_done=self.all_done, done_at=self.done_at, step_ids=self.step_ids, slot_mapping=self.slot_mapping,
+            self_seq_lens=self.self_seq_lens, owned=self.owned, block_size=self.block_size, tickets=self.tickets,
+            eos_until=self.until, pad=self.pad if self.eos is not None else None, eos=self.eos)
 
     def capture(self, side: torch.cuda.Stream) -> None:
         state = [self.sequences, self.cur_len, self.unfinished, self.all_done, self.done_at, self.step_ids,
@@ -126,16 +124,14 @@ class GreedyStep(GreedyState):
             self.update()
 
 
-def update_ahead(rows: int, vocab: int, dtype: torch.dtype, device: torch.device) -> None:
-    """Launch the greedy update once on throwaway buffers of a call's shapes, for a compile-only
+def update_ahead(ops, rows: int, vocab: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Launch `ops.greedy_update` once on throwaway buffers of a call's shapes, for a compile-only
     pass (`kernels/ahead.py`): its one binary (every call's, whatever its rules) then compiles with
     the call's other kernels."""
-    from .. import kernels
-
     int32 = dict(dtype=torch.int32, device=device)
     int64 = dict(dtype=torch.int64, device=device)
     flag = torch.zeros((), dtype=torch.bool, device=device)
-    kernels.greedy_update(
+    ops.greedy_update(
         logits=torch.empty(rows, 1, vocab, dtype=dtype, device=device), sequences=torch.zeros(rows, 2, **int64),
         cur_len=torch.zeros((), **int64), unfinished=torch.ones(rows, dtype=torch.bool, device=device),
         all_done=flag, done_at=torch.zeros((), **int64), step_ids=torch.zeros(rows, 1, **int64),
@@ -146,11 +142,12 @@ def update_ahead(rows: int, vocab: int, dtype: torch.dtype, device: torch.device
 
 def graph_greedy_loop(graphs: DecodeGraphs, step_fn: Callable, cache,
                       prefill: Callable[[torch.Tensor], torch.Tensor], input_ids, logits_processor,
-                      stopping_criteria, generation_config, capture: bool = True) -> torch.LongTensor:
+                      stopping_criteria, generation_config, capture: bool = True, ops=None) -> torch.LongTensor:
     """Greedy search on device-resident step inputs; same contract as `loop.sample_loop`.
 
     step_fn(input_ids, meta_for) -> logits: the decode step (`DecodeGraphs`' contract); prefill
-    runs the decoder prompt. capture: CUDA graphs for the decode step and the update.
+    runs the decoder prompt. capture: CUDA graphs for the decode step and the update. ops: the
+    kernel namespace of the update (`GreedyStep`).
     """
     loop = ResidentLoop(graphs, step_fn, cache, prefill, input_ids, capture)
     static, rows = loop.static, input_ids.shape[0]
@@ -168,7 +165,7 @@ def graph_greedy_loop(graphs: DecodeGraphs, step_fn: Callable, cache,
     else:
         state = GreedyStep(*args, static.logits[:rows], static.input_ids[:rows], static.meta.slot_mapping[:rows],
                            static.meta.self_seq_lens[:rows], owned.clone() if key is not None else owned,
-                           cache.block_size)
+                           cache.block_size, ops)
         loop.capture_update(state, "greedy token selection")
         if key is not None and state._graph is not None:
             graphs.keep_update(static, key, state)

@@ -61,11 +61,13 @@ class MinLength:
 def eos_until(processors, vocab_size: int, device: torch.device) -> Optional[torch.Tensor]:
     """[vocab_size] int32: for each entry, the decoder length from which the min-length rules of
     `processors` (`MinLength`s) stop forbidding it (0: never forbidden); None without any rule.
-    A rule forbids its EOS ids while `cur_len - skip < minimum`, i.e. while cur_len < minimum + skip."""
+    A rule forbids its EOS ids while `cur_len - skip < minimum`, i.e. while cur_len < minimum + skip
+    (a bound past int32 is kept at int32's largest: no sequence gets that long)."""
     if not processors:
         return None
     until = torch.zeros(vocab_size, dtype=torch.int32, device=device)
     for p in processors:
         mask = p.eos_mask(vocab_size, device)
-        until = torch.where(mask, torch.clamp(until, min=p.minimum + p.skip), until)
+        bound = max(0, min(p.minimum + p.skip, torch.iinfo(torch.int32).max))
+        until = torch.where(mask, torch.clamp(until, min=bound), until)
     return until

@@ -5,6 +5,7 @@ of one call, and the choice of decoding loop HF runs through `custom_generate`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 from typing import Any, Callable, Optional
@@ -209,8 +210,8 @@ def _first_step_ahead(runtime: PagedRuntime, model: nn.Module, cache: PagedEncod
         self_tokens, cross_tokens = cache.max_self_blocks * cache.block_size, max(source_lens)
         key = predicted_key(cache, cache.num_rows, self_tokens, cross_tokens)
         runtime.runner.step_ahead(model, cache, source.device, cache.num_rows, key)
-        greedy_graph.update_ahead(cache.num_rows, model.lm_head.out_features, model.decoder.embed_tokens.weight.dtype,
-                                  source.device)
+        greedy_graph.update_ahead(runtime.ops_for(source.device), cache.num_rows, model.lm_head.out_features,
+                                  model.decoder.embed_tokens.weight.dtype, source.device)
         with compile_elsewhere(source.device) as sending:
             for rows in sorted(ROW_COUNTS, reverse=True) if sending else ():
                 other = predicted_key(cache, rows, self_tokens, cross_tokens)
@@ -344,7 +345,7 @@ def _lean_loop(runtime: PagedRuntime, cache: PagedEncoderDecoderCache, gen_confi
                 resident = beam_graph.resident_beam_loop
             elif (not beams and streamer is None
                   and greedy_graph.supported(generation_config, logits_processor, stopping_criteria)):
-                resident = greedy_graph.graph_greedy_loop
+                resident = functools.partial(greedy_graph.graph_greedy_loop, ops=runtime.ops_for(input_ids.device))
         if resident is not None:
             plan = runtime.runner.plan(model, cache, input_ids.device, input_ids.shape[0])
             with torch.no_grad():
