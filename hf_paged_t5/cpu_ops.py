@@ -1,8 +1,9 @@
 """The CPU backend: the kernels' interface in PyTorch, written for speed (`reference.py` is for reading).
 
 Same functions, keyword arguments and results (up to rounding) as `reference.py` and `kernels/`:
-`store_kv`, `paged_decode`, `prefill`, `rms_norm`, `gemv`, `gemv_supports`. The reference loops over
-rows in Python and builds a bias per row; here every call is a few batched tensor ops:
+`store_kv`, `paged_decode`, `prefill`, `rms_norm`, `gemv`, `gemv_supports`, `greedy_update` (the
+reference's, already a few batched ops). The reference loops over rows in Python and builds a bias
+per row; here every call is a few batched tensor ops:
 
 - `paged_decode` gathers each row's blocks at once ([batch, keys, heads, head_dim], padded to the
   longest row) and runs one `scaled_dot_product_attention` whose additive mask carries the bias
@@ -34,7 +35,8 @@ import torch.nn.functional as F
 
 from .reference import gemv, gemv_supports, greedy_update, rms_norm, store_kv
 
-__all__ = ["DecodeState", "gemv", "gemv_supports", "greedy_update", "local_prefill", "paged_decode", "prefill", "rms_norm", "store_kv"]
+__all__ = ["DecodeState", "gemv", "gemv_supports", "greedy_update", "local_prefill", "paged_decode", "prefill",
+           "rms_norm", "store_kv"]
 
 # Query rows per SDPA call in `prefill`: bounds the [batch, heads, rows, keys] bias + mask.
 PREFILL_QUERY_CHUNK = 1024
