@@ -35,3 +35,17 @@ def test_no_late_read_when_the_caller_needs_each_step():
     assert not LateFlag(torch.device("cpu")).late
     if torch.cuda.is_available():
         assert not LateFlag(torch.device("cuda"), defer=False).late
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_side_stream_copy_sees_the_work_queued_before_it():
+    """With a side stream the copy waits for what the caller's stream queued before the read; what
+    the queued step writes it may see or not (the flag must read right either way)."""
+    late = LateFlag(torch.device("cuda"), dtype=torch.int64, side=torch.cuda.Stream())
+    flag = torch.tensor(-1, device="cuda")
+    torch.cuda._sleep(10_000_000)  # the caller's stream busy: the copy must wait, not read early
+    flag.fill_(3)
+    value, result = late.read_late(flag, lambda v: v >= 0, lambda: (flag.fill_(7), "queued")[1])
+    assert value in (3, 7) and result == "queued"
+    value, _ = late.read_late(flag, lambda v: v >= 0, lambda: None)
+    assert value == 7
