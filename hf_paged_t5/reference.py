@@ -302,7 +302,6 @@ def greedy_update(
     sequences: torch.Tensor,
     cur_len: torch.Tensor,
     unfinished: torch.Tensor,
-    all_done: torch.Tensor,
     done_at: torch.Tensor,
     step_ids: torch.Tensor,
     slot_mapping: torch.Tensor,
@@ -319,8 +318,7 @@ def greedy_update(
     the pad id in rows that had finished, the EOS criterion; then the next decode step's inputs.
 
     logits: [rows, positions, vocab]; sequences: [rows, capacity] int64, the token goes to column
-    `cur_len` (0-d int64, then advanced by one); unfinished: [rows] bool; all_done: 0-d bool,
-    "no row unfinished"; done_at: 0-d int64, -1 until every row has finished, then the column at
+    `cur_len` (0-d int64, then advanced by one); unfinished: [rows] bool; done_at: 0-d int64, -1 until every row has finished, then the column at
     which that first held; step_ids: [rows, 1] int64 (the token); slot_mapping, self_seq_lens:
     [rows] int32 (its cache slot in the row's blocks `owned` [rows, width] int32, and cur_len + 1);
     eos_until: [vocab] int32 or None, EOS forbidden while cur_len < eos_until[v]
@@ -340,8 +338,7 @@ def greedy_update(
     sequences.scatter_(1, cur.clamp(max=sequences.shape[1] - 1).expand(rows, 1), tokens[:, None])
     if eos is not None:
         unfinished &= ~(tokens[:, None] == eos).any(-1)
-        all_done.copy_(~unfinished.any())
-        done_at.copy_(torch.where(all_done & (done_at < 0), cur, done_at))
+        done_at.copy_(torch.where(~unfinished.any() & (done_at < 0), cur, done_at))
     step_ids.copy_(tokens.view_as(step_ids))
     index = torch.div(cur, block_size, rounding_mode="floor").clamp(max=owned.shape[1] - 1).expand(rows, 1)
     block = torch.gather(owned, 1, index)

@@ -320,7 +320,7 @@ def _run_updates(state, seed, steps=6):
         state.logits.copy_(torch.randn(state.logits.shape, generator=g))
         state.logits[:, 0, [3, 5]] += 4.0  # the EOS ids win often: rows end, get padded
         state.run()
-        trace.append([t.clone() for t in (state.sequences, state.cur_len, state.unfinished, state.all_done,
+        trace.append([t.clone() for t in (state.sequences, state.cur_len, state.unfinished,
                                           state.done_at, state.step_ids, state.slot_mapping, state.self_seq_lens)])
     return trace
 

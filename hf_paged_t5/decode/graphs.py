@@ -364,12 +364,7 @@ class ResidentLoop:
         lands in the call's own blocks, freed by `release`). The copy runs on the update stream:
         nothing the step queues may write `flag` (the beam loop queues its bookkeeping after the
         read). On the CPU nothing is queued once the loop stops (`late_flag.LateFlag`)."""
-
-        def queue():
-            self.cache.advance(1)
-            self.graphs.replay(self.static, self.step_fn)
-
-        return self._late.queue_unless(flag, stop_on, queue)[0]
+        return self._late.queue_unless(flag, stop_on, self._queue_step)[0]
 
     def next_step_read(self, done_at: torch.Tensor, then: Callable[[], None]) -> int:
         """Queue the next decode step and `then` unless `done_at` (a 0-d int64 set once, from -1
@@ -379,11 +374,14 @@ class ResidentLoop:
         queued past that column is dropped by the caller."""
 
         def queue():
-            self.cache.advance(1)
-            self.graphs.replay(self.static, self.step_fn)
+            self._queue_step()
             then()
 
         return int(self._late_side.read_late(done_at, lambda v: v >= 0, queue)[0])
+
+    def _queue_step(self) -> None:
+        self.cache.advance(1)
+        self.graphs.replay(self.static, self.step_fn)
 
 
 class Streams:

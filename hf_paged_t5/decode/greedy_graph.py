@@ -72,7 +72,6 @@ class GreedyStep(GreedyState):
         minimum = [p for p in lean_processors(logits_processor) if isinstance(p, MinLength)]
         self.until = eos_until(minimum, vocab, device)  # [vocab] int32, or None without a rule
         self.cur_len = torch.full((), self.prompt_len, dtype=torch.int64, device=device)
-        self.all_done = torch.zeros((), dtype=torch.bool, device=device)
         self.done_at = torch.full((), -1, dtype=torch.int64, device=device)
         self.tickets = torch.zeros(1, dtype=torch.int32, device=device)
         self._graph = None
@@ -93,7 +92,6 @@ class GreedyStep(GreedyState):
         sync): the prompt, the counters, the rows' blocks, the EOS ids, pad id and min-length table."""
         super().reset(input_ids)
         self.cur_len.fill_(self.prompt_len)
-        self.all_done.fill_(False)
         self.done_at.fill_(-1)
         self.owned.copy_(owned)
         if self.until is not None:
@@ -108,12 +106,12 @@ class GreedyStep(GreedyState):
         step's inputs (capturable: no host sync, no per-step Python numbers)."""
         self.ops.greedy_update(
             logits=self.logits, sequences=self.sequences, cur_len=self.cur_len, unfinished=self.unfinished,
-            all_done=self.all_done, done_at=self.done_at, step_ids=self.step_ids, slot_mapping=self.slot_mapping,
+            done_at=self.done_at, step_ids=self.step_ids, slot_mapping=self.slot_mapping,
             self_seq_lens=self.self_seq_lens, owned=self.owned, block_size=self.block_size, tickets=self.tickets,
             eos_until=self.until, pad=self.pad if self.eos is not None else None, eos=self.eos)
 
     def capture(self, side: torch.cuda.Stream) -> None:
-        state = [self.sequences, self.cur_len, self.unfinished, self.all_done, self.done_at, self.step_ids,
+        state = [self.sequences, self.cur_len, self.unfinished, self.done_at, self.step_ids,
                  self.slot_mapping, self.self_seq_lens]
         self._graph = capture_update(self.update, state, side)
 
@@ -130,11 +128,10 @@ def update_ahead(ops, rows: int, vocab: int, dtype: torch.dtype, device: torch.d
     the call's other kernels."""
     int32 = dict(dtype=torch.int32, device=device)
     int64 = dict(dtype=torch.int64, device=device)
-    flag = torch.zeros((), dtype=torch.bool, device=device)
     ops.greedy_update(
         logits=torch.empty(rows, 1, vocab, dtype=dtype, device=device), sequences=torch.zeros(rows, 2, **int64),
         cur_len=torch.zeros((), **int64), unfinished=torch.ones(rows, dtype=torch.bool, device=device),
-        all_done=flag, done_at=torch.zeros((), **int64), step_ids=torch.zeros(rows, 1, **int64),
+        done_at=torch.zeros((), **int64), step_ids=torch.zeros(rows, 1, **int64),
         slot_mapping=torch.zeros(rows, **int32), self_seq_lens=torch.zeros(rows, **int32),
         owned=torch.zeros(rows, 1, **int32), block_size=1, tickets=torch.zeros(1, **int32),
         eos_until=torch.zeros(vocab, **int32), pad=torch.zeros((), **int64), eos=torch.zeros(1, **int64))

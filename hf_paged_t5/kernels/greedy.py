@@ -5,8 +5,8 @@ every decode step: HF's float32 copy of the logits, the min-length rule (EOS at 
 minimum), argmax, the pad id in finished rows, the EOS criterion, and the next step's inputs (its
 token, its slot in the row's blocks, its self-attention length). As PyTorch ops that is ~20
 launches, ~50 us a step on an H200 at t5-large batch 1 (~7% of the step); here one program per
-row does it, and the last program to finish (an atomic ticket) reads every row's flag, sets
-"all finished", records the column at which that first held, and advances the length counter.
+row does it, and the last program to finish (an atomic ticket) reads every row's flag, records
+the column at which none was left unfinished (once), and advances the length counter.
 
 argmax is `torch.argmax`'s: the first index of the largest value, a NaN counting as larger than
 everything (the first NaN wins); rows whose every score is -inf get index 0.
@@ -39,7 +39,6 @@ def _greedy_update_kernel(
     unfinished_ptr,  # [rows] bool (as uint8)
     pad_ptr,  # [] int64 (has_pad)
     eos_ptr,  # [num_eos] int64 (none: no EOS criterion)
-    all_done_ptr,  # [] bool (as uint8)
     done_at_ptr,  # [] int64: -1, then the first column after which every row had finished
     step_ids_ptr,  # [rows, 1] int64, the next step's input (row stride stride_step)
     slot_mapping_ptr,  # [rows] int32
@@ -114,7 +113,6 @@ def _greedy_update_kernel(
                 flags = tl.load(unfinished_ptr + r, mask=r < rows, other=0, cache_modifier=".cg")
                 alive_rows += tl.sum((flags != 0).to(tl.int32), axis=0)
             done = alive_rows == 0
-            tl.store(all_done_ptr, done.to(tl.uint8))
             before = tl.load(done_at_ptr)
             tl.store(done_at_ptr, tl.where(done & (before < 0), cur, before))
         tl.store(cur_len_ptr, cur + 1)
@@ -126,7 +124,6 @@ def greedy_update(
     sequences: torch.Tensor,
     cur_len: torch.Tensor,
     unfinished: torch.Tensor,
-    all_done: torch.Tensor,
     done_at: torch.Tensor,
     step_ids: torch.Tensor,
     slot_mapping: torch.Tensor,
@@ -153,8 +150,8 @@ def greedy_update(
         raise TypeError("sequences, cur_len and step_ids must be int64")
     if slot_mapping.dtype != torch.int32 or self_seq_lens.dtype != torch.int32 or owned.dtype != torch.int32:
         raise TypeError("slot_mapping, self_seq_lens and owned must be int32")
-    if unfinished.dtype != torch.bool or all_done.dtype != torch.bool or done_at.dtype != torch.int64:
-        raise TypeError("unfinished and all_done must be bool, done_at int64")
+    if unfinished.dtype != torch.bool or done_at.dtype != torch.int64:
+        raise TypeError("unfinished must be bool, done_at int64")
     if (pad is None) != (eos is None):
         raise ValueError("pad and eos go together: HF pads finished rows only with an EOS criterion")
     if eos is not None and eos.numel() == 0:
@@ -167,7 +164,7 @@ def greedy_update(
     # placeholders of the pointers' own types where a rule is absent: one binary for every call
     _greedy_update_kernel[(rows,)](
         last, slot_mapping if eos_until is None else eos_until, sequences, cur_len, unfinished.view(torch.uint8),
-        cur_len if pad is None else pad, cur_len if eos is None else eos, all_done.view(torch.uint8), done_at,
+        cur_len if pad is None else pad, cur_len if eos is None else eos, done_at,
         step_ids, slot_mapping, self_seq_lens, owned, tickets,
         rows, vocab, int(eos_until is not None), int(pad is not None), 0 if eos is None else eos.numel(),
         owned.shape[1], sequences.shape[1],
