@@ -345,3 +345,122 @@ def greedy_update(
     slot_mapping.copy_(block[:, 0] * block_size + cur % block_size)
     self_seq_lens.copy_(cur + 1)
     cur_len += 1
+
+
+def _best(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `k` largest along the last dim, equal values by the lower index (a stable descending sort)."""
+    ordered, index = torch.sort(values, dim=-1, descending=True, stable=True)
+    return ordered[..., :k], index[..., :k]
+
+
+def beam_update(
+    logits: torch.Tensor,
+    step: torch.Tensor,
+    int_table: torch.Tensor,
+    float_table: torch.Tensor,
+    running_sequences: torch.Tensor,
+    sequences: torch.Tensor,
+    running_beam_scores: torch.Tensor,
+    beam_scores: torch.Tensor,
+    running_beam_indices: torch.Tensor,
+    beam_indices: torch.Tensor,
+    is_sent_finished: torch.Tensor,
+    heuristic: torch.Tensor,
+    beam_idx: torch.Tensor,
+    next_tokens: torch.Tensor,
+    unfinished: torch.Tensor,
+    table: torch.Tensor,
+    owned: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    self_seq_lens: torch.Tensor,
+    input_ids: torch.Tensor,
+    copy_src: torch.Tensor,
+    copy_dst: torch.Tensor,
+    block_size: int,
+    keep: int,
+    early_stopping_true: bool,
+    workspace: Optional[dict] = None,
+    eos_until: Optional[torch.Tensor] = None,
+    eos: Optional[torch.Tensor] = None,
+) -> None:
+    """One step of HF's `_beam_search` after the forward, in place, as `decode.beam_graph.BeamStep`
+    runs it on the device (HF's helpers in HF's order), then the cache reorder and the next decode
+    step's inputs. Equal scores are taken by the lower flat index (a stable descending sort).
+
+    logits: [batch * beams, positions, vocab] (the last position read); step: 0-d int64, the row of
+    int_table [steps, >= 3] int64 (cur_len, cur_len - prompt_len, at max length) and float_table
+    [steps, 2] float32 (the multipliers of HF's length-penalty and heuristic divisions) this step
+    reads (clamped to the last row), then advanced by one. HF's state, [batch, beams, ...] as in
+    `decode.beam_state`; beam_idx [rows] int64, next_tokens [rows, 1] int64, unfinished 0-d bool:
+    outputs. table [rows, width] int32 (the decode step's self block table) is reordered: row r
+    takes row beam_idx[r]'s blocks before the cache position's block and its own `owned` [rows,
+    width] int32 from there; copy_src / copy_dst [rows] int64: the block each row continues from
+    and its own (the caller copies it); slot_mapping, self_seq_lens, input_ids [rows, 1]: the
+    next step's inputs. keep: candidates per source (HF's beams_to_keep); early_stopping_true:
+    `early_stopping is True`; eos_until: [vocab] int32 or None (`decode.min_length.eos_until`);
+    eos: [n] int64 or None. `workspace` is the kernel's and unused here.
+    """
+    batch, beams, length = running_sequences.shape
+    vocab = logits.shape[-1]
+    rows = batch * beams
+    s = step.clamp(max=int_table.shape[0] - 1)
+    ints, floats = int_table[s], float_table[s]
+    cur, col_idx, at_max = ints[0], ints[1], ints[2].bool()
+    log_probs = torch.log_softmax(logits[:, -1].to(torch.float32), dim=-1)
+    if eos_until is not None:
+        log_probs = log_probs.masked_fill(cur < eos_until, -math.inf)
+    scores = (log_probs.view(batch, beams, vocab) + running_beam_scores[:, :, None]).view(batch, beams * vocab)
+    top_val, top_idx = _best(scores, keep)
+    top_beam, top_tok = top_idx // vocab, top_idx % vocab
+    offset = torch.arange(batch, device=logits.device)[:, None] * beams
+
+    def take(tensor, index):  # [batch, n, width] rows `index` [batch, m] of each source
+        return torch.take_along_dim(tensor, index[:, :, None], dim=1)
+
+    cand_seq = take(running_sequences, top_beam)
+    cand_seq.scatter_(2, cur.expand(batch, keep, 1), top_tok[:, :, None])
+    cand_bi = take(running_beam_indices, top_beam)
+    cand_bi.scatter_(2, col_idx.expand(batch, keep, 1), (top_beam + offset)[:, :, None].to(torch.int32))
+    hits = at_max.expand(batch, keep)
+    if eos is not None:
+        hits = hits | (top_tok[:, :, None] == eos).any(-1)
+    running_lp = top_val + hits.to(torch.float32) * -1.0e9
+    pick = _best(running_lp, beams)[1]
+    # finished hypotheses: HF's additions one by one (their rounding is HF's)
+    just = hits & (torch.arange(keep, device=logits.device) < beams)
+    cand_score = top_val * floats[0]
+    cand_score = cand_score + (is_sent_finished.all(-1, keepdim=True) & early_stopping_true).to(torch.float32) * -1.0e9
+    cand_score = cand_score + (~heuristic).to(torch.float32) * -1.0e9
+    cand_score = cand_score + (~just).to(torch.float32) * -1.0e9
+    merged_score = torch.cat((beam_scores, cand_score), dim=1)
+    merge = _best(merged_score, beams)[1]
+    new_fin_seq = take(torch.cat((sequences, cand_seq), dim=1), merge)
+    new_fin_bi = take(torch.cat((beam_indices, cand_bi), dim=1), merge)
+    new_fin = torch.cat((is_sent_finished, just), dim=1).gather(1, merge)
+    new_score = merged_score.gather(1, merge)
+    running_sequences.copy_(take(cand_seq, pick))
+    running_beam_indices.copy_(take(cand_bi, pick))
+    running_beam_scores.copy_(running_lp.gather(1, pick))
+    sequences.copy_(new_fin_seq)
+    beam_indices.copy_(new_fin_bi)
+    beam_scores.copy_(new_score)
+    is_sent_finished.copy_(new_fin)
+    best_running = running_beam_scores[:, :1] * floats[1]
+    worst = torch.where(is_sent_finished, beam_scores.min(dim=1, keepdim=True)[0], -1.0e9)
+    heuristic &= (best_running > worst).any(-1, keepdim=True)
+    open_beam = ~(is_sent_finished.all() & early_stopping_true)
+    unfinished.copy_(heuristic.any() & open_beam & ~hits.all())
+    # the cache reorder and the next step's inputs
+    beam_idx.copy_((top_beam.gather(1, pick) + offset).reshape(rows))
+    next_tokens.copy_(top_tok.gather(1, pick).reshape(rows, 1))
+    width = owned.shape[1]
+    current = torch.div(cur, block_size, rounding_mode="floor").clamp(max=width - 1)
+    moved = table.index_select(0, beam_idx)
+    own = owned[:, current]
+    copy_src.copy_(moved[:, current])
+    copy_dst.copy_(own)
+    table.copy_(torch.where(torch.arange(width, device=table.device) >= current, owned, moved))
+    slot_mapping.copy_(own.to(torch.int64) * block_size + cur % block_size)
+    self_seq_lens.copy_(cur + 1)
+    input_ids.copy_(next_tokens.view_as(input_ids))
+    step += 1

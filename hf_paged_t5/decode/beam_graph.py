@@ -31,7 +31,7 @@ from torch import nn
 from .beam_state import BeamState, fill_value
 from .late_flag import LateFlag
 from .loop import criteria_supported, eos_ids, lean_processors
-from .min_length import MinLength, forbid_eos
+from .min_length import MinLength, eos_until, forbid_eos
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,12 @@ def supported(generation_config, logits_processor, stopping_criteria) -> bool:
     if any(type(p) is not MinLength for p in lean_processors(logits_processor)):
         return False
     return criteria_supported(stopping_criteria, generation_config)
+
+
+def _fits(beams: int, keep: int, vocab: int) -> bool:
+    from ..kernels.beam import supports  # the Triton module only where an `ops` namespace has the update
+
+    return supports(beams, keep, vocab)
 
 
 def _gather(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -57,7 +63,8 @@ class BeamStep(BeamState):
     input_ids: [batch * num_beams, prompt_len] decoder prompt, on the model's device.
     """
 
-    def __init__(self, input_ids, generation_config, logits_processor, stopping_criteria, vocab_size: int) -> None:
+    def __init__(self, input_ids, generation_config, logits_processor, stopping_criteria, vocab_size: int,
+                 ops=None) -> None:
         cfg = generation_config
         device = input_ids.device
         beams = cfg.num_beams
@@ -91,11 +98,14 @@ class BeamStep(BeamState):
         self.unfinished = torch.ones((), dtype=torch.bool, device=device)
         self._graph: Optional[torch.cuda.CUDAGraph] = None
         self.logits_in: Optional[torch.Tensor] = None  # set by `make_resident`
+        # resident: the whole update as `ops.beam_update` (two kernels on a GPU) where it fits
+        self.fused = ops if hasattr(ops, "beam_update") and _fits(beams, self.beams_to_keep, vocab_size) else None
 
     # ---- per step -------------------------------------------------------------------------
     def _factor(self, denominator: float) -> float:
-        """What `update` multiplies (CUDA) or divides (CPU) by for HF's `x / denominator`."""
-        if self.device.type == "cuda":
+        """What `update` multiplies (CUDA, and `beam_update` everywhere) or divides (CPU) by for HF's
+        `x / denominator`."""
+        if self.device.type == "cuda" or self.fused is not None:
             return float(np.float32(1.0) / np.float32(denominator))
         return float(np.float32(denominator))
 
@@ -142,6 +152,13 @@ class BeamStep(BeamState):
         self.static, self.owned, self.pool, self.block_size = static, owned, pool, block_size
         self.table = static.meta.self_block_table[:rows, :width]
         self.columns = torch.arange(width, device=self.device)
+        if self.fused is not None:
+            from ..kernels.beam import workspace
+
+            self.workspace = workspace(rows, self.batch, self.beams_to_keep, self.vocab, self.device)
+            self.copy_src = torch.zeros(rows, dtype=torch.int64, device=self.device)
+            self.copy_dst = torch.zeros(rows, dtype=torch.int64, device=self.device)
+            self.eos_until = eos_until(self.min_length, self.vocab, self.device)
 
     def _reorder_and_feed(self, col: torch.Tensor, copy_blocks: bool) -> None:
         """Row r continues from row beam_idx[r] (`PagedEncoderDecoderCache.reorder_cache` on the
@@ -170,6 +187,8 @@ class BeamStep(BeamState):
     def update(self, copy_blocks: bool = True) -> None:
         """One step of HF's `_beam_search` after the forward, in place (capturable); resident
         (`make_resident`), also the cache reorder and the next decode step's inputs."""
+        if self.fused is not None and self.logits_in is not None:
+            return self._fused_update(copy_blocks)
         batch, beams, vocab, keep = self.batch, self.num_beams, self.vocab, self.beams_to_keep
         if self.logits_in is None:
             ints, floats, logits = self.ints, self.floats, self.logits
@@ -239,6 +258,24 @@ class BeamStep(BeamState):
         if self.logits_in is not None:
             self._reorder_and_feed(col, copy_blocks)
 
+    def _fused_update(self, copy_blocks: bool) -> None:
+        """`update` as `ops.beam_update` (the same arithmetic, equal scores taken by the lower
+        index), then the block copies it asks for."""
+        rows, meta = self.owned.shape[0], self.static.meta
+        self.fused.beam_update(
+            logits=self.logits_in, step=self.step, int_table=self.int_table, float_table=self.float_table,
+            running_sequences=self.running_sequences, sequences=self.sequences,
+            running_beam_scores=self.running_beam_scores, beam_scores=self.beam_scores,
+            running_beam_indices=self.running_beam_indices, beam_indices=self.beam_indices,
+            is_sent_finished=self.is_sent_finished, heuristic=self.heuristic, beam_idx=self.beam_idx,
+            next_tokens=self.next_tokens, unfinished=self.unfinished, table=self.table, owned=self.owned,
+            slot_mapping=meta.slot_mapping[:rows], self_seq_lens=meta.self_seq_lens[:rows],
+            input_ids=self.static.input_ids[:rows], copy_src=self.copy_src, copy_dst=self.copy_dst,
+            block_size=self.block_size, keep=self.beams_to_keep, early_stopping_true=self.early_stopping is True,
+            workspace=self.workspace, eos_until=self.eos_until, eos=self.eos)
+        if copy_blocks:  # also at a block boundary, where it copies a block nobody has written yet
+            self.pool.copy_blocks(self.copy_src, self.copy_dst)
+
     def capture(self, side: torch.cuda.Stream) -> None:
         """Record `update` as a CUDA graph on `side` (see `graphs.capture_update`)."""
         from .graphs import capture_update
@@ -297,7 +334,7 @@ def graph_beam_loop(step, prefill, reorder, input_ids, logits_processor, stoppin
 
 
 def resident_beam_loop(graphs, step_fn, cache, prefill, input_ids, logits_processor, stopping_criteria,
-                       generation_config, capture: bool = True):
+                       generation_config, capture: bool = True, ops=None):
     """`graph_beam_loop` with every per-step input on the device (`BeamStep.make_resident`): per step
     the host replays the decode step and the bookkeeping (captured on CUDA when `capture`, eager on
     the same static buffers otherwise) and reads the "go on" flag one step late. The whole model
@@ -305,7 +342,7 @@ def resident_beam_loop(graphs, step_fn, cache, prefill, input_ids, logits_proces
     from .graphs import ResidentLoop
 
     loop = ResidentLoop(graphs, step_fn, cache, prefill, input_ids, capture)
-    state = BeamStep(input_ids, generation_config, logits_processor, stopping_criteria, loop.logits.shape[-1])
+    state = BeamStep(input_ids, generation_config, logits_processor, stopping_criteria, loop.logits.shape[-1], ops)
     state.make_resident(loop.static, cache.owned_table(loop.device), cache.pool, cache.block_size)
     loop.capture_update(state, "beam-search bookkeeping")
     cur_len = state.prompt_len

@@ -342,7 +342,7 @@ def _lean_loop(runtime: PagedRuntime, cache: PagedEncoderDecoderCache, gen_confi
         resident = None
         if _on_one_device(runtime.runner.call_devices):
             if beams and beam_graph.supported(generation_config, logits_processor, stopping_criteria):
-                resident = beam_graph.resident_beam_loop
+                resident = functools.partial(beam_graph.resident_beam_loop, ops=runtime.ops_for(input_ids.device))
             elif (not beams and streamer is None
                   and greedy_graph.supported(generation_config, logits_processor, stopping_criteria)):
                 resident = functools.partial(greedy_graph.graph_greedy_loop, ops=runtime.ops_for(input_ids.device))

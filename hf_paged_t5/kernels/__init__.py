@@ -9,6 +9,7 @@
 - `fused_linear`: the same with the layer norm before it and the residual add, activation or
   K/V store after it folded in (a decode step's layer in a few kernels).
 - `greedy_update`: a greedy decode step's token choice and the next step's inputs, one launch.
+- `beam_update`: a beam-search step's bookkeeping, the cache reorder and the next inputs, two launches.
 - `prefill`: varlen flash-attention over packed sequences, bidirectional or causal.
 - `local_prefill`: varlen local (windowed) attention plus optional side keys (LongT5's encoder).
 
@@ -19,6 +20,7 @@ compile stalls the caller for 0.4-1 s (H200): a batch job whose row counts and l
 moving would keep compiling. These arguments are loop bounds and masks, where the hint buys nothing.
 """
 
+from .beam import beam_update
 from .decode import paged_decode
 from .gated_gelu import gated_gelu
 from .gemv import gemv, gemv_supports
@@ -30,5 +32,5 @@ from .prefill import prefill
 from .rmsnorm import rms_norm
 from .store_kv import store_kv
 
-__all__ = ["fused_linear", "fused_linear_supports", "gated_gelu", "gemv", "gemv_supports", "greedy_update",
-           "local_prefill", "paged_decode", "pdl_available", "prefill", "rms_norm", "store_kv"]
+__all__ = ["beam_update", "fused_linear", "fused_linear_supports", "gated_gelu", "gemv", "gemv_supports",
+           "greedy_update", "local_prefill", "paged_decode", "pdl_available", "prefill", "rms_norm", "store_kv"]

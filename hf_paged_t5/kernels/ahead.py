@@ -50,7 +50,7 @@ except ImportError:  # pragma: no cover - an older Triton: no pass
     JITFunction = AsyncCompileMode = FutureKernel = _active_mode = None
 
 _COMPILE_ONLY = contextvars.ContextVar("hf_paged_t5_compile_only", default=False)
-_KERNEL_MODULES = ("decode", "gated_gelu", "gemv", "greedy", "linear", "local", "prefill", "rmsnorm", "store_kv")
+_KERNEL_MODULES = ("beam", "decode", "gated_gelu", "gemv", "greedy", "linear", "local", "prefill", "rmsnorm", "store_kv")
 
 
 class _Process:
