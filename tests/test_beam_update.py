@@ -197,8 +197,9 @@ def test_fused_path_gives_stock_tokens(model, batch, fused, opts):
     assert fused, "the fused beam update did not run"
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter only (on a GPU: test_gpu_contract)")
 def test_fused_kernels_in_generate(model, batch, monkeypatch):
-    """The Triton kernels themselves (the interpreter on CPU) inside generate()."""
+    """The Triton kernels themselves (the interpreter on CPU) inside generate() on a CPU model."""
     ran = []
     real = beam_graph.BeamStep._fused_update
     monkeypatch.setattr(cpu_ops, "beam_update", kernels.beam_update, raising=False)

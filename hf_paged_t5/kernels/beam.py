@@ -39,7 +39,7 @@ _NB = 1024  # candidates per block of the select loop
 _BL = 256  # sequence columns per block
 _BW = 64  # block-table columns per block
 _ROWS_CHUNK = 1024
-_BIG = 2**62
+_BIG = tl.constexpr(2**62)  # an index past every candidate
 
 
 def supports(beams: int, keep: int, vocab: int) -> bool:
