@@ -50,6 +50,30 @@ def _fits(beams: int, keep: int, vocab: int) -> bool:
     return supports(beams, keep, vocab)
 
 
+def update_ahead(ops, vocab: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Launch `ops.beam_update` once on throwaway buffers (1 source x 2 beams), for a compile-only
+    pass (`kernels/ahead.py`): its two binaries serve every beam call of this logits dtype."""
+    if not hasattr(ops, "beam_update") or not _fits(2, 4, vocab):
+        return
+    from ..kernels.beam import workspace
+
+    i32, i64 = dict(dtype=torch.int32, device=device), dict(dtype=torch.int64, device=device)
+    state = BeamState(torch.zeros(1, 2, 1, **i64), 3, 0, 1)
+    ops.beam_update(
+        logits=torch.zeros(2, 1, vocab, dtype=dtype, device=device), step=torch.zeros((), **i64),
+        int_table=torch.zeros(2, 3, **i64), float_table=torch.ones(2, 2, dtype=torch.float32, device=device),
+        running_sequences=state.running_sequences, sequences=state.sequences,
+        running_beam_scores=state.running_beam_scores, beam_scores=state.beam_scores,
+        running_beam_indices=state.running_beam_indices, beam_indices=state.beam_indices,
+        is_sent_finished=state.is_sent_finished, heuristic=state.is_early_stop_heuristic_unsatisfied,
+        beam_idx=torch.zeros(2, **i64), next_tokens=torch.zeros(2, 1, **i64),
+        unfinished=torch.ones((), dtype=torch.bool, device=device), table=torch.zeros(2, 1, **i32),
+        owned=torch.zeros(2, 1, **i32), slot_mapping=torch.zeros(2, **i32), self_seq_lens=torch.zeros(2, **i32),
+        input_ids=torch.zeros(2, 1, **i64), copy_src=torch.zeros(2, **i64), copy_dst=torch.zeros(2, **i64),
+        block_size=1, keep=4, early_stopping_true=False, workspace=workspace(2, 1, 4, vocab, device),
+        eos_until=torch.zeros(vocab, **i32), eos=torch.zeros(1, **i64))
+
+
 def _gather(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """HF's `_gather_beams`: beams `index` [batch, k] of `tensor` [batch, beams, ...]."""
     while index.dim() < tensor.dim():

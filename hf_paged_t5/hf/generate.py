@@ -213,6 +213,9 @@ def _first_step_ahead(runtime: PagedRuntime, model: nn.Module, cache: PagedEncod
         greedy_graph.update_ahead(runtime.ops_for(source.device), cache.num_rows, model.lm_head.out_features,
                                   model.decoder.embed_tokens.weight.dtype, source.device)
         with compile_elsewhere(source.device) as sending:
+            if sending:  # a later beam call's update (its binaries serve every beam count)
+                beam_graph.update_ahead(runtime.ops_for(source.device), model.lm_head.out_features,
+                                        model.decoder.embed_tokens.weight.dtype, source.device)
             for rows in sorted(ROW_COUNTS, reverse=True) if sending else ():
                 other = predicted_key(cache, rows, self_tokens, cross_tokens)
                 if other[0] != key[0]:
