@@ -72,7 +72,8 @@ def _logits(rows, vocab, eos, g, dtype, tie=False):
 def _run(batch, beams, vocab, steps, dtype=torch.float32, tie=False, **kw):
     ref = _state(batch, beams, vocab, **kw)
     out = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in ref.items()}
-    ws = beam_kernels.workspace(batch * beams, batch, ref["keep"], vocab, torch.device(DEVICE))
+    ws = beam_kernels.workspace(batch, beams, ref["keep"], vocab, ref["running_sequences"].shape[2],
+                                ref["running_beam_indices"].shape[2], ref["table"].shape[1], torch.device(DEVICE))
     g = torch.Generator().manual_seed(11)
     for step in range(steps):
         logits = _logits(batch * beams, vocab, kw.get("eos", (1,)), g, dtype, tie)

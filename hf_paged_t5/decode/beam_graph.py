@@ -70,7 +70,7 @@ def update_ahead(ops, vocab: int, dtype: torch.dtype, device: torch.device) -> N
         unfinished=torch.ones((), dtype=torch.bool, device=device), table=torch.zeros(2, 1, **i32),
         owned=torch.zeros(2, 1, **i32), slot_mapping=torch.zeros(2, **i32), self_seq_lens=torch.zeros(2, **i32),
         input_ids=torch.zeros(2, 1, **i64), copy_src=torch.zeros(2, **i64), copy_dst=torch.zeros(2, **i64),
-        block_size=1, keep=4, early_stopping_true=False, workspace=workspace(2, 1, 4, vocab, device),
+        block_size=1, keep=4, early_stopping_true=False, workspace=workspace(1, 2, 4, vocab, 3, 2, 1, device),
         eos_until=torch.zeros(vocab, **i32), eos=torch.zeros(1, **i64))
 
 
@@ -179,7 +179,8 @@ class BeamStep(BeamState):
         if self.fused is not None:
             from ..kernels.beam import workspace
 
-            self.workspace = workspace(rows, self.batch, self.beams_to_keep, self.vocab, self.device)
+            self.workspace = workspace(self.batch, self.num_beams, self.beams_to_keep, self.vocab, self.max_length,
+                                       self.running_beam_indices.shape[2], width, self.device)
             self.copy_src = torch.zeros(rows, dtype=torch.int64, device=self.device)
             self.copy_dst = torch.zeros(rows, dtype=torch.int64, device=self.device)
             self.eos_until = eos_until(self.min_length, self.vocab, self.device)

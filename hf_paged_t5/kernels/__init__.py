@@ -9,7 +9,7 @@
 - `fused_linear`: the same with the layer norm before it and the residual add, activation or
   K/V store after it folded in (a decode step's layer in a few kernels).
 - `greedy_update`: a greedy decode step's token choice and the next step's inputs, one launch.
-- `beam_update`: a beam-search step's bookkeeping, the cache reorder and the next inputs, two launches.
+- `beam_update`: a beam-search step's bookkeeping, the cache reorder and the next inputs, four launches.
 - `prefill`: varlen flash-attention over packed sequences, bidirectional or causal.
 - `local_prefill`: varlen local (windowed) attention plus optional side keys (LongT5's encoder).
 

@@ -1,4 +1,4 @@
-"""One beam-search step's bookkeeping in two kernels (Triton twin of `reference.beam_update`).
+"""One beam-search step's bookkeeping in four kernels (Triton twin of `reference.beam_update`).
 
 The device-resident beam loop (`decode/beam_graph.py`) runs HF's `_beam_search` arithmetic after
 every decode step: log-softmax of the float32 logits, the min-length rule, the top `keep`
@@ -9,13 +9,21 @@ on an H200, plus `torch.topk`'s multi-block select over beams x vocab). Here:
 
 - `_beam_candidates_kernel`, one program per (row, vocab chunk): the chunk's max and sum of
   exponentials (the row's log-softmax normalizer, merged later) and its best `keep` entries;
-- `_beam_select_kernel`, one program per source: the rows' normalizers, the candidates' scores,
-  HF's three selections, every state tensor's update, the cache reorder and the next inputs; the
-  last program to finish (an atomic ticket) sets the "go on" flag and advances the step counter.
+- `_beam_top_kernel`, one program per source: the rows' normalizers, the candidates' scores and
+  the best `keep` of them (HF's `_get_top_k_continuations`);
+- `_beam_select_kernel`, one program per source: HF's running-beam and finished-hypothesis
+  selections, the scores and flags, the next step's inputs, and what each new row is made of;
+- `_beam_rows_kernel`, one program per source: the sequences, beam indices and self block table
+  rows copied accordingly; the last program to finish (an atomic ticket) sets the "go on" flag and
+  advances the step counter.
+
+Four kernels rather than one: each compiles in ~1 s or less (sm_90), and a cold process compiles
+them side by side in its compile workers while its first call runs; one kernel of all of it took
+~2.5 s, more than a first call lasts.
 
 Selections order equal scores by the lower flat index (beam * vocab + token, or HF's merged
 position), as a stable descending sort does; `torch.topk` does not promise an order among equal
-values. Sizes are run-time values (one binary per dtype for every beam count, vocabulary and
+values. Sizes are run-time values (one binary per logits dtype for every beam count, vocabulary and
 length); what fits (`supports`): at most `MAX_BEAMS` beams, `keep <= MAX_KEEP`, a vocabulary of at
 most `MAX_CHUNKS` chunks.
 """
@@ -37,7 +45,6 @@ MAX_CHUNKS = 64  # vocabularies up to 262,144 entries
 _KP, _KEEPP, _MP, _CP = 8, 32, 32, 64  # register widths of those (merged: beams + keep <= 32)
 _NB = 1024  # candidates per block of the select loop
 _BL = 256  # sequence columns per block
-_BW = 64  # block-table columns per block
 _ROWS_CHUNK = 1024
 _BIG = tl.constexpr(2**62)  # an index past every candidate
 
@@ -51,10 +58,12 @@ def chunks_of(vocab: int) -> int:
     return triton.cdiv(vocab, _CHUNK)
 
 
-def workspace(rows: int, batch: int, keep: int, vocab: int, device: torch.device) -> dict:
-    """The kernels' scratch for a search of `rows` = batch x beams rows (`beam_update(workspace=)`)."""
-    chunks = chunks_of(vocab)
-    f32, i64 = dict(dtype=torch.float32, device=device), dict(dtype=torch.int64, device=device)
+def workspace(batch: int, beams: int, keep: int, vocab: int, length: int, index_width: int, table_width: int,
+              device: torch.device) -> dict:
+    """The kernels' scratch (`beam_update(workspace=)`) for `batch` sources x `beams` beams, sequences of
+    `length` tokens, beam indices of `index_width` and self block tables of `table_width` columns."""
+    rows, chunks = batch * beams, chunks_of(vocab)
+    f32, i32, i64 = (dict(dtype=t, device=device) for t in (torch.float32, torch.int32, torch.int64))
     return {
         "cand_val": torch.empty(rows * chunks * keep, **f32),
         "cand_idx": torch.empty(rows * chunks * keep, **i64),
@@ -62,8 +71,12 @@ def workspace(rows: int, batch: int, keep: int, vocab: int, device: torch.device
         "row_stats": torch.empty(rows * 2, **f32),
         "top_val": torch.empty(batch * keep, **f32),
         "top_idx": torch.empty(batch * keep, **i64),
-        "flags": torch.empty(batch * 3, dtype=torch.int32, device=device),
-        "tickets": torch.zeros(1, dtype=torch.int32, device=device),
+        "flags": torch.empty(batch * 3, **i32),
+        "tickets": torch.zeros(1, **i32),
+        "desc": torch.empty(batch * 5 * _KP, **i64),
+        "seq_buf": torch.empty(rows * 2 * length, **i64),
+        "bi_buf": torch.empty(rows * 2 * max(index_width, 1), **i32),
+        "table_buf": torch.empty(rows * max(table_width, 1), **i32),
     }
 
 
@@ -127,28 +140,52 @@ def _source_of(rank, valid, positions, places):
     return tl.sum(tl.where(hit, positions[None, :], 0), axis=1)
 
 
-@triton.jit(do_not_specialize=[
-    "stride_int", "stride_float", "n_steps", "num_eos", "stride_table", "stride_owned", "width", "stride_input",
-    "block_size", "batch", "beams", "keep", "vocab", "chunks", "length", "index_width", "early_true"])
-def _beam_select_kernel(
-    step_ptr, int_table_ptr, stride_int, float_table_ptr, stride_float, n_steps,
-    cand_val_ptr, cand_idx_ptr, stats_ptr, row_stats_ptr, top_val_ptr, top_idx_ptr, flags_ptr, ticket_ptr,
-    eos_ptr, num_eos,
-    rseq_ptr, seq_ptr, rscore_ptr, score_ptr, rbi_ptr, bi_ptr, fin_ptr, heur_ptr,
-    beam_idx_ptr, next_tokens_ptr, unfinished_ptr,
-    table_ptr, stride_table, owned_ptr, stride_owned, width, slot_ptr, lens_ptr, input_ids_ptr, stride_input,
-    copy_src_ptr, copy_dst_ptr, block_size,
-    batch, beams, keep, vocab, chunks, length, index_width, early_true,
-    KP: tl.constexpr, KEEPP: tl.constexpr, MP: tl.constexpr, CP: tl.constexpr,
-    NB: tl.constexpr, BL: tl.constexpr, BW: tl.constexpr, ROWS_CHUNK: tl.constexpr,
+@triton.jit
+def _copy_row(run_ptr, fin_ptr, buf_ptr, width, row0, p, beam, token, fsrc, fbeam, ftok, from_old, col,
+              phase, BL: tl.constexpr):
+    """Phase 0: new running row p (old running row `beam`, `token` at `col`) and new finished row p
+    (old finished row `fsrc`, or old running row `fbeam` with `ftok` at `col`) into the scratch
+    [rows, 2, width]; phase 1: both back into row p."""
+    buf = buf_ptr + ((row0 + p) * 2) * width
+    for start in range(0, width, BL):
+        cols = start + tl.arange(0, BL)
+        ok = cols < width
+        if phase == 0:
+            run = tl.load(run_ptr + (row0 + beam) * width + cols, mask=ok, other=0)
+            tl.store(buf + cols, tl.where(cols == col, token.to(run.dtype), run), mask=ok)
+            src = tl.where(from_old, fin_ptr + (row0 + fsrc) * width, run_ptr + (row0 + fbeam) * width)
+            fin = tl.load(src + cols, mask=ok, other=0)
+            tl.store(buf + width + cols, tl.where((cols == col) & ~from_old, ftok.to(fin.dtype), fin), mask=ok)
+        else:
+            tl.store(run_ptr + (row0 + p) * width + cols, tl.load(buf + cols, mask=ok), mask=ok)
+            tl.store(fin_ptr + (row0 + p) * width + cols, tl.load(buf + width + cols, mask=ok), mask=ok)
+
+
+@triton.jit
+def _copy_table(table_ptr, stride_table, owned_ptr, stride_owned, buf_ptr, width, row0, p, beam, current,
+                phase, BL: tl.constexpr):
+    """Row p of the self block table: row `beam`'s blocks before `current`, its own from there
+    (phase 0 into the scratch [rows, width], phase 1 back)."""
+    buf = buf_ptr + (row0 + p) * width
+    for start in range(0, width, BL):
+        cols = start + tl.arange(0, BL)
+        ok = cols < width
+        if phase == 0:
+            moved = tl.load(table_ptr + (row0 + beam) * stride_table + cols, mask=ok, other=0)
+            mine = tl.load(owned_ptr + (row0 + p) * stride_owned + cols, mask=ok, other=0)
+            tl.store(buf + cols, tl.where(cols >= current, mine, moved), mask=ok)
+        else:
+            tl.store(table_ptr + (row0 + p) * stride_table + cols, tl.load(buf + cols, mask=ok), mask=ok)
+
+
+@triton.jit(do_not_specialize=["beams", "keep", "vocab", "chunks"])
+def _beam_top_kernel(
+    cand_val_ptr, cand_idx_ptr, stats_ptr, row_stats_ptr, rscore_ptr, top_val_ptr, top_idx_ptr,
+    beams, keep, vocab, chunks,
+    KP: tl.constexpr, CP: tl.constexpr, NB: tl.constexpr,
 ):
+    """One program per source: HF's `_get_top_k_continuations` from the chunks' candidates."""
     b = tl.program_id(0).to(tl.int64)
-    step = tl.minimum(tl.load(step_ptr), n_steps - 1)
-    cur = tl.load(int_table_ptr + step * stride_int)
-    col_idx = tl.load(int_table_ptr + step * stride_int + 1)
-    at_max = tl.load(int_table_ptr + step * stride_int + 2) != 0
-    length_factor = tl.load(float_table_ptr + step * stride_float)
-    heuristic_factor = tl.load(float_table_ptr + step * stride_float + 1)
     row0 = b * beams
     kk = tl.arange(0, KP)
     k_ok = kk < beams
@@ -183,8 +220,7 @@ def _beam_select_kernel(
         tl.store(cand_idx_ptr + first + n, tl.where(token >= 0, k * vocab + token, -1), mask=ok)
     tl.debug_barrier()
 
-    # 3. HF's `_get_top_k_continuations`: the best `keep` (score desc, flat id asc), taken one by one
-    jj = tl.arange(0, KEEPP)
+    # 3. the best `keep` (score desc, flat id asc), taken one by one
     for t in range(0, keep):
         best_v = tl.full([], float("-inf"), tl.float32)
         best_i = tl.full([], _BIG, tl.int64)
@@ -206,6 +242,32 @@ def _beam_select_kernel(
         tl.store(top_idx_ptr + b * keep + t, best_i)
         tl.store(cand_idx_ptr + first + best_n, -1)  # taken
         tl.debug_barrier()
+
+
+
+@triton.jit(do_not_specialize=[
+    "stride_int", "stride_float", "n_steps", "num_eos", "stride_table", "stride_owned", "width", "stride_input",
+    "block_size", "beams", "keep", "vocab", "early_true"])
+def _beam_select_kernel(
+    step_ptr, int_table_ptr, stride_int, float_table_ptr, stride_float, n_steps,
+    top_val_ptr, top_idx_ptr, flags_ptr, desc_ptr, eos_ptr, num_eos,
+    rscore_ptr, score_ptr, fin_ptr, heur_ptr, beam_idx_ptr, next_tokens_ptr,
+    table_ptr, stride_table, owned_ptr, stride_owned, width, slot_ptr, lens_ptr, input_ids_ptr, stride_input,
+    copy_src_ptr, copy_dst_ptr, block_size, beams, keep, vocab, early_true,
+    KP: tl.constexpr, KEEPP: tl.constexpr, MP: tl.constexpr,
+):
+    """One program per source, after `_beam_top_kernel`: HF's selections and the scalar state;
+    what each new row is made of goes to `desc` for `_beam_rows_kernel`."""
+    b = tl.program_id(0).to(tl.int64)
+    step = tl.minimum(tl.load(step_ptr), n_steps - 1)
+    cur = tl.load(int_table_ptr + step * stride_int)
+    at_max = tl.load(int_table_ptr + step * stride_int + 2) != 0
+    length_factor = tl.load(float_table_ptr + step * stride_float)
+    heuristic_factor = tl.load(float_table_ptr + step * stride_float + 1)
+    row0 = b * beams
+    kk = tl.arange(0, KP)
+    k_ok = kk < beams
+    jj = tl.arange(0, KEEPP)
 
     # 4. the candidates: beam, token, stopping criteria (HF: EOS as the last token, or max length)
     j_ok = jj < keep
@@ -271,35 +333,12 @@ def _beam_select_kernel(
     new_score = tl.where(f_old, f_new_old_score, f_score)
     new_fin = tl.where(f_old, f_new_old_fin, f_just)
 
-    # 6. sequences and beam indices: every source row read before any row is written
-    for start in range(0, length, BL):
-        cols = start + tl.arange(0, BL)
-        c_ok = k_ok[:, None] & (cols[None, :] < length)
-        run = tl.load(rseq_ptr + (row0 + r_beam)[:, None] * length + cols[None, :], mask=c_ok, other=0)
-        run = tl.where(cols[None, :] == cur, r_tok[:, None], run)
-        fin_old_rows = tl.load(seq_ptr + (row0 + f_src)[:, None] * length + cols[None, :],
-                               mask=c_ok & f_old[:, None], other=0)
-        fin_cand_rows = tl.load(rseq_ptr + (row0 + f_beam)[:, None] * length + cols[None, :],
-                                mask=c_ok & ~f_old[:, None], other=0)
-        fin_cand_rows = tl.where(cols[None, :] == cur, f_tok[:, None], fin_cand_rows)
-        tl.debug_barrier()
-        tl.store(rseq_ptr + (row0 + kk)[:, None] * length + cols[None, :], run, mask=c_ok)
-        tl.store(seq_ptr + (row0 + kk)[:, None] * length + cols[None, :],
-                 tl.where(f_old[:, None], fin_old_rows, fin_cand_rows), mask=c_ok)
-    for start in range(0, index_width, BL):
-        cols = start + tl.arange(0, BL)
-        c_ok = k_ok[:, None] & (cols[None, :] < index_width)
-        run = tl.load(rbi_ptr + (row0 + r_beam)[:, None] * index_width + cols[None, :], mask=c_ok, other=0)
-        run = tl.where(cols[None, :] == col_idx, (row0 + r_beam).to(tl.int32)[:, None], run)
-        fin_old_rows = tl.load(bi_ptr + (row0 + f_src)[:, None] * index_width + cols[None, :],
-                               mask=c_ok & f_old[:, None], other=0)
-        fin_cand_rows = tl.load(rbi_ptr + (row0 + f_beam)[:, None] * index_width + cols[None, :],
-                                mask=c_ok & ~f_old[:, None], other=0)
-        fin_cand_rows = tl.where(cols[None, :] == col_idx, (row0 + f_beam).to(tl.int32)[:, None], fin_cand_rows)
-        tl.debug_barrier()
-        tl.store(rbi_ptr + (row0 + kk)[:, None] * index_width + cols[None, :], run, mask=c_ok)
-        tl.store(bi_ptr + (row0 + kk)[:, None] * index_width + cols[None, :],
-                 tl.where(f_old[:, None], fin_old_rows, fin_cand_rows), mask=c_ok)
+    # 6. what each new beam / hypothesis is made of, for the row copies below
+    desc = desc_ptr + b * 5 * KP
+    tl.store(desc + kk, r_beam, mask=k_ok)
+    tl.store(desc + KP + kk, r_tok, mask=k_ok)
+    tl.store(desc + 2 * KP + kk, tl.where(f_old, f_src, -1 - f_beam), mask=k_ok)  # old row, or -1 - candidate's beam
+    tl.store(desc + 3 * KP + kk, f_tok, mask=k_ok)
 
     # 7. HF's `_check_early_stop_heuristic` (after its cur_len += 1) on the new state
     best_running = tl.max(tl.where(kk == 0, r_score, float("-inf")), axis=0) * heuristic_factor
@@ -307,37 +346,63 @@ def _beam_select_kernel(
     worst_each = tl.where(new_fin, worst, -1.0e9)
     improvable = tl.max((k_ok & (best_running > worst_each)).to(tl.int32), axis=0) != 0
     unsatisfied = unsatisfied & improvable
-    tl.store(rscore_ptr + row0 + kk, r_score, mask=k_ok)
-    tl.store(score_ptr + row0 + kk, new_score, mask=k_ok)
-    tl.store(fin_ptr + row0 + kk, new_fin.to(tl.int8), mask=k_ok)
-    tl.store(heur_ptr + b, unsatisfied.to(tl.int8))
     all_fin = tl.min(tl.where(k_ok, new_fin.to(tl.int32), 1), axis=0)
     tl.store(flags_ptr + b * 3, unsatisfied.to(tl.int32))
     tl.store(flags_ptr + b * 3 + 1, all_fin)
     tl.store(flags_ptr + b * 3 + 2, all_hits)
-
-    # 8. the cache reorder (row r continues from row beam_idx[r]) and the next step's inputs
     rows = row0 + kk
-    src_rows = row0 + r_beam
-    tl.store(beam_idx_ptr + rows, src_rows, mask=k_ok)
+    tl.store(beam_idx_ptr + rows, row0 + r_beam, mask=k_ok)
     tl.store(next_tokens_ptr + rows, r_tok, mask=k_ok)
     current = tl.minimum(cur // block_size, width - 1)
     own = tl.load(owned_ptr + rows * stride_owned + current, mask=k_ok, other=0)
-    src_block = tl.load(table_ptr + src_rows * stride_table + current, mask=k_ok, other=0)
-    for start in range(0, width, BW):
-        cols = start + tl.arange(0, BW)
-        w_ok = k_ok[:, None] & (cols[None, :] < width)
-        old = tl.load(table_ptr + src_rows[:, None] * stride_table + cols[None, :], mask=w_ok, other=0)
-        mine = tl.load(owned_ptr + rows[:, None] * stride_owned + cols[None, :], mask=w_ok, other=0)
-        tl.debug_barrier()
-        tl.store(table_ptr + rows[:, None] * stride_table + cols[None, :],
-                 tl.where(cols[None, :] >= current, mine, old), mask=w_ok)
+    src_block = tl.load(table_ptr + (row0 + r_beam) * stride_table + current, mask=k_ok, other=0)
+    tl.debug_barrier()  # every read of the old scores / flags above precedes the stores below
+    tl.store(rscore_ptr + row0 + kk, r_score, mask=k_ok)
+    tl.store(score_ptr + row0 + kk, new_score, mask=k_ok)
+    tl.store(fin_ptr + row0 + kk, new_fin.to(tl.int8), mask=k_ok)
+    tl.store(heur_ptr + b, unsatisfied.to(tl.int8))
     tl.store(copy_src_ptr + rows, src_block.to(tl.int64), mask=k_ok)
     tl.store(copy_dst_ptr + rows, own.to(tl.int64), mask=k_ok)
     tl.store(slot_ptr + rows, (own.to(tl.int64) * block_size + cur % block_size).to(slot_ptr.dtype.element_ty),
              mask=k_ok)
     tl.store(lens_ptr + rows, (cur + 1).to(tl.int32), mask=k_ok)
     tl.store(input_ids_ptr + rows * stride_input, r_tok, mask=k_ok)
+
+
+
+@triton.jit(do_not_specialize=["stride_int", "n_steps", "stride_table", "stride_owned", "width", "block_size",
+                               "batch", "beams", "length", "index_width", "early_true"])
+def _beam_rows_kernel(
+    step_ptr, int_table_ptr, stride_int, n_steps, desc_ptr, seq_buf_ptr, bi_buf_ptr, table_buf_ptr, flags_ptr,
+    ticket_ptr, rseq_ptr, seq_ptr, rbi_ptr, bi_ptr, unfinished_ptr, table_ptr, stride_table, owned_ptr, stride_owned,
+    width, block_size, batch, beams, length, index_width, early_true,
+    KP: tl.constexpr, BL: tl.constexpr, ROWS_CHUNK: tl.constexpr,
+):
+    """One program per source, after `_beam_select_kernel`: the rows it described, and the flag."""
+    b = tl.program_id(0).to(tl.int64)
+    step = tl.minimum(tl.load(step_ptr), n_steps - 1)
+    cur = tl.load(int_table_ptr + step * stride_int)
+    col_idx = tl.load(int_table_ptr + step * stride_int + 1)
+    row0 = b * beams
+    desc = desc_ptr + b * 5 * KP
+    current = tl.minimum(cur // block_size, width - 1)
+    # 8. the rows: sequences, beam indices and block tables copied out of the old rows into the
+    # scratch, then back in place (a row may be another's source); one row at a time
+    for phase in range(0, 2):
+        for p in range(0, beams):
+            beam = tl.load(desc + p)
+            token = tl.load(desc + KP + p)
+            fsrc = tl.load(desc + 2 * KP + p)
+            ftok = tl.load(desc + 3 * KP + p)
+            from_old = fsrc >= 0
+            fbeam = tl.where(from_old, 0, -1 - fsrc)
+            _copy_row(rseq_ptr, seq_ptr, seq_buf_ptr, length, row0, p, beam, token, fsrc, fbeam, ftok, from_old,
+                      cur, phase, BL)
+            _copy_row(rbi_ptr, bi_ptr, bi_buf_ptr, index_width, row0, p, beam, row0 + beam, fsrc, fbeam,
+                      row0 + fbeam, from_old, col_idx, phase, BL)
+            _copy_table(table_ptr, stride_table, owned_ptr, stride_owned, table_buf_ptr, width, row0, p, beam,
+                        current, phase, BL)
+        tl.debug_barrier()
 
     # 9. HF's `_beam_search_has_unfinished_sequences` over every source, by the last program
     tl.debug_barrier()
@@ -399,7 +464,7 @@ def beam_update(
     rows, vocab = logits.shape[0], logits.shape[-1]
     device = logits.device
     if workspace is None:
-        raise ValueError("beam_update needs its workspace (kernels.beam.workspace(rows, batch, keep, vocab, device))")
+        raise ValueError("beam_update needs its workspace (kernels.beam.workspace(...) for these sizes)")
     if rows != batch * beams or not supports(beams, keep, vocab):
         raise ValueError(f"beam_update takes {rows} rows of {batch} x {beams} beams with keep {keep} <= {MAX_KEEP}, "
                          f"beams <= {MAX_BEAMS} and vocab <= {MAX_CHUNKS * _CHUNK}; got vocab {vocab}")
@@ -427,18 +492,24 @@ def beam_update(
         last, last.stride(0), step, int_table, int_table.stride(0), int_table.shape[0],
         step if eos_until is None else eos_until, int(eos_until is not None),
         ws["cand_val"], ws["cand_idx"], ws["stats"], vocab, chunks, keep,
-        CHUNK=_CHUNK, num_warps=8,
+        CHUNK=_CHUNK, num_warps=8, num_stages=1,
+    )
+    _beam_top_kernel[(batch,)](
+        ws["cand_val"], ws["cand_idx"], ws["stats"], ws["row_stats"], running_beam_scores, ws["top_val"],
+        ws["top_idx"], beams, keep, vocab, chunks, KP=_KP, CP=_CP, NB=_NB, num_warps=4, num_stages=1,
     )
     _beam_select_kernel[(batch,)](
         step, int_table, int_table.stride(0), float_table, float_table.stride(0), int_table.shape[0],
-        ws["cand_val"], ws["cand_idx"], ws["stats"], ws["row_stats"], ws["top_val"], ws["top_idx"], ws["flags"],
-        ws["tickets"], eos_arg, 0 if eos is None else eos.numel(),
-        running_sequences, sequences, running_beam_scores, beam_scores, running_beam_indices, beam_indices,
-        is_sent_finished.view(torch.int8), heuristic.view(torch.int8), beam_idx, next_tokens,
-        unfinished.view(torch.int8),
-        table, table.stride(0), owned, owned.stride(0), table.shape[1], slot_mapping, self_seq_lens,
-        input_ids, input_ids.stride(0), copy_src, copy_dst, int(block_size),
-        batch, beams, keep, vocab, chunks, length, running_beam_indices.shape[2], int(early_stopping_true is True),
-        KP=_KP, KEEPP=_KEEPP, MP=_MP, CP=_CP, NB=_NB, BL=_BL, BW=_BW,
-        ROWS_CHUNK=_ROWS_CHUNK, num_warps=4,
+        ws["top_val"], ws["top_idx"], ws["flags"], ws["desc"], eos_arg, 0 if eos is None else eos.numel(),
+        running_beam_scores, beam_scores, is_sent_finished.view(torch.int8), heuristic.view(torch.int8), beam_idx,
+        next_tokens, table, table.stride(0), owned, owned.stride(0), table.shape[1], slot_mapping, self_seq_lens,
+        input_ids, input_ids.stride(0), copy_src, copy_dst, int(block_size), beams, keep, vocab,
+        int(early_stopping_true is True), KP=_KP, KEEPP=_KEEPP, MP=_MP, num_warps=4, num_stages=1,
+    )
+    _beam_rows_kernel[(batch,)](
+        step, int_table, int_table.stride(0), int_table.shape[0], ws["desc"], ws["seq_buf"], ws["bi_buf"],
+        ws["table_buf"], ws["flags"], ws["tickets"], running_sequences, sequences, running_beam_indices,
+        beam_indices, unfinished.view(torch.int8), table, table.stride(0), owned, owned.stride(0), table.shape[1],
+        int(block_size), batch, beams, length, running_beam_indices.shape[2], int(early_stopping_true is True),
+        KP=_KP, BL=_BL, ROWS_CHUNK=_ROWS_CHUNK, num_warps=4, num_stages=1,
     )  # fmt: skip
