@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 
 import pytest
 import torch
@@ -161,3 +162,22 @@ def resident_loop(kw) -> str | None:
     if kw.get("do_sample") or kw.get("return_dict_in_generate"):
         return None
     return "resident_beam_loop" if (kw.get("num_beams") or 1) > 1 else "graph_greedy_loop"
+
+
+def ends_early(model, ids, mask, n=16):
+    """Two token ids this model generates in different rows, first at a later step: as EOS ids they
+    end rows at different steps (this deliberately sharp tiny model repeats itself otherwise)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        probe = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n)[:, 1:]
+    picked = []
+    for row in range(probe.shape[0]):
+        for step in range(1, probe.shape[1]):
+            tok = int(probe[row, step])
+            if tok not in picked and tok > 1 and not (probe[:, :step] == tok).any():
+                picked.append(tok)
+                break
+        if len(picked) == 2:
+            break
+    assert len(picked) == 2
+    return picked

@@ -15,7 +15,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import make_batch, make_model, resident_loop
+from conftest import ends_early, make_batch, make_model, resident_loop
 from oracle import compare_with_stock, stock_copy
 from transformers import GenerationConfig, StoppingCriteriaList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
@@ -41,23 +41,6 @@ def check(model, loops, block_size=4, **kw):
     return ref
 
 
-def _ends_early(model, ids, mask, n=16):
-    """Two token ids this model generates in different rows, first at a later step: as EOS ids they
-    end rows at different steps (this deliberately sharp tiny model repeats itself otherwise)."""
-    probe = _generate(model, input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n)[:, 1:]
-    picked = []
-    for row in range(probe.shape[0]):
-        for step in range(1, probe.shape[1]):
-            tok = int(probe[row, step])
-            if tok not in picked and tok > 1 and not (probe[:, :step] == tok).any():
-                picked.append(tok)
-                break
-        if len(picked) == 2:
-            break
-    assert len(picked) == 2
-    return picked
-
-
 def _has_eos(sequences, eos) -> bool:
     return bool((sequences[:, 1:, None] == torch.tensor(eos)).any())
 
@@ -76,7 +59,7 @@ def batch():
 @pytest.mark.parametrize("block_size", [1, 2, 256])
 def test_greedy_block_sizes_with_rows_ending_early(model, batch, loops, block_size):
     ids, mask = batch
-    eos = _ends_early(model, ids, mask)
+    eos = ends_early(model, ids, mask)
     ref = check(model, loops, block_size, input_ids=ids, attention_mask=mask, max_new_tokens=17,
                 eos_token_id=eos, min_new_tokens=2)
     assert _has_eos(ref, eos)
@@ -118,7 +101,7 @@ def test_pad_id_other_than_zero(model, batch, loops):
     """Finished greedy rows are padded with pad_token_id, finished beams filled with it (HF's
     `pad or eos[0]`: with pad 0, beams are filled with eos[0] instead)."""
     ids, mask = batch
-    eos = _ends_early(model, ids, mask)
+    eos = ends_early(model, ids, mask)
     for pad in (3, 0):
         kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=14, eos_token_id=eos, pad_token_id=pad)
         assert _has_eos(check(model, loops, 4, **kw), eos)
@@ -139,7 +122,7 @@ def test_pad_id_other_than_zero(model, batch, loops):
 )
 def test_beam_length_penalty_and_early_stopping(model, batch, loops, opts):
     ids, mask = batch
-    eos = _ends_early(model, ids, mask)
+    eos = ends_early(model, ids, mask)
     check(model, loops, 2, input_ids=ids, attention_mask=mask, max_new_tokens=15, num_beams=4,
           eos_token_id=eos, **opts)
 
@@ -147,7 +130,7 @@ def test_beam_length_penalty_and_early_stopping(model, batch, loops, opts):
 @pytest.mark.parametrize("block_size", [1, 256])
 def test_beam_block_sizes_with_decoder_prompt_and_min_length(model, batch, loops, block_size):
     ids, mask = batch
-    eos = _ends_early(model, ids, mask)
+    eos = ends_early(model, ids, mask)
     dec = torch.tensor([[0, 5, 9]] * ids.shape[0])
     check(model, loops, block_size, input_ids=ids, attention_mask=mask, decoder_input_ids=dec,
           max_new_tokens=13, num_beams=3, eos_token_id=eos, min_new_tokens=4, min_length=8)
@@ -268,7 +251,7 @@ def test_user_max_length_criteria(model, batch, beams, limit):
 @pytest.mark.parametrize("beams", [1, 2])
 def test_two_user_eos_criteria(model, batch, beams):
     ids, mask = batch
-    a, b = _ends_early(model, ids, mask)
+    a, b = ends_early(model, ids, mask)
     criteria = StoppingCriteriaList([EosTokenCriteria(a), EosTokenCriteria(b)])
     compare_with_stock(model, BLOCK_4, input_ids=ids, attention_mask=mask, max_new_tokens=12, num_beams=beams,
                        stopping_criteria=criteria)

@@ -73,7 +73,7 @@ def workspace(batch: int, beams: int, keep: int, vocab: int, length: int, index_
         "top_idx": torch.empty(batch * keep, **i64),
         "flags": torch.empty(batch * 3, **i32),
         "tickets": torch.zeros(1, **i32),
-        "desc": torch.empty(batch * 5 * _KP, **i64),
+        "desc": torch.empty(batch * 4 * _KP, **i64),
         "seq_buf": torch.empty(rows * 2 * length, **i64),
         "bi_buf": torch.empty(rows * 2 * max(index_width, 1), **i32),
         "table_buf": torch.empty(rows * max(table_width, 1), **i32),
@@ -122,6 +122,25 @@ def _beam_candidates_kernel(
         tl.store(cand_val_ptr + base + t, best)
         tl.store(cand_idx_ptr + base + t, tl.where(pick < vocab, pick, -1))
         taken = taken | (index == pick)
+
+
+@triton.jit
+def _hits(tokens, eos_ptr, num_eos, at_max):
+    """HF's stopping criteria on candidates ending in `tokens`: an EOS id, or max length."""
+    hit = tokens < 0  # all False
+    for e in range(0, num_eos):
+        hit = hit | (tokens == tl.load(eos_ptr + e))
+    return hit | at_max
+
+
+@triton.jit
+def _finished_score(value, length_factor, full, unsatisfied, just):
+    """HF's `_update_finished_beams` score of a candidate: the length penalty, then -1e9 for a full
+    source, a satisfied heuristic and a candidate that did not just finish, added one by one."""
+    score = value * length_factor
+    score = score + tl.where(full, -1.0e9, 0.0)
+    score = score + tl.where(unsatisfied, 0.0, -1.0e9)
+    return score + tl.where(just, 0.0, -1.0e9)
 
 
 @triton.jit
@@ -273,11 +292,7 @@ def _beam_select_kernel(
     j_ok = jj < keep
     tv = tl.load(top_val_ptr + b * keep + jj, mask=j_ok, other=float("-inf"))
     ti = tl.load(top_idx_ptr + b * keep + jj, mask=j_ok, other=0)
-    tok = ti % vocab
-    hit = tok < 0  # all False
-    for e in range(0, num_eos):
-        hit = hit | (tok == tl.load(eos_ptr + e))
-    hit = hit | at_max
+    hit = _hits(ti % vocab, eos_ptr, num_eos, at_max)
     all_hits = tl.min(tl.where(j_ok, hit.to(tl.int32), 1), axis=0)
     # HF's `_get_running_beams_for_next_iteration`: the best `beams` after -1e9 on those that hit
     running_lp = tv + tl.where(hit, -1.0e9, 0.0)
@@ -286,11 +301,7 @@ def _beam_select_kernel(
     r_flat = tl.load(top_idx_ptr + b * keep + r_src, mask=k_ok, other=0)
     r_beam = r_flat // vocab
     r_tok = r_flat % vocab
-    r_hit = r_tok < 0
-    for e in range(0, num_eos):
-        r_hit = r_hit | (r_tok == tl.load(eos_ptr + e))
-    r_hit = r_hit | at_max
-    r_score = r_val + tl.where(r_hit, -1.0e9, 0.0)
+    r_score = r_val + tl.where(_hits(r_tok, eos_ptr, num_eos, at_max), -1.0e9, 0.0)
 
     # 5. HF's `_update_finished_beams`: old finished hypotheses and the candidates, merged
     old_fin = tl.load(fin_ptr + row0 + kk, mask=k_ok, other=1) != 0
@@ -304,15 +315,8 @@ def _beam_select_kernel(
     old_score = tl.load(score_ptr + row0 + mm, mask=m_old, other=0.0)
     m_val = tl.load(top_val_ptr + b * keep + mj, mask=m_cand, other=0.0)
     m_tok = tl.load(top_idx_ptr + b * keep + mj, mask=m_cand, other=0) % vocab
-    m_hit = m_tok < 0
-    for e in range(0, num_eos):
-        m_hit = m_hit | (m_tok == tl.load(eos_ptr + e))
-    m_just = (m_hit | at_max) & (mj < beams)
-    cand_score = m_val * length_factor
-    cand_score = cand_score + tl.where(full, -1.0e9, 0.0)
-    cand_score = cand_score + tl.where(unsatisfied, 0.0, -1.0e9)
-    cand_score = cand_score + tl.where(m_just, 0.0, -1.0e9)
-    merged = tl.where(m_old, old_score, cand_score)
+    m_just = _hits(m_tok, eos_ptr, num_eos, at_max) & (mj < beams)
+    merged = tl.where(m_old, old_score, _finished_score(m_val, length_factor, full, unsatisfied, m_just))
     f_src = _source_of(_rank(merged, m_ok, mm), m_ok, mm, kk)  # [KP] merged position of each new hypothesis
     f_old = f_src < beams
     f_j = tl.where(f_old, 0, f_src - beams)
@@ -322,19 +326,12 @@ def _beam_select_kernel(
     f_flat = tl.load(top_idx_ptr + b * keep + f_j, mask=k_ok & ~f_old, other=0)
     f_beam = f_flat // vocab
     f_tok = f_flat % vocab
-    f_hit = f_tok < 0
-    for e in range(0, num_eos):
-        f_hit = f_hit | (f_tok == tl.load(eos_ptr + e))
-    f_just = (f_hit | at_max) & (f_j < beams)
-    f_score = f_val * length_factor
-    f_score = f_score + tl.where(full, -1.0e9, 0.0)
-    f_score = f_score + tl.where(unsatisfied, 0.0, -1.0e9)
-    f_score = f_score + tl.where(f_just, 0.0, -1.0e9)
-    new_score = tl.where(f_old, f_new_old_score, f_score)
+    f_just = _hits(f_tok, eos_ptr, num_eos, at_max) & (f_j < beams)
+    new_score = tl.where(f_old, f_new_old_score, _finished_score(f_val, length_factor, full, unsatisfied, f_just))
     new_fin = tl.where(f_old, f_new_old_fin, f_just)
 
     # 6. what each new beam / hypothesis is made of, for the row copies below
-    desc = desc_ptr + b * 5 * KP
+    desc = desc_ptr + b * 4 * KP
     tl.store(desc + kk, r_beam, mask=k_ok)
     tl.store(desc + KP + kk, r_tok, mask=k_ok)
     tl.store(desc + 2 * KP + kk, tl.where(f_old, f_src, -1 - f_beam), mask=k_ok)  # old row, or -1 - candidate's beam
@@ -384,7 +381,7 @@ def _beam_rows_kernel(
     cur = tl.load(int_table_ptr + step * stride_int)
     col_idx = tl.load(int_table_ptr + step * stride_int + 1)
     row0 = b * beams
-    desc = desc_ptr + b * 5 * KP
+    desc = desc_ptr + b * 4 * KP
     current = tl.minimum(cur // block_size, width - 1)
     # 8. the rows: sequences, beam indices and block tables copied out of the old rows into the
     # scratch, then back in place (a row may be another's source); one row at a time
