@@ -150,15 +150,20 @@ def batch():
     return make_batch([12, 3, 9, 7], padding_side="left")
 
 
-@pytest.fixture
-def fused(monkeypatch):
-    """cpu_ops with `beam_update` (the twin): the resident beam loop takes the fused path; the
+def _fused_with(monkeypatch, update) -> list:
+    """cpu_ops with `beam_update` = `update`: the resident beam loop takes the fused path; the
     list records each update that ran it."""
     ran = []
     real = beam_graph.BeamStep._fused_update
-    monkeypatch.setattr(cpu_ops, "beam_update", reference.beam_update, raising=False)
+    monkeypatch.setattr(cpu_ops, "beam_update", update, raising=False)
     monkeypatch.setattr(beam_graph.BeamStep, "_fused_update", lambda self, c: ran.append(c) or real(self, c))
     return ran
+
+
+@pytest.fixture
+def fused(monkeypatch):
+    """The fused path with the twin."""
+    return _fused_with(monkeypatch, reference.beam_update)
 
 
 @pytest.mark.parametrize(
@@ -184,10 +189,7 @@ def test_fused_path_gives_stock_tokens(model, batch, fused, opts):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter only (on a GPU: test_gpu_contract)")
 def test_fused_kernels_in_generate(model, batch, monkeypatch):
     """The Triton kernels themselves (the interpreter on CPU) inside generate() on a CPU model."""
-    ran = []
-    real = beam_graph.BeamStep._fused_update
-    monkeypatch.setattr(cpu_ops, "beam_update", kernels.beam_update, raising=False)
-    monkeypatch.setattr(beam_graph.BeamStep, "_fused_update", lambda self, c: ran.append(c) or real(self, c))
+    ran = _fused_with(monkeypatch, kernels.beam_update)
     ids, mask = batch
     eos = ends_early(model, ids, mask)
     with warnings.catch_warnings():
