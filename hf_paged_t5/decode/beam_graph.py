@@ -17,6 +17,11 @@ values bit for bit on either device.
 Only what this covers takes the path (`supported`): beam search without sampling, logits
 processors none or min-length, stopping criteria max length and EOS. Anything else runs
 `loop.beam_loop` (HF's helpers, called directly).
+
+Resident (`make_resident`) with a backend namespace that has `beam_update` (the Triton kernels on
+a GPU) and sizes it takes, the update is that instead (`kernels/beam.py`): the same arithmetic in
+four launches, equal scores taken by the lower index where `torch.topk` leaves the order open,
+and the length penalty always as HF's CUDA multiplication.
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ def _fits(beams: int, keep: int, vocab: int) -> bool:
 
 def update_ahead(ops, vocab: int, dtype: torch.dtype, device: torch.device) -> None:
     """Launch `ops.beam_update` once on throwaway buffers (1 source x 2 beams), for a compile-only
-    pass (`kernels/ahead.py`): its two binaries serve every beam call of this logits dtype."""
+    pass (`kernels/ahead.py`): its four binaries serve every beam call of this logits dtype."""
     if not hasattr(ops, "beam_update") or not _fits(2, 4, vocab):
         return
     from ..kernels.beam import workspace
@@ -122,7 +127,7 @@ class BeamStep(BeamState):
         self.unfinished = torch.ones((), dtype=torch.bool, device=device)
         self._graph: Optional[torch.cuda.CUDAGraph] = None
         self.logits_in: Optional[torch.Tensor] = None  # set by `make_resident`
-        # resident: the whole update as `ops.beam_update` (two kernels on a GPU) where it fits
+        # resident: the whole update as `ops.beam_update` (four kernels on a GPU) where it fits
         self.fused = ops if hasattr(ops, "beam_update") and _fits(beams, self.beams_to_keep, vocab_size) else None
 
     # ---- per step -------------------------------------------------------------------------
