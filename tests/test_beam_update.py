@@ -156,6 +156,8 @@ def _fused_with(monkeypatch, update) -> list:
     ran = []
     real = beam_graph.BeamStep._fused_update
     monkeypatch.setattr(cpu_ops, "beam_update", update, raising=False)
+    monkeypatch.setattr(cpu_ops, "beam_update_supports", kernels.beam_update_supports, raising=False)
+    monkeypatch.setattr(cpu_ops, "beam_workspace", kernels.beam_workspace, raising=False)
     monkeypatch.setattr(beam_graph.BeamStep, "_fused_update", lambda self, c: ran.append(c) or real(self, c))
     return ran
 
@@ -247,3 +249,17 @@ def test_kernels_compile_for_a_gpu(tmp_path):
     done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count(" ok") == 4
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_backends_without_the_kernels_keep_the_pytorch_update(model, batch, backend, monkeypatch):
+    """`reference` (backend "torch") has the twin but not the kernels' size rule, `cpu_ops` neither:
+    both run the PyTorch-op update, stock's tokens."""
+    ran = []
+    monkeypatch.setattr(beam_graph.BeamStep, "_fused_update", lambda self, c: ran.append(c))
+    ids, mask = batch
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compare_with_stock(model, hp.PagedCacheConfig(block_size=4, backend=backend), input_ids=ids,
+                           attention_mask=mask, max_new_tokens=6, num_beams=3)
+    assert not ran

@@ -49,19 +49,17 @@ def supported(generation_config, logits_processor, stopping_criteria) -> bool:
     return criteria_supported(stopping_criteria, generation_config)
 
 
-def _fits(beams: int, keep: int, vocab: int) -> bool:
-    from ..kernels.beam import supports  # the Triton module only where an `ops` namespace has the update
-
-    return supports(beams, keep, vocab)
+def _fused(ops, beams: int, keep: int, vocab: int) -> bool:
+    """Whether the backend namespace `ops` has the kernels' update (`beam_update` with its size
+    rule; `reference`'s twin alone is a test oracle) and it takes these sizes."""
+    return hasattr(ops, "beam_update_supports") and ops.beam_update_supports(beams, keep, vocab)
 
 
 def update_ahead(ops, vocab: int, dtype: torch.dtype, device: torch.device) -> None:
     """Launch `ops.beam_update` once on throwaway buffers (1 source x 2 beams), for a compile-only
     pass (`kernels/ahead.py`): its four binaries serve every beam call of this logits dtype."""
-    if not hasattr(ops, "beam_update") or not _fits(2, 4, vocab):
+    if not _fused(ops, 2, 4, vocab):
         return
-    from ..kernels.beam import workspace
-
     i32, i64 = dict(dtype=torch.int32, device=device), dict(dtype=torch.int64, device=device)
     state = BeamState(torch.zeros(1, 2, 1, **i64), 3, 0, 1)
     ops.beam_update(
@@ -75,7 +73,8 @@ def update_ahead(ops, vocab: int, dtype: torch.dtype, device: torch.device) -> N
         unfinished=torch.ones((), dtype=torch.bool, device=device), table=torch.zeros(2, 1, **i32),
         owned=torch.zeros(2, 1, **i32), slot_mapping=torch.zeros(2, **i32), self_seq_lens=torch.zeros(2, **i32),
         input_ids=torch.zeros(2, 1, **i64), copy_src=torch.zeros(2, **i64), copy_dst=torch.zeros(2, **i64),
-        block_size=1, keep=4, early_stopping_true=False, workspace=workspace(1, 2, 4, vocab, 3, 2, 1, device),
+        block_size=1, keep=4, early_stopping_true=False,
+        workspace=ops.beam_workspace(1, 2, 4, vocab, 3, 2, 1, device),
         eos_until=torch.zeros(vocab, **i32), eos=torch.zeros(1, **i64))
 
 
@@ -128,7 +127,7 @@ class BeamStep(BeamState):
         self._graph: Optional[torch.cuda.CUDAGraph] = None
         self.logits_in: Optional[torch.Tensor] = None  # set by `make_resident`
         # resident: the whole update as `ops.beam_update` (four kernels on a GPU) where it fits
-        self.fused = ops if hasattr(ops, "beam_update") and _fits(beams, self.beams_to_keep, vocab_size) else None
+        self.fused = ops if _fused(ops, beams, self.beams_to_keep, vocab_size) else None
 
     # ---- per step -------------------------------------------------------------------------
     def _factor(self, denominator: float) -> float:
@@ -182,10 +181,9 @@ class BeamStep(BeamState):
         self.table = static.meta.self_block_table[:rows, :width]
         self.columns = torch.arange(width, device=self.device)
         if self.fused is not None:
-            from ..kernels.beam import workspace
-
-            self.workspace = workspace(self.batch, self.num_beams, self.beams_to_keep, self.vocab, self.max_length,
-                                       self.running_beam_indices.shape[2], width, self.device)
+            self.workspace = self.fused.beam_workspace(self.batch, self.num_beams, self.beams_to_keep, self.vocab,
+                                                       self.max_length, self.running_beam_indices.shape[2], width,
+                                                       self.device)
             self.copy_src = torch.zeros(rows, dtype=torch.int64, device=self.device)
             self.copy_dst = torch.zeros(rows, dtype=torch.int64, device=self.device)
             self.eos_until = eos_until(self.min_length, self.vocab, self.device)

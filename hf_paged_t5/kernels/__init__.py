@@ -9,7 +9,8 @@
 - `fused_linear`: the same with the layer norm before it and the residual add, activation or
   K/V store after it folded in (a decode step's layer in a few kernels).
 - `greedy_update`: a greedy decode step's token choice and the next step's inputs, one launch.
-- `beam_update`: a beam-search step's bookkeeping, the cache reorder and the next inputs, four launches.
+- `beam_update`: a beam-search step's bookkeeping, the cache reorder and the next inputs, four launches
+  (`beam_update_supports`: the sizes it takes; `beam_workspace`: its scratch).
 - `prefill`: varlen flash-attention over packed sequences, bidirectional or causal.
 - `local_prefill`: varlen local (windowed) attention plus optional side keys (LongT5's encoder).
 
@@ -21,6 +22,8 @@ moving would keep compiling. These arguments are loop bounds and masks, where th
 """
 
 from .beam import beam_update
+from .beam import supports as beam_update_supports
+from .beam import workspace as beam_workspace
 from .decode import paged_decode
 from .gated_gelu import gated_gelu
 from .gemv import gemv, gemv_supports
@@ -32,5 +35,5 @@ from .prefill import prefill
 from .rmsnorm import rms_norm
 from .store_kv import store_kv
 
-__all__ = ["beam_update", "fused_linear", "fused_linear_supports", "gated_gelu", "gemv", "gemv_supports",
+__all__ = ["beam_update", "beam_update_supports", "beam_workspace", "fused_linear", "fused_linear_supports", "gated_gelu", "gemv", "gemv_supports",
            "greedy_update", "local_prefill", "paged_decode", "pdl_available", "prefill", "rms_norm", "store_kv"]
