@@ -24,8 +24,8 @@ them side by side in its compile workers while its first call runs; one kernel o
 Selections order equal scores by the lower flat index (beam * vocab + token, or HF's merged
 position), as a stable descending sort does; `torch.topk` does not promise an order among equal
 values. A chunk's candidates are picked by their logits (a row's scores keep the logits' order up
-to rounding, which can only make two of them equal). NaN logits (fp16 overflow) get no rule of
-their own: HF's result is garbage there too, another garbage here. Sizes are run-time values (one binary per logits dtype for every beam count, vocabulary and
+to rounding, which can only make two of them equal). NaN logits (an fp16 overflow) follow no rule
+here (`torch.topk` ranks NaN first); HF's output is meaningless there either way. Sizes are run-time values (one binary per logits dtype for every beam count, vocabulary and
 length); what fits (`supports`): at most `MAX_BEAMS` beams, `keep <= MAX_KEEP`, a vocabulary of at
 most `MAX_CHUNKS` chunks.
 """
