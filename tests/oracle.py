@@ -253,12 +253,12 @@ def teacher_forced_logits(model64, sequences: torch.Tensor, **inputs) -> torch.T
     expand = rows // ids.shape[0]
     ids = ids.repeat_interleave(expand, 0)
     mask = mask.repeat_interleave(expand, 0) if mask is not None else None
-    _eager_attention(model64)
+    eager_attention(model64)
     with torch.no_grad():
         return model64(input_ids=ids, attention_mask=mask, decoder_input_ids=sequences[:, :-1]).logits
 
 
-def _eager_attention(model) -> None:
+def eager_attention(model) -> None:
     """`model` (a reference copy) on HF's eager attention, in every sub-config: transformers 5.17's
     UMT5 decoder on sdpa lets a position attend to later ones in a forward over a whole sequence
     without a cache (a stock bug, fixed by 5.24), so a teacher-forced reference must not use it."""

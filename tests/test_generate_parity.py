@@ -86,6 +86,19 @@ def test_user_decoder_input_ids():
     compare_with_stock(model, input_ids=ids, attention_mask=mask, decoder_input_ids=dec, max_new_tokens=10)
 
 
+def test_umt5_decoder_prompt_attends_causally():
+    """A UMT5 decoder prompt of several tokens: the paged path is causal, so its tokens are stock's
+    on eager attention (before 5.24, transformers' UMT5 on sdpa lets a prompt position attend to
+    later ones: README, Limits)."""
+    from oracle import eager_attention
+
+    model = make_model("umt5", seed=5)
+    eager_attention(model)
+    ids, mask = make_batch([9, 6], seed=2)
+    dec = torch.tensor([[0, 7, 9, 11], [0, 5, 3, 8]])
+    compare_with_stock(model, input_ids=ids, attention_mask=mask, decoder_input_ids=dec, max_new_tokens=6)
+
+
 @pytest.mark.parametrize("length, reserved", [(dict(max_length=12), 11), (dict(), 23), (dict(max_new_tokens=6), 9)],
                          ids=["max_length", "default", "max_new_tokens"])
 def test_decoder_prompt_sizes_the_cache_as_hf_counts(monkeypatch, length, reserved):
