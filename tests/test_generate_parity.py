@@ -88,7 +88,7 @@ def test_user_decoder_input_ids():
 
 def test_umt5_decoder_prompt_attends_causally():
     """A UMT5 decoder prompt of several tokens: the paged path is causal, so its tokens are stock's
-    on eager attention (before 5.24, transformers' UMT5 on sdpa lets a prompt position attend to
+    on eager attention (in transformers 5.16-5.17, UMT5 on sdpa lets a prompt position attend to
     later ones: README, Limits)."""
     from oracle import eager_attention
 
