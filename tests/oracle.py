@@ -259,9 +259,9 @@ def teacher_forced_logits(model64, sequences: torch.Tensor, **inputs) -> torch.T
 
 
 def eager_attention(model) -> None:
-    """`model` (a reference copy) on HF's eager attention, in every sub-config: transformers 5.17's
-    UMT5 decoder on sdpa lets a position attend to later ones in a forward over a whole sequence
-    without a cache (a stock bug of 5.16-5.17, gone in 5.18), so a teacher-forced reference must not use it."""
+    """`model` (a reference copy) on HF's eager attention, in every sub-config: in transformers
+    5.16-5.17 the UMT5 decoder on sdpa lets a position attend to later ones in a forward over a
+    whole sequence without a cache (gone in 5.18), so a teacher-forced reference must not use it."""
     model.set_attn_implementation("eager")
     for module in model.modules():
         config = getattr(module, "config", None)

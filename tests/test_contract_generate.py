@@ -128,8 +128,8 @@ def test_beam_tie_oracle_tells_equal_hypotheses_from_worse_ones():
 @torch.no_grad()
 def _without_output_scale(model) -> None:
     """Undo the d_model**-0.5 rescaling before the lm_head where this transformers version's class
-    applies it (UMT5 built with tie_word_embeddings=False: transformers 5.17 rescales, 5.24 on does
-    not), by scaling the decoder's final norm (logits are linear in it; at d_model 64 the factor is
+    applies it (UMT5 built with tie_word_embeddings=False: transformers before 5.24 rescales, 5.24
+    on does not), by scaling the decoder's final norm (logits are linear in it; at d_model 64 the factor is
     8, a power of two, so the logits are the unscaled class's bits): the saturated softmax, and with
     it the tie below, on every version."""
     probe = torch.arange(2, 10).unsqueeze(0)
