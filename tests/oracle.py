@@ -198,6 +198,15 @@ def assert_same_floats(stock, paged) -> None:
             assert x.shape == y.shape and torch.equal(x, y), f"{name}[{i}] differs from stock HF's"
 
 
+# The generate() kwargs that feed the encoder (what a teacher-forced reference needs of a call).
+SOURCE_INPUTS = ("input_ids", "inputs_embeds", "attention_mask")
+
+
+def in_float64(kwargs: dict) -> dict:
+    """generate() kwargs for the float64 twin: `inputs_embeds` cast up (exactly), the rest as is."""
+    return {k: v.double() if k == "inputs_embeds" and v is not None else v for k, v in kwargs.items()}
+
+
 def fp64_twin(model):
     """An unpatched float64 copy of `model` (same weights)."""
     return stock_copy(model).double()
@@ -246,16 +255,16 @@ def teacher_forced_logits(model64, sequences: torch.Tensor, **inputs) -> torch.T
     """fp64 logits [rows, steps, vocab] at every generated position of `sequences` [rows, 1 + steps]:
     what a greedy / sampling call's `output_logits` must be, whatever tokens it picked.
 
-    inputs: input_ids / attention_mask of the call, expanded to `sequences`' rows here.
+    inputs: input_ids or inputs_embeds, and attention_mask, of the call (`SOURCE_INPUTS`),
+    expanded to `sequences`' rows here.
     """
-    rows = sequences.shape[0]
-    ids, mask = inputs["input_ids"], inputs.get("attention_mask")
-    expand = rows // ids.shape[0]
-    ids = ids.repeat_interleave(expand, 0)
-    mask = mask.repeat_interleave(expand, 0) if mask is not None else None
+    inputs = {k: v for k, v in in_float64(inputs).items() if v is not None}
+    source = inputs["input_ids"] if "input_ids" in inputs else inputs["inputs_embeds"]
+    expand = sequences.shape[0] // source.shape[0]
+    inputs = {k: v.repeat_interleave(expand, 0) for k, v in inputs.items()}
     eager_attention(model64)
     with torch.no_grad():
-        return model64(input_ids=ids, attention_mask=mask, decoder_input_ids=sequences[:, :-1]).logits
+        return model64(**inputs, decoder_input_ids=sequences[:, :-1]).logits
 
 
 def eager_attention(model) -> None:
@@ -339,7 +348,7 @@ def assert_generate_floats(model, stock, paged, seed=None, **kwargs) -> None:
     if not float_outputs(stock):
         return
     model64 = fp64_twin(model)
-    inputs = {k: v for k, v in kwargs.items() if k in ("input_ids", "attention_mask")}
+    inputs = {k: v for k, v in kwargs.items() if k in SOURCE_INPUTS}
     beams = (kwargs.get("num_beams") or model.generation_config.num_beams or 1) > 1
     if getattr(stock, "logits", None) is not None and not beams:
         # the last steps: a user's decoder prompt comes first in the sequences
@@ -347,7 +356,7 @@ def assert_generate_floats(model, stock, paged, seed=None, **kwargs) -> None:
         assert_within_stock_error(paged.logits, stock.logits, ref.unbind(1), "logits")
     if seed is not None:
         torch.manual_seed(seed)
-    ref = model64.generate(**{k: v for k, v in kwargs.items() if k != "streamer"})
+    ref = model64.generate(**in_float64({k: v for k, v in kwargs.items() if k != "streamer"}))
     steps = _agreeing_steps(stock, ref, beams)
     for name in ("scores", "logits") if beams else ("scores",):
         a_all, b_all, r_all = getattr(stock, name, None), getattr(paged, name, None), getattr(ref, name, None)
@@ -390,7 +399,8 @@ def assert_exact_in_float64(model, seed=None, expect_paged=True, config=CONFIG, 
     equal up to their float32 cast (HF casts the logits to float32: values that agree to ~1e-15
     may round to neighbouring float32 numbers, one ulp apart)."""
     model64 = fp64_twin(model)
-    stock, paged = stock_and_paged(model64, config=config, seed=seed, expect_paged=expect_paged, **kwargs)
+    stock, paged = stock_and_paged(model64, config=config, seed=seed, expect_paged=expect_paged,
+                                   **in_float64(kwargs))
     assert_same_tokens(stock, paged)
     floats_a, floats_b = float_outputs(stock), float_outputs(paged)
     assert floats_a.keys() == floats_b.keys()
@@ -419,7 +429,7 @@ def beam_hypotheses_tie(model, stock, paged, kwargs) -> bool:
         return False
     config = model._prepare_generation_config(None, **kwargs)[0]
     model64 = fp64_twin(model)
-    inputs = {k: v for k, v in kwargs.items() if k in ("input_ids", "attention_mask")}
+    inputs = {k: v for k, v in kwargs.items() if k in SOURCE_INPUTS}
 
     def scores64(sequences):
         logp = torch.log_softmax(teacher_forced_logits(model64, sequences, **inputs), dim=-1)
@@ -442,6 +452,6 @@ def fp32_agrees_with_fp64(model, stock, seed, kwargs) -> bool:
     """Whether stock fp32 generate() picked the tokens an fp64 copy picks (same seed)."""
     if seed is not None:
         torch.manual_seed(seed)
-    ref = fp64_twin(model).generate(**kwargs)
+    ref = fp64_twin(model).generate(**in_float64(kwargs))
     a, r = sequences_of(stock), sequences_of(ref)
     return a.shape == r.shape and torch.equal(a, r)

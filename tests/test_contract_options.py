@@ -1,0 +1,156 @@
+"""Every generation option the paged path serves gives stock HF's answer on it.
+
+`hf/policy.py`'s `SERVED_OPTIONS` lists the `GenerationConfig` fields a call may set and still be
+served: the paged forward gives the logits and HF's own processors, warpers, stopping criteria
+and output assembly do the rest. Here each of them is set (to a value that changes the output
+where it can) in the modes it acts in, on the CPU backend that `backend="auto"` picks there, and
+compared with stock HF (`oracle.compare_with_stock`: tokens equal, scores and logits within
+stock's own fp32 error against fp64); the call must run on the pool. An option a future release
+adds to `SERVED_OPTIONS` fails `test_every_served_option_has_a_case` until it has a case here.
+Where stock HF raises for a setting, the patched call must raise the same.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_batch, make_model
+from oracle import BACKENDS, case_seed, compare_with_stock, stock_copy
+from transformers import CompileConfig, WatermarkingConfig
+
+import hf_paged_t5 as hp
+from hf_paged_t5.hf.policy import SERVED_OPTIONS
+
+MODES = {
+    "greedy": {},
+    "beam": dict(num_beams=3, num_return_sequences=2),
+    "sample": dict(do_sample=True, top_k=0),
+    "beam_sample": dict(do_sample=True, num_beams=2, top_k=0),
+}
+SEARCH, SAMPLING, ALL = ("greedy", "beam"), ("sample", "beam_sample"), tuple(MODES)
+
+
+def _allowed(batch: int, ids: torch.Tensor) -> list[int]:
+    """prefix_allowed_tokens_fn: a window of tokens that moves with the last one."""
+    first = 2 + int(ids[-1]) % 40
+    return list(range(first, first + 12))
+
+
+# option -> (the kwargs that set it, the modes it is checked in). Options that only size or shape
+# the call (lengths, beams, ids, outputs) are set to values other than the defaults.
+CASES = {
+    "max_length": (dict(max_length=6, max_new_tokens=None), SEARCH),
+    "max_new_tokens": (dict(max_new_tokens=5), ("greedy",)),
+    "min_length": (dict(min_length=7), SEARCH),
+    "min_new_tokens": (dict(min_new_tokens=6), ("greedy", "beam_sample")),
+    "early_stopping": (dict(early_stopping="never", length_penalty=1.5), ("beam",)),
+    "max_time": (dict(max_time=600.0), ("greedy",)),  # a limit the call never reaches
+    "do_sample": (dict(do_sample=True), ("sample",)),
+    "num_beams": (dict(num_beams=4), ("greedy",)),
+    "use_cache": (dict(use_cache=True), ("greedy",)),
+    "temperature": (dict(temperature=0.7), SAMPLING),
+    "top_k": (dict(top_k=5), SAMPLING),
+    "top_p": (dict(top_p=0.6), SAMPLING),
+    "min_p": (dict(min_p=0.05), SAMPLING),
+    "typical_p": (dict(typical_p=0.5), SAMPLING),
+    "epsilon_cutoff": (dict(epsilon_cutoff=0.002), SAMPLING),
+    "eta_cutoff": (dict(eta_cutoff=0.002), SAMPLING),
+    "top_h": (dict(top_h=0.5), SAMPLING),
+    "repetition_penalty": (dict(repetition_penalty=1.8), ALL),
+    "encoder_repetition_penalty": (dict(encoder_repetition_penalty=1.5), SEARCH),
+    "length_penalty": (dict(length_penalty=-0.5), ("beam",)),
+    "no_repeat_ngram_size": (dict(no_repeat_ngram_size=2), ALL),
+    "encoder_no_repeat_ngram_size": (dict(encoder_no_repeat_ngram_size=2), SEARCH),
+    "bad_words_ids": (dict(bad_words_ids=[[5], [6, 7], [8, 9, 10]]), SEARCH),
+    "renormalize_logits": (dict(renormalize_logits=True, repetition_penalty=1.5), ALL),
+    "forced_bos_token_id": (dict(forced_bos_token_id=7), SEARCH),
+    "forced_eos_token_id": (dict(forced_eos_token_id=1, max_new_tokens=5), SEARCH),
+    "remove_invalid_values": (dict(remove_invalid_values=True), SEARCH),
+    "exponential_decay_length_penalty": (dict(exponential_decay_length_penalty=(2, 1.6)), SEARCH),
+    "suppress_tokens": (dict(suppress_tokens=[5, 6, 7, 8, 9, 10]), SEARCH + ("sample",)),
+    "begin_suppress_tokens": (dict(begin_suppress_tokens=[1, 5, 6, 7]), SEARCH),
+    "sequence_bias": (dict(sequence_bias={(5,): 4.0, (6, 7): -3.0}), SEARCH),
+    "num_return_sequences": (dict(num_return_sequences=3), ("sample", "beam")),
+    "output_scores": (dict(output_scores=True, output_logits=False), ("greedy", "beam")),
+    "output_logits": (dict(output_scores=False, output_logits=True), ("greedy", "beam")),
+    "return_dict_in_generate": (dict(return_dict_in_generate=False, output_scores=False, output_logits=False),
+                                ("greedy", "beam")),
+    "pad_token_id": (dict(pad_token_id=3, eos_token_id=[1, 4]), SEARCH),
+    "bos_token_id": (dict(bos_token_id=5), ("greedy",)),
+    "eos_token_id": (dict(eos_token_id=[1, 4, 9]), SEARCH),
+    "decoder_start_token_id": (dict(decoder_start_token_id=4), SEARCH),
+    "is_assistant": (dict(is_assistant=True), ("greedy",)),
+    "compile_config": (dict(compile_config=CompileConfig(fullgraph=False)), ("greedy",)),
+    "disable_compile": (dict(disable_compile=True), ("greedy",)),
+    "diversity_penalty": (dict(diversity_penalty=0.5), ("beam",)),  # acts only with num_beam_groups
+    "low_memory": (dict(low_memory=True), ("greedy", "beam")),  # stock raises for beams
+    "watermarking_config": (dict(watermarking_config=WatermarkingConfig(bias=2.5, seeding_scheme="selfhash")), ALL),
+    "guidance_scale": (dict(guidance_scale=1.5), ("greedy",)),  # stock raises for encoder-decoders
+    "stop_strings": (None, ()),  # needs a tokenizer: test_contract_api.py::test_stop_strings_with_tokenizer
+}
+# generate() kwargs beside the config that no other test sets
+KWARG_CASES = {
+    "prefix_allowed_tokens_fn": (dict(prefix_allowed_tokens_fn=_allowed), ALL),
+}
+OUTPUTS = dict(return_dict_in_generate=True, output_scores=True, output_logits=True)
+
+
+@pytest.fixture(scope="module")
+def models():
+    """(patched model, stock copy): one t5 layout for every case (the options act on the logits)."""
+    model = make_model("t5", seed=case_seed("options"))
+    stock = stock_copy(model)
+    hp.patch_model(model, BACKENDS["cpu"])
+    return model, stock
+
+
+def _params(cases):
+    return [pytest.param(option, mode, id=f"{option}-{mode}") for option, (kw, modes) in cases.items()
+            if kw is not None for mode in modes]
+
+
+def _compare_served(model, stock, monkeypatch, seed, **kwargs):
+    """compare_with_stock on the module's patched model, and this call ran on the paged path: a
+    patched model's pool outlives its calls, so a fallback is told by the reason it logs."""
+    reasons = []
+    monkeypatch.setattr(model._hf_paged_t5, "warn_once", lambda reason, what=None: reasons.append(reason))
+    stock_out, _ = compare_with_stock(model, seed=seed, stock_model=stock, stock_may_raise=True, **kwargs)
+    if not isinstance(stock_out, Exception):
+        assert reasons == [], f"fell back to stock HF: {reasons}"
+
+
+def _check(models, monkeypatch, option, mode, kwargs):
+    model, stock = models
+    ids, mask = make_batch([9, 4, 13], padding_side="left" if len(option) % 2 else "right",
+                           seed=case_seed(option, mode))
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, **OUTPUTS, **MODES[mode])
+    kw.update(kwargs)
+    kw = {k: v for k, v in kw.items() if v is not None}
+    _compare_served(model, stock, monkeypatch, case_seed(option, mode, "rng"), **kw)
+
+
+@pytest.mark.parametrize("option,mode", _params(CASES))
+def test_served_option_matches_stock(models, monkeypatch, option, mode):
+    _check(models, monkeypatch, option, mode, CASES[option][0])
+
+
+@pytest.mark.parametrize("option,mode", _params(KWARG_CASES))
+def test_served_kwarg_matches_stock(models, monkeypatch, option, mode):
+    _check(models, monkeypatch, option, mode, KWARG_CASES[option][0])
+
+
+@pytest.mark.parametrize("mode", ALL)
+def test_inputs_embeds_match_stock(models, monkeypatch, mode):
+    """inputs_embeds in place of input_ids: the encoder embeds nothing itself."""
+    model, stock = models
+    ids, mask = make_batch([9, 4, 13], seed=case_seed("embeds", mode))
+    embeds = stock.get_input_embeddings()(ids).detach() * 0.5  # not the table's own rows
+    kw = dict(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=8, **OUTPUTS, **MODES[mode])
+    _compare_served(model, stock, monkeypatch, case_seed("embeds", mode, "rng"), **kw)
+
+
+def test_every_served_option_has_a_case():
+    assert set(CASES) == set(SERVED_OPTIONS), (
+        f"served without a case here: {sorted(set(SERVED_OPTIONS) - set(CASES))}; "
+        f"cases of options no longer served: {sorted(set(CASES) - set(SERVED_OPTIONS))}"
+    )
