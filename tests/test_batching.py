@@ -504,6 +504,28 @@ def test_pool_idle_after_close_and_errors():
     assert [r.sequences for r in gen.generate(inputs[:2])] == [alone(model, i, max_new_tokens=8)[0] for i in inputs[:2]]
 
 
+def test_a_job_refuses_a_hook_it_would_not_run():
+    """A forward hook on a decoder block (which the batch engine never calls as a module) stops a
+    job before it admits anything, with the reason; a hook on a projection runs; once the block's
+    hook is gone, the same generator runs."""
+    model = patched()
+    inputs = make_inputs()[:3]
+    gen = hp.BatchGenerator(model, max_new_tokens=5)
+    handle = model.decoder.block[1].register_forward_hook(lambda *_: None)
+    with pytest.raises(ValueError, match=r"a hook on decoder\.block\.1 \(a module the paged path does not call\) "
+                                         r"would not run; remove it, or use model\.generate\(\)"):
+        list(gen.generate(inputs))
+    assert model._hf_paged_t5.pool is None or model._hf_paged_t5.pool.is_idle()
+    handle.remove()
+    runs = []
+    handle = model.decoder.block[1].layer[0].SelfAttention.q.register_forward_hook(lambda *_: runs.append(1))
+    try:
+        results = [r.sequences for r in gen.generate(inputs)]
+    finally:
+        handle.remove()
+    assert runs and results == [alone(model, ids, max_new_tokens=5)[0] for ids in inputs]
+
+
 def test_generate_between_steps_does_not_deadlock():
     model = patched(seed=8)
     inputs = make_inputs(LENGTHS[:4], seed=7)

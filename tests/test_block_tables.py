@@ -129,6 +129,19 @@ def test_open_gives_a_source_its_tokens_in_order():
     assert table[2].tolist() == [0, 0, 0]  # unused entries are 0
 
 
+def test_open_of_a_slot_out_of_range_takes_no_block():
+    """A source past the tables' rows raises before any block leaves the pool (none is lost)."""
+    pool = make_pool(num_blocks=8)
+    tables = BlockTables(pool, 2)
+    tables.open(0, 5)
+    free = pool.manager.num_free
+    with pytest.raises(IndexError):
+        tables.open(2, 5)
+    assert pool.manager.num_free == free and tables.num_held == 2
+    tables.free_all()
+    assert pool.manager.num_free == free + 2
+
+
 def test_opening_counts_what_append_allocates():
     pool = make_pool(num_blocks=16)
     tables = BlockTables(pool, 4)

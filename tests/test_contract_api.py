@@ -362,6 +362,124 @@ def test_forward_hooks_on_plain_linears_run():
     assert calls
 
 
+def _hook_runs(model, name: str, call) -> tuple[int, object]:
+    """(how often a forward hook on `model`'s module `name` ran during `call()`, its result)."""
+    runs = []
+    handle = model.get_submodule(name).register_forward_hook(lambda *_: runs.append(1))
+    try:
+        out = call()
+    finally:
+        handle.remove()
+    return len(runs), out
+
+
+def _no_grad_encoder(model, ids, mask) -> torch.Tensor:
+    with torch.no_grad():  # (with autograd the encoder runs on stock HF anyway)
+        return model.get_encoder()(input_ids=ids, attention_mask=mask)[0]
+
+
+# The modules whose hooks the paged path runs by calling them (`packing._CALLED`; the encoder stack,
+# whose forward is the patched one, and its feed-forward modules): a hook on one of them keeps
+# the call paged; a hook anywhere else sends it to stock HF.
+_CALLED_SLOTS = ("q", "k", "v", "o", "wi", "wi_0", "wi_1", "wo", "layer_norm", "final_layer_norm", "embed_tokens",
+                 "shared", "lm_head", "dropout")
+
+
+@pytest.mark.parametrize("family", ["t5", "t5v1_1", "umt5"])
+def test_a_hook_on_any_module_runs_as_in_stock(family, monkeypatch):
+    """A forward hook on each module of the model in turn: where stock HF's generate() or encoder
+    runs it, the patched call runs it too, with stock's tokens. A hook on a module the paged path
+    does not call (a block, a sub-layer, an attention or feed-forward module, a bias embedding, the
+    decoder stack) sends the call to stock HF with a logged reason; one on a projection, a norm, a
+    dropout, an embedding or an encoder feed-forward keeps it paged."""
+    seed = case_seed("hook on any module", family)
+    model = make_model(family, seed=seed)
+    stock = copy.deepcopy(model)
+    hp.patch_model(model, CONFIG)
+    ids, mask = make_batch([7, 4], seed=seed)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=3, num_beams=2)
+    reasons = []
+    monkeypatch.setattr(model._hf_paged_t5, "warn_once", lambda reason, what=None: reasons.append(reason))
+    for name, _ in stock.named_modules():
+        if not name:
+            continue
+        for what, call in (("generate", lambda m: m.generate(**kw)),
+                           ("encoder", lambda m: _no_grad_encoder(m, ids, mask))):
+            ran_stock, want = _hook_runs(stock, name, lambda: call(stock))
+            reasons.clear()
+            ran_paged, got = _hook_runs(model, name, lambda: call(model))
+            assert bool(ran_paged) == bool(ran_stock), f"{what}: a hook on {name} ran {ran_paged} times, stock {ran_stock}"
+            if what == "generate":
+                assert torch.equal(got, want), f"a hook on {name}: other tokens than stock's"
+            else:  # (the paged encoder leaves padded positions at 0; nothing reads them)
+                torch.testing.assert_close(got * mask[..., None], want * mask[..., None])
+            slot = name.rsplit(".", 1)[-1]
+            in_decoder_ff = name.startswith("decoder.") and ".DenseReluDense." in name  # only its projections
+            called = (name == "encoder" or (name.startswith("encoder.") and "DenseReluDense" in name)
+                      or (slot in _CALLED_SLOTS and not (in_decoder_ff and slot == "dropout")))
+            if called:
+                assert not any("hook" in r for r in reasons), f"{what}: a hook on {name} sent the call to stock HF"
+            elif ran_stock:
+                assert any(name in r for r in reasons), f"{what}: a hook on {name} ran without a logged fallback"
+    assert model._hf_paged_t5.pool.is_idle()
+
+
+def test_malformed_input_shapes_get_one_clear_error():
+    """Inputs without a batch dimension, or a mask that does not fit them: one ValueError that
+    says what to do, before the call touches the pool (stock HF fails inside its forward with an
+    indexing error, or, for a mask shorter than the inputs, only where its attention adds it)."""
+    model = _patched(make_model("t5", seed=case_seed("input shapes")))
+    ids, mask = make_batch([7, 5, 3], seed=1)
+    embeds = model.get_input_embeddings()(ids).detach()
+    cases = [
+        (dict(input_ids=ids[0]), r"input_ids must be \[batch, sequence_length\], got shape \(7,\); a single input "
+                                 r"needs a batch dimension \(input_ids\[None\]\)"),
+        (dict(input_ids=ids[None], attention_mask=None), r"input_ids must be \[batch, sequence_length\], got shape \(1, 3, 7\)$"),
+        (dict(input_ids=None, inputs_embeds=embeds[0]), r"inputs_embeds must be \[batch, sequence_length, d_model\], "
+                                                        r"got shape \(7, 64\); a single input needs a batch dimension"),
+        (dict(attention_mask=mask[:, :6]), r"attention_mask has shape \(3, 6\) but input_ids is \(3, 7\) "
+                                           r"\(batch, sequence_length\): one mask entry per input token"),
+        (dict(attention_mask=mask[:2]), r"attention_mask has shape \(2, 7\) but input_ids is \(3, 7\)"),
+        (dict(decoder_input_ids=torch.tensor([0, 5])), r"decoder_input_ids must be \[batch, length\], got shape "
+                                                       r"\(2,\); a single prompt needs a batch dimension"),
+    ]
+    for change, message in cases:
+        kw = {k: v for k, v in {**dict(input_ids=ids, attention_mask=mask), **change}.items() if v is not None}
+        with pytest.raises(ValueError, match=message):
+            model.generate(**kw, max_new_tokens=3)
+        assert model._hf_paged_t5.pool is None, "the pool was made before the inputs were checked"
+
+
+@pytest.mark.parametrize("num_beams", [1, 2])
+@pytest.mark.parametrize("shape,zeros", [((1, 7), 0), ((1, 7), 2), ((3, 1), 0), ((1, 1), 0)])
+def test_a_mask_that_broadcasts_gives_stocks_answer(shape, zeros, num_beams):
+    """A mask of another shape that broadcasts over the inputs: stock HF's own answer (its tokens,
+    or its error where a broadcast row has padding), from generate() and the encoder alike."""
+    seed = case_seed("broadcast mask", shape, zeros)
+    model = make_model("t5", seed=seed)
+    ids, _ = make_batch([7, 7, 7], seed=seed)
+    mask = torch.ones(shape, dtype=torch.long)
+    if zeros:
+        mask[:, -zeros:] = 0
+    compare_with_stock(model, expect_paged=False, stock_may_raise=True, input_ids=ids, attention_mask=mask,
+                       max_new_tokens=4, num_beams=num_beams)
+
+    def encode():
+        try:
+            with torch.no_grad():
+                return model.get_encoder()(input_ids=ids, attention_mask=mask).last_hidden_state
+        except Exception as exc:  # stock's error, compared below
+            return exc
+
+    want = encode()
+    _patched(model)
+    got = encode()
+    if isinstance(want, Exception):
+        assert type(got) is type(want) and str(got) == str(want), f"stock HF: {want!r}\npaged: {got!r}"
+    else:
+        assert torch.equal(got, want)
+
+
 def test_peft_lora_adapters_are_applied():
     """LoRA on every projection, non-zero adapters: the paged path serves them through peft's layers."""
     peft = pytest.importorskip("peft")

@@ -151,6 +151,10 @@ class BatchGenerator:
     def as_completed(self, inputs: Iterable[InputItem]) -> Iterator[tuple[int, BatchResult]]:
         """(input index, result) as each input finishes. Closing the iterator early, or an
         exception, returns every block the job holds to the pool."""
+        hooked = self.runtime.uncalled_hook(self.model)
+        if hooked is not None:
+            raise ValueError(f"BatchGenerator cannot run this job: {hooked} would not run; remove it, or use "
+                             "model.generate(), which runs such calls on stock HF")
         run = BatchRun(self, inputs)
         with self.runtime.runner.lock:
             self.runtime.check_weights()  # once per job (a decode step must not sync)

@@ -19,7 +19,7 @@ from ..model.bias import is_local, self_attention
 from ..model.encoder_graphs import MAX_GRAPH_TOKENS
 from ..model.stacks import encoder_forward, mask_layout, pack_tokens, store_cross, weight_devices
 from .cache import PagedEncoderDecoderCache
-from .policy import cpu_stock_reason
+from .policy import MASK_SHAPE, cpu_stock_reason
 from .runtime import PagedRuntime
 
 logger = logging.getLogger("hf_paged_t5.hf.patch")
@@ -161,6 +161,15 @@ def make_encoder_forward(runtime: PagedRuntime, original):
         stock = unknown or not _paged_allowed(runtime, self, kwargs)
         lens = None
         attention = self_attention(self.block[0].layer[0])
+        hooked = None if stock else runtime.encoder_hook_watch.hooked([(self, "encoder", False)])
+        if hooked is not None:
+            runtime.warn_once(f"{hooked} is served by stock HF", "the encoder")
+            stock = True
+        given = input_ids if input_ids is not None else inputs_embeds
+        if not stock and attention_mask is not None and given is not None \
+                and tuple(attention_mask.shape) != tuple(given.shape[:2]):
+            runtime.warn_once(MASK_SHAPE, "the encoder")  # (stock HF raises where it does not broadcast)
+            stock = True
         if not stock and is_local(attention):
             reason = longt5.unserved_reason(self, attention_mask)
             if reason is not None:

@@ -24,7 +24,7 @@ from ..model.stacks import EMPTY_ROW, known_mask, mask_rows, store_cross_ahead, 
 from . import cache_export
 from .cache import PagedEncoderDecoderCache
 from .forward import like
-from .policy import cpu_stock_reason, fallback_reason
+from .policy import MASK_SHAPE, cpu_stock_reason, fallback_reason
 from .runtime import PagedRuntime
 
 logger = logging.getLogger(__name__)
@@ -53,6 +53,8 @@ def _generate(model, runtime, original, inputs, generation_config, prepared: "Pr
         reason = "weights offloaded by accelerate (meta device) are served by stock HF"
     if reason is None and runtime.runner.owned_here():
         reason = "a generate() nested in a running generate() of the same model is served by stock HF"
+    if reason is None and (hooked := runtime.uncalled_hook(model)) is not None:
+        reason = f"{hooked} is served by stock HF"
     if reason is None:
         source, source_lens, reason = _encoder_inputs(model, gen_config, model_kwargs)
     if reason is None:
@@ -72,19 +74,22 @@ def _encoder_inputs(model: nn.Module, gen_config, model_kwargs: dict):
     With neither input_ids nor inputs_embeds, HF starts the encoder from one BOS token per row
     (`_prepare_model_inputs`, which raises HF's own error when the model has no bos_token_id).
     """
-    source = model_kwargs.get("input_ids")
-    if source is None:
-        source = model_kwargs.get("inputs_embeds")
+    name = "input_ids" if model_kwargs.get("input_ids") is not None or model_kwargs.get("inputs_embeds") is None \
+        else "inputs_embeds"
+    source = model_kwargs.get(name)
     if source is None:
         source = model._prepare_model_inputs(None, gen_config.bos_token_id, dict(model_kwargs))[0]
+    mask = model_kwargs.get("attention_mask")
+    _check_shapes(name, source, mask, model_kwargs.get("decoder_input_ids"))
     if source.shape[0] == 0:
         raise ValueError("generate() got an empty batch (batch size 0); pass at least one input")
     if source.shape[1] == 0:
         raise ValueError("generate() got zero-length inputs; each input needs at least one token")
-    mask = model_kwargs.get("attention_mask")
     _check_devices(model, source, mask)
     if mask is None:
         return source, [source.shape[1]] * source.shape[0], None
+    if tuple(mask.shape) != tuple(source.shape[:2]):
+        return None, None, MASK_SHAPE
     lens, reason = mask_rows(mask)
     if reason == EMPTY_ROW:  # HF's decoder attends over every encoder position of such a row
         return None, None, reason
@@ -372,6 +377,30 @@ def _on_one_device(devices: frozenset) -> bool:
 
 def _one_cuda_device(devices: frozenset) -> bool:
     return len(devices) == 1 and next(iter(devices)).type == "cuda"
+
+
+def _check_shapes(name: str, source: torch.Tensor, mask: Optional[torch.Tensor],
+                  decoder_ids: Optional[torch.Tensor]) -> None:
+    """The inputs' shapes, before any work (`name`: "input_ids" or "inputs_embeds", what `source`
+    is): stock HF fails on these deep inside its forward with an indexing error, or, for a mask
+    shorter than the inputs, only where its attention adds the mask. A mask that broadcasts over
+    the inputs ([1, length], [batch, 1]) passes: stock HF serves it (`MASK_SHAPE`)."""
+    layout = "[batch, sequence_length, d_model]" if name == "inputs_embeds" else "[batch, sequence_length]"
+    if source.dim() != layout.count(",") + 1:
+        hint = (f"; a single input needs a batch dimension ({name}[None])"
+                if source.dim() == layout.count(",") else "")
+        raise ValueError(f"{name} must be {layout}, got shape {tuple(source.shape)}{hint}")
+    if mask is not None:
+        if mask.dim() != 2:
+            raise ValueError("`attention_mask` passed to `generate` must be 2D.")  # stock HF's own message
+        try:
+            torch.broadcast_shapes(mask.shape, source.shape[:2])
+        except RuntimeError:
+            raise ValueError(f"attention_mask has shape {tuple(mask.shape)} but {name} is "
+                             f"{tuple(source.shape[:2])} (batch, sequence_length): one mask entry per input token") from None
+    if decoder_ids is not None and decoder_ids.dim() != 2:
+        hint = "; a single prompt needs a batch dimension (decoder_input_ids[None])" if decoder_ids.dim() == 1 else ""
+        raise ValueError(f"decoder_input_ids must be [batch, length], got shape {tuple(decoder_ids.shape)}{hint}")
 
 
 def _check_devices(model: nn.Module, source: torch.Tensor, mask: Optional[torch.Tensor]) -> None:

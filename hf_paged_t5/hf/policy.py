@@ -14,6 +14,7 @@ from typing import Any, Optional
 import torch
 from transformers import GenerationConfig
 
+
 # Options that only feed HF's logits processors, stopping criteria, beam scorer or output
 # assembly: the paged path computes the same logits, so HF handles these unchanged.
 SERVED_OPTIONS = frozenset(
@@ -70,6 +71,10 @@ FALLBACK_KWARGS = MappingProxyType({
     "generation_config": None,
 })
 
+
+# An attention_mask of another shape than the inputs' [batch, sequence_length] (one that broadcasts
+# over them, such as [1, length]): stock HF's attention adds it as it is.
+MASK_SHAPE = "an attention_mask of another shape than the inputs (one that broadcasts over them) is served by stock HF"
 
 # Values that mean "off" for an option whose default is None (model configs often write them).
 _OFF = (None, False, 0, 1, "", (), [], {})

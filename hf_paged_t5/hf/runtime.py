@@ -21,6 +21,7 @@ from ..kv.pool import KVPool, LayerSpec
 from ..model import bias as bias_mod
 from ..model.attention import OnDevice, backend_ops, run_compiled_ahead
 from ..model.encoder_graphs import BUCKETS, EncoderGraphs
+from ..model.packing import HookWatch
 from ..model.probe import output_scale
 
 logger = logging.getLogger("hf_paged_t5.hf.patch")
@@ -53,6 +54,8 @@ class PagedRuntime:
         # what a generate() call in progress adds to its encoder's pass (`also_ahead`), or None
         self._also_ahead: Optional[Callable[[], None]] = None
         self.packed: list = []  # the projection groups `patch_model` packed (`model/packing.py`)
+        # hooks on modules the paged path does not call: generate()'s stacks, and an encoder's own call
+        self.hook_watch, self.encoder_hook_watch = HookWatch(), HookWatch()
 
     def _drop_graphs(self) -> None:
         self.runner.graphs.clear()
@@ -144,6 +147,12 @@ class PagedRuntime:
                 logger.info("re-creating the KV pool: the decoder's devices or dtypes changed")
             self.pool = KVPool(self.config, specs)
         return self.pool
+
+    def uncalled_hook(self, model: nn.Module) -> Optional[str]:
+        """A hook of the seq2seq `model` that would not run on the paged path, in a few words, or
+        None (`packing.hooked_among`): patched generate() runs such a call on stock HF, a batch job
+        refuses it."""
+        return self.hook_watch.hooked([(model.get_encoder(), "encoder", False), (model.decoder, "decoder", True)])
 
     def warn_once(self, reason: str, what: str = "this generate()") -> None:
         """Log once per model and reason that `what` runs on stock HF, and why (a generate() that

@@ -87,9 +87,9 @@ class BlockTables:
         """Give an empty `slot` blocks for `num_tokens` tokens and count them stored; returns their
         pool slots [num_tokens] int64, in order (an encoder source, written at once)."""
         num = blocks_for(num_tokens, self.block_size)
-        blocks = self._allocate(num)
         self.reserve_width(num)
-        self.table[slot] = 0
+        self.table[slot] = 0  # (a slot out of range raises here, before any block is taken)
+        blocks = self._allocate(num)
         self.table[slot, :num] = blocks
         self.lens[slot], self.held[slot] = num_tokens, num
         return self.slots_of(np.full(num_tokens, slot), np.arange(num_tokens))

@@ -30,6 +30,8 @@ from typing import Callable, Hashable, Optional
 import torch
 from torch import nn
 
+from .packing import Registrations
+
 logger = logging.getLogger(__name__)
 
 # Batch x length up to which an encoder forward is replayed as a graph: past it the forward's
@@ -83,27 +85,6 @@ def bucket_of(length: int) -> Optional[int]:
     return None
 
 
-class _Registrations:
-    """How many parameters and submodules any module of this process has registered: torch's
-    global registration hooks (installed at the first `WeightWatch`) count them, so a watch knows
-    in O(1) that no weight was replaced nor module swapped since it looked."""
-
-    count = 0
-    _installed = False
-
-    @classmethod
-    def now(cls) -> int:
-        if not cls._installed:
-            nn.modules.module.register_module_parameter_registration_hook(cls._bump)
-            nn.modules.module.register_module_module_registration_hook(cls._bump)
-            cls._installed = True
-        return cls.count
-
-    @classmethod
-    def _bump(cls, *_args) -> None:
-        cls.count += 1
-
-
 def _hooked(modules: list[nn.Module]) -> bool:
     """Whether calling any of `modules` runs more than its class's forward (hooks of its own or
     global, accelerate's hook, a replaced forward): that must run on every call, not once at capture."""
@@ -120,7 +101,7 @@ class WeightWatch:
     a graph captured then still reads the right tensors."""
 
     def __init__(self, stack: nn.Module) -> None:
-        self.registrations = _Registrations.now()
+        self.registrations = Registrations.now()
         self.modules = list(stack.modules())
         self.params = list(stack.parameters())
         self.pointers = [p.data_ptr() for p in self.params]
@@ -128,7 +109,7 @@ class WeightWatch:
 
     def current(self, stack: nn.Module) -> "WeightWatch":
         """This watch if nothing was registered since, else a new look at `stack`."""
-        return self if self.registrations == _Registrations.now() else WeightWatch(stack)
+        return self if self.registrations == Registrations.now() else WeightWatch(stack)
 
     def same_weights(self, other: "WeightWatch") -> bool:
         return (len(self.params) == len(other.params) and all(a is b for a, b in zip(self.params, other.params))

@@ -48,6 +48,88 @@ def unhooked(module: nn.Module) -> bool:
     )
 
 
+# The modules of a T5 stack the paged path calls as modules when they are hooked, so that their
+# hooks run as in stock HF: projections (`plain_linear`), norms (`attention.plain_rms_norm`), the
+# embedding, and the dropouts of a stack and of its sub-layers (a LoRA or quantized layer in one of
+# those places runs its own forward, its inner modules included); in the encoder also the
+# feed-forward module (`stacks._dense` calls it whenever anything in it is hooked). It calls none
+# of the others: blocks, sub-layers, attention modules, the relative-position embeddings, the
+# decoder's feed-forward modules (their own dropout and activation included: the fused decode
+# layer runs neither), and the decoder stack itself.
+_CALLED = frozenset({"q", "k", "v", "o", "wi", "wi_0", "wi_1", "wo", "layer_norm", "final_layer_norm",
+                     "embed_tokens", "dropout"})
+_CALLED_IN_ENCODER = _CALLED | {"DenseReluDense"}
+_CALLED_IN_FEED_FORWARD = frozenset({"wi", "wi_0", "wi_1", "wo"})
+
+
+class Registrations:
+    """How many parameters and submodules any module of this process has registered: torch's
+    global registration hooks (installed at the first `WeightWatch`) count them, so a watch knows
+    in O(1) that no weight was replaced nor module swapped since it looked."""
+
+    count = 0
+    _installed = False
+
+    @classmethod
+    def now(cls) -> int:
+        if not cls._installed:
+            nn.modules.module.register_module_parameter_registration_hook(cls._bump)
+            nn.modules.module.register_module_module_registration_hook(cls._bump)
+            cls._installed = True
+        return cls.count
+
+    @classmethod
+    def _bump(cls, *_args) -> None:
+        cls.count += 1
+
+
+def _uncalled(module: nn.Module, prefix: str, called: frozenset, found: list) -> None:
+    for name, child in module.named_children():
+        if name in called:
+            continue
+        qualified = f"{prefix}.{name}"
+        found.append((qualified, child))
+        _uncalled(child, qualified, _CALLED_IN_FEED_FORWARD if name == "DenseReluDense" else called, found)
+
+
+def uncalled_modules(stack: nn.Module, name: str, decoder: bool) -> list[tuple[str, nn.Module]]:
+    """(qualified name, module) of the modules of the T5 stack `stack` (named `name` in its model)
+    that the paged path does not call as modules (`_CALLED`): a hook on one of them would not run
+    there. A decoder stack counts itself (the paged path does not call its forward)."""
+    found = [(name, stack)] if decoder else []
+    _uncalled(stack, name, _CALLED if decoder else _CALLED_IN_ENCODER, found)
+    return found
+
+
+def hooked_among(modules: Sequence[tuple[str, nn.Module]]) -> Optional[str]:
+    """The first of `modules` (`uncalled_modules`) with a hook, said in a few words, or None: a
+    forward hook or pre-hook of its own or global, or a forward replaced by other code than
+    accelerate's (whose device hooks the paged path does the work of)."""
+    if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+        return "a global module forward hook (register_module_forward_hook)"
+    for qualified, module in modules:
+        if module._forward_hooks or module._forward_pre_hooks or (
+                "forward" in module.__dict__ and not hasattr(module, "_hf_hook")):
+            return f"a hook on {qualified} (a module the paged path does not call)"
+    return None
+
+
+class HookWatch:
+    """`hooked_among` the `uncalled_modules` of some stacks, listed once and again only for other
+    stacks or after a module or parameter was registered anywhere (`Registrations`): a check per
+    call then reads each listed module's hook dicts and nothing else (~400 modules at 24 + 24 layers)."""
+
+    def __init__(self) -> None:
+        self._listed: Optional[tuple[tuple, list]] = None
+
+    def hooked(self, stacks: Sequence[tuple[nn.Module, str, bool]]) -> Optional[str]:
+        """stacks: (stack, its name in the model, whether it is a decoder) for `uncalled_modules`."""
+        key = (Registrations.now(), tuple(id(stack) for stack, _, _ in stacks))
+        if self._listed is None or self._listed[0] != key:
+            self._listed = (key, [entry for args in stacks for entry in uncalled_modules(*args)])
+        return hooked_among(self._listed[1])
+
+
 def plain_linear(layer: nn.Module) -> bool:
     """A bias-free `nn.Linear` whose call is exactly `x @ weight.T`."""
     return type(layer) is nn.Linear and layer.bias is None and unhooked(layer)
