@@ -424,6 +424,36 @@ def test_a_hook_on_any_module_runs_as_in_stock(family, monkeypatch):
     assert model._hf_paged_t5.pool.is_idle()
 
 
+@pytest.mark.parametrize("mode", ["greedy", "beam", "sample", "dict"])
+def test_a_hook_on_the_model_runs_once_a_step(mode, monkeypatch):
+    """A forward hook on the model itself, which stock HF's loop calls once a step: the patched
+    call runs it as often, on outputs of the same shapes, with stock's tokens, on the paged path."""
+    seed = case_seed("hook on the model", mode)
+    model = make_model("t5", seed=seed)
+    stock = copy.deepcopy(model)
+    _patched(model)
+    reasons = []
+    monkeypatch.setattr(model._hf_paged_t5, "warn_once", lambda reason, what=None: reasons.append(reason))
+    ids, mask = make_batch([7, 4], seed=seed)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6,
+              **dict(greedy={}, beam=dict(num_beams=2), sample=dict(do_sample=True),
+                     dict=dict(return_dict_in_generate=True))[mode])
+
+    def run(m):
+        shapes = []
+        handle = m.register_forward_hook(lambda module, args, output: shapes.append(tuple(output.logits.shape)))
+        torch.manual_seed(seed)
+        try:
+            return m.generate(**kw), shapes
+        finally:
+            handle.remove()
+
+    (want, want_shapes), (got, got_shapes) = run(stock), run(model)
+    assert got_shapes == want_shapes and len(want_shapes) == 6
+    assert torch.equal(got if mode != "dict" else got.sequences, want if mode != "dict" else want.sequences)
+    assert reasons == [] and model._hf_paged_t5.pool is not None
+
+
 def test_malformed_input_shapes_get_one_clear_error():
     """Inputs without a batch dimension, or a mask that does not fit them: one ValueError that
     says what to do, before the call touches the pool (stock HF fails inside its forward with an

@@ -132,7 +132,7 @@ def _paged_generate(runtime, model, original, inputs, generation_config, prepare
             needed = PagedEncoderDecoderCache.blocks_needed(source_lens, expand, max_self_tokens, pool.block_size)
             pool.reserve(needed)
             cache = PagedEncoderDecoderCache(pool, len(source_lens), expand, max_self_tokens)
-            loop = _lean_loop(runtime, cache, gen_config, kwargs.get("streamer"))
+            loop = _lean_loop(runtime, cache, gen_config, kwargs.get("streamer"), model)
             if loop is not None:
                 kwargs = {**_stop_strings_as_criteria(kwargs, gen_config), "custom_generate": loop}
             ahead = _first_step_ahead(runtime, model, cache, source, source_lens)
@@ -318,16 +318,18 @@ def _default_max_length() -> int:
     return defaults()["max_length"] if defaults is not None else 20
 
 
-def _lean_loop(runtime: PagedRuntime, cache: PagedEncoderDecoderCache, gen_config, streamer):
+def _lean_loop(runtime: PagedRuntime, cache: PagedEncoderDecoderCache, gen_config, streamer, model: nn.Module):
     """A `custom_generate` callable (HF's `_sample` signature) running `loop.sample_loop` or
     `loop.beam_loop` on `cache`, or None where HF's own loop runs over the paged forward
-    (`return_dict_in_generate`, `low_memory`).
+    (`return_dict_in_generate`, `low_memory`, and a forward hook on the model itself: HF's loop
+    calls the model once a step, and so runs the hook as often as stock HF; these loops call its
+    decoder).
 
     HF hands a custom callable only the keyword arguments `_sample` lacks, so the streamer
     comes through this closure. (synced_gpus never gets here: `policy` sends it to stock HF.)
     """
     mode = gen_config.get_generation_mode()
-    if gen_config.return_dict_in_generate or gen_config.low_memory:
+    if gen_config.return_dict_in_generate or gen_config.low_memory or model._forward_hooks or model._forward_pre_hooks:
         return None
     if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.BEAM_SEARCH,
                     GenerationMode.BEAM_SAMPLE):
