@@ -454,6 +454,33 @@ def test_a_hook_on_the_model_runs_once_a_step(mode, monkeypatch):
     assert reasons == [] and model._hf_paged_t5.pool is not None
 
 
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_autocast_gives_stocks_answer(backend, caplog):
+    """generate() and the encoder inside torch.autocast on a float32 model (HF's ops then run in
+    bfloat16, the paged kernels would not): stock HF's own result, with the reason logged once, and
+    the paged path again outside it. A batch job refuses autocast. (On a GPU the Triton backend
+    failed there on the bfloat16 query against the float32 pool; `triton` runs the same kernels
+    in Triton's interpreter here.)"""
+    seed = case_seed("autocast", backend)
+    model = make_model("t5", seed=seed)
+    stock = copy.deepcopy(model)
+    hp.patch_model(model, hp.PagedCacheConfig(block_size=8, backend=backend))
+    ids, mask = make_batch([7, 4, 5], seed=seed)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, num_beams=2)
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad(), caplog.at_level(logging.WARNING):
+        assert torch.equal(model.generate(**kw), stock.generate(**kw))
+        assert torch.equal(model.encoder(input_ids=ids, attention_mask=mask)[0],
+                           stock.encoder(input_ids=ids, attention_mask=mask)[0])
+        with pytest.raises(ValueError, match="BatchGenerator cannot run inside torch.autocast"):
+            list(hp.BatchGenerator(model, max_new_tokens=3).generate([[5, 6, 7]]))
+    assert model._hf_paged_t5.pool is None
+    assert [r.getMessage() for r in caplog.records if "autocast" in r.getMessage()] == [
+        "hf_paged_t5: running this generate() on stock HF: torch.autocast is served by stock HF (the paged path "
+        "runs in the weights' own dtype: cast the model instead, e.g. model.to(torch.bfloat16))"]  # once a reason
+    assert torch.equal(model.generate(**kw), stock.generate(**kw))  # outside autocast: paged again
+    assert model._hf_paged_t5.pool is not None
+
+
 def test_malformed_input_shapes_get_one_clear_error():
     """Inputs without a batch dimension, or a mask that does not fit them: one ValueError that
     says what to do, before the call touches the pool (stock HF fails inside its forward with an

@@ -28,7 +28,7 @@ from .decoding import LogitsRules
 from .requests import BatchRequest, BatchResult, Request
 from .run import BatchRun
 from ..hf.patch import STOCK_ENCODER, _paged_encoder
-from ..hf.policy import fallback_reason
+from ..hf.policy import autocast_reason, fallback_reason
 from ..model import longt5
 
 # BatchRequest fields that override the generator's sampling for one input, in GenerationConfig's names.
@@ -151,6 +151,9 @@ class BatchGenerator:
     def as_completed(self, inputs: Iterable[InputItem]) -> Iterator[tuple[int, BatchResult]]:
         """(input index, result) as each input finishes. Closing the iterator early, or an
         exception, returns every block the job holds to the pool."""
+        if autocast_reason([self.device]) is not None:
+            raise ValueError("BatchGenerator cannot run inside torch.autocast: it runs the model in its weights' own "
+                             "dtype; cast the model instead (e.g. model.to(torch.bfloat16))")
         hooked = self.runtime.uncalled_hook(self.model)
         if hooked is not None:
             raise ValueError(f"BatchGenerator cannot run this job: {hooked} would not run; remove it, or use "

@@ -19,7 +19,7 @@ from ..model.bias import is_local, self_attention
 from ..model.encoder_graphs import MAX_GRAPH_TOKENS
 from ..model.stacks import encoder_forward, mask_layout, pack_tokens, store_cross, weight_devices
 from .cache import PagedEncoderDecoderCache
-from .policy import MASK_SHAPE, cpu_stock_reason
+from .policy import MASK_SHAPE, autocast_reason, cpu_stock_reason
 from .runtime import PagedRuntime
 
 logger = logging.getLogger("hf_paged_t5.hf.patch")
@@ -164,6 +164,10 @@ def make_encoder_forward(runtime: PagedRuntime, original):
         hooked = None if stock else runtime.encoder_hook_watch.hooked([(self, "encoder", False)])
         if hooked is not None:
             runtime.warn_once(f"{hooked} is served by stock HF", "the encoder")
+            stock = True
+        autocast = None if stock else autocast_reason([next(self.parameters()).device])
+        if autocast is not None:
+            runtime.warn_once(autocast, "the encoder")
             stock = True
         given = input_ids if input_ids is not None else inputs_embeds
         if not stock and attention_mask is not None and given is not None \

@@ -24,7 +24,7 @@ from ..model.stacks import EMPTY_ROW, known_mask, mask_rows, store_cross_ahead, 
 from . import cache_export
 from .cache import PagedEncoderDecoderCache
 from .forward import like
-from .policy import MASK_SHAPE, cpu_stock_reason, fallback_reason
+from .policy import MASK_SHAPE, autocast_reason, cpu_stock_reason, fallback_reason
 from .runtime import PagedRuntime
 
 logger = logging.getLogger(__name__)
@@ -51,6 +51,8 @@ def _generate(model, runtime, original, inputs, generation_config, prepared: "Pr
     devices = weight_devices(model)
     if reason is None and any(d.type == "meta" for d in devices):
         reason = "weights offloaded by accelerate (meta device) are served by stock HF"
+    if reason is None:
+        reason = autocast_reason(devices)
     if reason is None and runtime.runner.owned_here():
         reason = "a generate() nested in a running generate() of the same model is served by stock HF"
     if reason is None and (hooked := runtime.uncalled_hook(model)) is not None:

@@ -76,6 +76,17 @@ FALLBACK_KWARGS = MappingProxyType({
 # over them, such as [1, length]): stock HF's attention adds it as it is.
 MASK_SHAPE = "an attention_mask of another shape than the inputs (one that broadcasts over them) is served by stock HF"
 
+# Inside torch.autocast HF's ops run in the autocast dtype while the paged kernels and KV pool
+# keep the weights' own.
+AUTOCAST = ("torch.autocast is served by stock HF (the paged path runs in the weights' own dtype: cast the "
+            "model instead, e.g. model.to(torch.bfloat16))")
+
+
+def autocast_reason(devices) -> Optional[str]:
+    """`AUTOCAST` where torch.autocast is on for the type of a device the weights are on, else None."""
+    return AUTOCAST if any(torch.is_autocast_enabled(d.type) for d in devices if d.type != "meta") else None
+
+
 # Values that mean "off" for an option whose default is None (model configs often write them).
 _OFF = (None, False, 0, 1, "", (), [], {})
 
