@@ -154,3 +154,36 @@ def test_every_served_option_has_a_case():
         f"served without a case here: {sorted(set(SERVED_OPTIONS) - set(CASES))}; "
         f"cases of options no longer served: {sorted(set(CASES) - set(SERVED_OPTIONS))}"
     )
+
+
+class _Recorder:
+    """A streamer that keeps what it is given."""
+
+    def __init__(self) -> None:
+        self.seen = []
+
+    def put(self, value) -> None:
+        self.seen.append(value.tolist())
+
+    def end(self) -> None:
+        self.seen.append("end")
+
+
+@pytest.mark.parametrize("mode", ALL)
+def test_streamer_gets_what_stock_gives_it(models, mode):
+    """A streamer in each mode: the same puts as stock HF's (the prompt, then one token per row a
+    step; nothing for beam sampling, which stock does not stream), or stock's error (beam search)."""
+    model, stock = models
+    ids, mask = make_batch([9, 4, 13], seed=case_seed("streamer", mode))
+    runs = []
+    for m in (stock, model):
+        recorder = _Recorder()
+        torch.manual_seed(case_seed("streamer", mode, "rng"))
+        try:
+            out = m.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, streamer=recorder, **MODES[mode])
+        except ValueError as exc:
+            out = str(exc)
+        runs.append((out if isinstance(out, str) else out.tolist(), recorder.seen))
+    assert runs[1] == runs[0]
+    if mode == "beam":
+        assert "streamer` cannot be used with beam search" in runs[0][0]

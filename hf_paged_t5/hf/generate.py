@@ -102,6 +102,10 @@ def _encoder_inputs(model: nn.Module, gen_config, model_kwargs: dict):
 def _paged_generate(runtime, model, original, inputs, generation_config, prepared: "PreparedConfig", model_kwargs,
                     kwargs, devices, source, source_lens):
     gen_config = prepared.config
+    if kwargs.get("streamer") is not None:
+        # HF checks the streamer against the mode for the loops it picks itself, not for the
+        # `custom_generate` callable the paged path hands it: its own check, before any work
+        model._validate_generation_mode(gen_config.get_generation_mode(), gen_config, {"streamer": kwargs["streamer"]})
     expand = max(gen_config.num_beams or 1, gen_config.num_return_sequences or 1)
     dec_ids = model_kwargs.get("decoder_input_ids")
     start_len = (dec_ids.shape[1] + 1) if dec_ids is not None else 1  # at most: HF may not prepend the start
