@@ -2,8 +2,8 @@
 
 The CPU contract tests (test_contract_*.py) run the torch backend; here the same oracle
 (tests/oracle.py) checks the Triton path: every family and search mode with scores and logits,
-the mT5 output scale at an mt5-base layout, a mask with a hole, and a hooked projection (which the
-GEMV kernel must not bypass).
+the mT5 output scale at an mt5-base layout, a mask with a hole, a hooked projection (which the
+GEMV kernel must not bypass), a hook on a block after the graphs were captured, and autocast.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_batch, make_model
-from oracle import case_seed, compare_with_stock
+from oracle import case_seed, compare_with_stock, stock_copy
 from transformers import MT5Config, MT5ForConditionalGeneration
 
 import hf_paged_t5 as hp
@@ -85,3 +85,33 @@ def test_gpu_bias_weight_edited_through_data_after_capture():
         weight = stack.block[0].layer[0].SelfAttention.relative_attention_bias.weight
         weight.data.copy_(torch.randn_like(weight) * 2)
     compare_with_stock(model, **kw)  # patched: stock HF on an unpatched copy of the edited weights
+
+
+def test_gpu_hook_on_a_block_after_capture_runs_on_stock():
+    """A forward hook on a decoder block (a module the fused layer never calls) added after the
+    first call captured its decode graphs: the next call runs on stock HF, the hook runs each
+    step, the tokens are stock's; with the hook gone, the call is paged again."""
+    seed, model, inputs = _cuda_case("t5", "block hook")
+    kw = dict(**inputs, max_new_tokens=10)
+    hp.patch_model(model, GPU).generate(**kw)
+    runs = []
+    handle = model.decoder.block[1].register_forward_hook(lambda *_: runs.append(1))
+    try:
+        compare_with_stock(model, expect_paged=None, seed=seed, **kw)
+    finally:
+        handle.remove()
+    assert len(runs) >= 2 * 10  # stock's loop and the patched call's, each once a step
+    compare_with_stock(model, seed=seed, **kw)
+
+
+def test_gpu_generate_inside_autocast_runs_on_stock():
+    """torch.autocast over a float32 model on the GPU: stock HF's result (the Triton attention got
+    a bfloat16 query against the float32 pool before), paged again outside it."""
+    seed, model, inputs = _cuda_case("t5", "autocast")
+    kw = dict(**inputs, max_new_tokens=10, num_beams=2)
+    stock = stock_copy(model)
+    hp.patch_model(model, GPU)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        assert torch.equal(model.generate(**kw), stock.generate(**kw))
+    assert model._hf_paged_t5.pool is None
+    compare_with_stock(model, stock_model=stock, seed=seed, **kw)  # outside it: paged

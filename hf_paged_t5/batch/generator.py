@@ -152,8 +152,8 @@ class BatchGenerator:
         """(input index, result) as each input finishes. Closing the iterator early, or an
         exception, returns every block the job holds to the pool."""
         if autocast_reason([self.device]) is not None:
-            raise ValueError("BatchGenerator cannot run inside torch.autocast: it runs the model in its weights' own "
-                             "dtype; cast the model instead (e.g. model.to(torch.bfloat16))")
+            raise ValueError("BatchGenerator cannot run inside torch.autocast: it runs the model in its "
+                             "weights' own dtype; cast the model instead (e.g. model.to(torch.bfloat16))")
         hooked = self.runtime.uncalled_hook(self.model)
         if hooked is not None:
             raise ValueError(f"BatchGenerator cannot run this job: {hooked} would not run; remove it, or use "

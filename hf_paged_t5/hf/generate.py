@@ -76,8 +76,8 @@ def _encoder_inputs(model: nn.Module, gen_config, model_kwargs: dict):
     With neither input_ids nor inputs_embeds, HF starts the encoder from one BOS token per row
     (`_prepare_model_inputs`, which raises HF's own error when the model has no bos_token_id).
     """
-    name = "input_ids" if model_kwargs.get("input_ids") is not None or model_kwargs.get("inputs_embeds") is None \
-        else "inputs_embeds"
+    embeds = model_kwargs.get("input_ids") is None and model_kwargs.get("inputs_embeds") is not None
+    name = "inputs_embeds" if embeds else "input_ids"
     source = model_kwargs.get(name)
     if source is None:
         source = model._prepare_model_inputs(None, gen_config.bos_token_id, dict(model_kwargs))[0]
@@ -105,7 +105,8 @@ def _paged_generate(runtime, model, original, inputs, generation_config, prepare
     if kwargs.get("streamer") is not None:
         # HF checks the streamer against the mode for the loops it picks itself, not for the
         # `custom_generate` callable the paged path hands it: its own check, before any work
-        model._validate_generation_mode(gen_config.get_generation_mode(), gen_config, {"streamer": kwargs["streamer"]})
+        mode = gen_config.get_generation_mode()
+        model._validate_generation_mode(mode, gen_config, {"streamer": kwargs["streamer"]})
     expand = max(gen_config.num_beams or 1, gen_config.num_return_sequences or 1)
     dec_ids = model_kwargs.get("decoder_input_ids")
     start_len = (dec_ids.shape[1] + 1) if dec_ids is not None else 1  # at most: HF may not prepend the start
@@ -324,7 +325,8 @@ def _default_max_length() -> int:
     return defaults()["max_length"] if defaults is not None else 20
 
 
-def _lean_loop(runtime: PagedRuntime, cache: PagedEncoderDecoderCache, gen_config, streamer, model: nn.Module):
+def _lean_loop(runtime: PagedRuntime, cache: PagedEncoderDecoderCache, gen_config, streamer,
+               model: nn.Module):
     """A `custom_generate` callable (HF's `_sample` signature) running `loop.sample_loop` or
     `loop.beam_loop` on `cache`, or None where HF's own loop runs over the paged forward
     (`return_dict_in_generate`, `low_memory`, and a forward hook on the model itself: HF's loop
@@ -335,7 +337,9 @@ def _lean_loop(runtime: PagedRuntime, cache: PagedEncoderDecoderCache, gen_confi
     comes through this closure. (synced_gpus never gets here: `policy` sends it to stock HF.)
     """
     mode = gen_config.get_generation_mode()
-    if gen_config.return_dict_in_generate or gen_config.low_memory or model._forward_hooks or model._forward_pre_hooks:
+    if gen_config.return_dict_in_generate or gen_config.low_memory:
+        return None
+    if model._forward_hooks or model._forward_pre_hooks:
         return None
     if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.BEAM_SEARCH,
                     GenerationMode.BEAM_SAMPLE):
@@ -404,11 +408,13 @@ def _check_shapes(name: str, source: torch.Tensor, mask: Optional[torch.Tensor],
         try:
             torch.broadcast_shapes(mask.shape, source.shape[:2])
         except RuntimeError:
-            raise ValueError(f"attention_mask has shape {tuple(mask.shape)} but {name} is "
-                             f"{tuple(source.shape[:2])} (batch, sequence_length): one mask entry per input token") from None
+            raise ValueError(f"attention_mask has shape {tuple(mask.shape)} but {name} is {tuple(source.shape[:2])} "
+                             "(batch, sequence_length): one mask entry per input token") from None
     if decoder_ids is not None and decoder_ids.dim() != 2:
-        hint = "; a single prompt needs a batch dimension (decoder_input_ids[None])" if decoder_ids.dim() == 1 else ""
-        raise ValueError(f"decoder_input_ids must be [batch, length], got shape {tuple(decoder_ids.shape)}{hint}")
+        hint = "; a single prompt needs a batch dimension (decoder_input_ids[None])" if decoder_ids.dim() == 1 \
+            else ""
+        raise ValueError(f"decoder_input_ids must be [batch, length], got shape {tuple(decoder_ids.shape)}"
+                         f"{hint}")
 
 
 def _check_devices(model: nn.Module, source: torch.Tensor, mask: Optional[torch.Tensor]) -> None:

@@ -74,7 +74,8 @@ FALLBACK_KWARGS = MappingProxyType({
 
 # An attention_mask of another shape than the inputs' [batch, sequence_length] (one that broadcasts
 # over them, such as [1, length]): stock HF's attention adds it as it is.
-MASK_SHAPE = "an attention_mask of another shape than the inputs (one that broadcasts over them) is served by stock HF"
+MASK_SHAPE = ("an attention_mask of another shape than the inputs (one that broadcasts over them) is served by "
+              "stock HF")
 
 # Inside torch.autocast HF's ops run in the autocast dtype while the paged kernels and KV pool
 # keep the weights' own.

@@ -152,7 +152,8 @@ class PagedRuntime:
         """A hook of the seq2seq `model` that would not run on the paged path, in a few words, or
         None (`packing.hooked_among`): patched generate() runs such a call on stock HF, a batch job
         refuses it."""
-        return self.hook_watch.hooked([(model.get_encoder(), "encoder", False), (model.decoder, "decoder", True)])
+        stacks = [(model.get_encoder(), "encoder", False), (model.decoder, "decoder", True)]
+        return self.hook_watch.hooked(stacks)
 
     def warn_once(self, reason: str, what: str = "this generate()") -> None:
         """Log once per model and reason that `what` runs on stock HF, and why (a generate() that
