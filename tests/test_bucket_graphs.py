@@ -102,9 +102,11 @@ def test_what_the_bucket_graphs_leave_to_the_eager_forward(monkeypatch):
     assert calls == [1] and model._hf_paged_t5.bucket_graphs.captures == 0
     calls.clear()
     hooked = patched()
-    hooked.get_encoder().block[0].register_forward_hook(lambda module, args, out: None)
+    runs = []  # (a hook on a module the engine calls: a block's would make it refuse the job)
+    hooked.get_encoder().block[0].layer[0].SelfAttention.q.register_forward_hook(lambda *_: runs.append(1))
     list(hp.BatchGenerator(hooked, max_batch_rows=1, max_new_tokens=2).generate(inputs([5, 9])))
     assert calls == [1, 1] and hooked._hf_paged_t5.bucket_graphs.captures == 0  # a hook must run on every call
+    assert len(runs) == 2
     calls.clear()
     config = LongT5Config(vocab_size=384, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4, local_radius=3,
                           decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
