@@ -161,11 +161,13 @@ def make_encoder_forward(runtime: PagedRuntime, original):
         stock = unknown or not _paged_allowed(runtime, self, kwargs)
         lens = None
         attention = self_attention(self.block[0].layer[0])
-        hooked = None if stock else runtime.encoder_hook_watch.hooked([(self, "encoder", False)])
+        # (inside a paged generate(), that call checked its hooks and autocast)
+        inside = runtime.runner.owned_here()
+        hooked = None if stock or inside else runtime.encoder_hook_watch.hooked([(self, "encoder", False)])
         if hooked is not None:
             runtime.warn_once(f"{hooked} is served by stock HF", "the encoder")
             stock = True
-        autocast = None if stock else autocast_reason([next(self.parameters()).device])
+        autocast = None if stock or inside else autocast_reason([next(self.parameters()).device])
         if autocast is not None:
             runtime.warn_once(autocast, "the encoder")
             stock = True

@@ -14,7 +14,6 @@ from typing import Any, Optional
 import torch
 from transformers import GenerationConfig
 
-
 # Options that only feed HF's logits processors, stopping criteria, beam scorer or output
 # assembly: the paged path computes the same logits, so HF handles these unchanged.
 SERVED_OPTIONS = frozenset(

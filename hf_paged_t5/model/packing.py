@@ -64,8 +64,9 @@ _CALLED_IN_FEED_FORWARD = frozenset({"wi", "wi_0", "wi_1", "wo"})
 
 class Registrations:
     """How many parameters and submodules any module of this process has registered: torch's
-    global registration hooks (installed at the first `WeightWatch`) count them, so a watch knows
-    in O(1) that no weight was replaced nor module swapped since it looked."""
+    global registration hooks (installed at the first `now()`) count them, so a watch
+    (`encoder_graphs.WeightWatch`, `HookWatch`) knows in O(1) that no weight was replaced nor
+    module swapped since it looked."""
 
     count = 0
     _installed = False
