@@ -19,13 +19,15 @@ To read what the GPU machine's Triton makes, put that version's wheel first on t
 from __future__ import annotations
 
 import argparse
+import importlib
 
 import triton
 import triton.language as tl
 
 import common  # benchmarks/ is on sys.path (the scripts' import rule)
 from diag_ptxas import compile_report
-from hf_paged_t5.kernels.decode import _attend_keys, _load_kv, _merge_splits, _tile_slots
+
+decode = importlib.import_module("hf_paged_t5.kernels.decode")  # its tile helpers, as the real kernel calls them
 
 
 @triton.jit(do_not_specialize=["max_keys", "keys_per_split", "stride_table_batch"])
@@ -56,7 +58,7 @@ def _folded_cross_kernel(
     table_row_ptr = block_table_ptr + row * stride_table_batch
     slot_args = (table_row_ptr, max_keys, head, stride_cache_block, stride_cache_slot, stride_cache_head)
     kv_args = (key_cache_ptr, value_cache_ptr, end, dims, dim_mask)
-    k, v = _load_kv(_tile_slots(start, *slot_args, BLOCK_SIZE, BLOCK_N), start, *kv_args, BLOCK_N)
+    k, v = decode._load_kv(decode._tile_slots(start, *slot_args, BLOCK_SIZE, BLOCK_N), start, *kv_args, BLOCK_N)
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -71,9 +73,9 @@ def _folded_cross_kernel(
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     bias = tl.zeros([BLOCK_N], dtype=tl.float32)
     for tile_start in tl.range(start, end, BLOCK_N, num_stages=1):
-        slots = _tile_slots(tile_start + BLOCK_N, *slot_args, BLOCK_SIZE, BLOCK_N)
-        k_next, v_next = _load_kv(slots, tile_start + BLOCK_N, *kv_args, BLOCK_N)
-        acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, k, v, bias, tile_start, end, 0, BLOCK_N)
+        slots = decode._tile_slots(tile_start + BLOCK_N, *slot_args, BLOCK_SIZE, BLOCK_N)
+        k_next, v_next = decode._load_kv(slots, tile_start + BLOCK_N, *kv_args, BLOCK_N)
+        acc, l_i, m_i = decode._attend_keys(acc, l_i, m_i, q, k, v, bias, tile_start, end, 0, BLOCK_N)
         k, v = k_next, v_next
     if (num_splits == 1) | (seq_len <= keys_per_split):
         if split == 0:
@@ -87,7 +89,7 @@ def _folded_cross_kernel(
         tl.debug_barrier()
         ticket = tl.atomic_add(ticket_ptr + row * num_heads + head, 1, sem="acq_rel")
         if ticket == num_splits - 1:
-            _merge_splits(part_ptr, out_ptr, row, head, num_heads, num_splits, head_dim,
+            decode._merge_splits(part_ptr, out_ptr, row, head, num_heads, num_splits, head_dim,
                           stride_out_batch, stride_out_head, MERGE_CHUNK, BLOCK_D)
             tl.atomic_xchg(ticket_ptr + row * num_heads + head, 0)
 
