@@ -458,9 +458,9 @@ def test_a_hook_on_the_model_runs_once_a_step(mode, monkeypatch):
 def test_autocast_gives_stocks_answer(backend, caplog):
     """generate() and the encoder inside torch.autocast on a float32 model (HF's ops then run in
     bfloat16, the paged kernels would not): stock HF's own result, with the reason logged once, and
-    the paged path again outside it. A batch job refuses autocast. (On a GPU the Triton backend
-    failed there on the bfloat16 query against the float32 pool; `triton` runs the same kernels
-    in Triton's interpreter here.)"""
+    the paged path again outside it. A batch job refuses autocast. (The Triton backend, a GPU's
+    default, failed there on the bfloat16 query against the float32 pool; `triton` runs the same
+    kernels in Triton's interpreter here.)"""
     seed = case_seed("autocast", backend)
     model = make_model("t5", seed=seed)
     stock = copy.deepcopy(model)

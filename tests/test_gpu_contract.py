@@ -105,8 +105,8 @@ def test_gpu_hook_on_a_block_after_capture_runs_on_stock():
 
 
 def test_gpu_generate_inside_autocast_runs_on_stock():
-    """torch.autocast over a float32 model on the GPU: stock HF's result (the Triton attention got
-    a bfloat16 query against the float32 pool before), paged again outside it."""
+    """torch.autocast over a float32 model on the GPU: stock HF's result (the Triton attention would
+    get a bfloat16 query against the float32 pool), paged again outside it."""
     seed, model, inputs = _cuda_case("t5", "autocast")
     kw = dict(**inputs, max_new_tokens=10, num_beams=2)
     stock = stock_copy(model)
