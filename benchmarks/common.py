@@ -295,6 +295,14 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     return 2 * src.numel() * src.element_size() / ms / 1e6
 
 
+def read_bandwidth(device: torch.device, nbytes: int) -> float:
+    """GB/s of a read-only pass (a sum over `nbytes`): what a decode step's weight and K/V reads
+    can reach, where `copy_bandwidth` also pays for the writes."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    ms = kernel_ms(lambda: src.sum())
+    return src.numel() * src.element_size() / ms / 1e6
+
+
 def graph_us(calls: Sequence[Callable[[], object]], replays: int = 7) -> float:
     """Median µs per call of `calls` replayed back to back in one CUDA graph, over `replays`
     replays (NaN without CUDA): no host launch cost in the number, as a captured decode step runs

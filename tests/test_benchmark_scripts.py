@@ -284,3 +284,22 @@ def test_diag_stages_chains_run_each_launch_kind():
         assert out.shape == ((2, 4, 16) if kind in ("self", "cross") else (2, 64))
     with pytest.raises(ValueError, match="unknown kind"):
         diag_stages.chain("lm_head", shape, rows=1, launches=2, keys=20, device="cpu")
+
+
+def test_the_generate_floor_counts_reads_at_the_read_bandwidth():
+    """bench_generate's floor is the decoder weights plus the K/V a step reads, at the measured
+    read bandwidth (not half a copy's), and the launch floor is kernels x launch cost, apart."""
+    import bench_generate
+
+    from hf_paged_t5 import tiny
+
+    model = tiny.build_model("tiny", dtype=torch.bfloat16)
+    cfg = model.config
+    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                  if n.startswith(("decoder.block", "lm_head", "decoder.final")))
+    kv_token = cfg.num_decoder_layers * 2 * cfg.num_heads * cfg.d_kv * 2
+    got = bench_generate.floor_ms(model, 3, 2, 40, 10, kernels=250, read_gbps=2.0, launch=0.8)
+    want_bytes = weights + 3 * 40 * kv_token + 3 * 2 * 5 * kv_token
+    assert got["floor_ms"] == pytest.approx(want_bytes / 2e9 * 1e3)
+    assert got["launch_floor_ms"] == pytest.approx(250 * 0.8e-3) and got["kernels_per_step"] == 250
+    assert common.read_bandwidth(torch.device("cpu"), 1 << 20) > 0
