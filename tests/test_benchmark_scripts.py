@@ -287,8 +287,9 @@ def test_diag_stages_chains_run_each_launch_kind():
 
 
 def test_the_generate_floor_counts_reads_at_the_read_bandwidth():
-    """bench_generate's floor is the decoder weights plus the K/V a step reads, at the measured
-    read bandwidth (not half a copy's), and the launch floor is kernels x launch cost, apart."""
+    """bench_generate's floor is the decoder weights a step reads (not the cross k / v projections,
+    which run once per source) plus the K/V it reads, at the measured read bandwidth (not half a
+    copy's), and the launch floor is kernels x launch cost, apart."""
     import bench_generate
 
     from hf_paged_t5 import tiny
@@ -296,7 +297,10 @@ def test_the_generate_floor_counts_reads_at_the_read_bandwidth():
     model = tiny.build_model("tiny", dtype=torch.bfloat16)
     cfg = model.config
     weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-                  if n.startswith(("decoder.block", "lm_head", "decoder.final")))
+                  if n.startswith(("decoder.block", "lm_head", "decoder.final")) and "EncDecAttention.k." not in n
+                  and "EncDecAttention.v." not in n)
+    cross_kv = sum(p.numel() for n, p in model.named_parameters() if ".EncDecAttention.k." in n or ".EncDecAttention.v." in n)
+    assert cross_kv == 2 * cfg.num_decoder_layers * cfg.d_model * cfg.num_heads * cfg.d_kv  # none left out by a typo
     kv_token = cfg.num_decoder_layers * 2 * cfg.num_heads * cfg.d_kv * 2
     got = bench_generate.floor_ms(model, 3, 2, 40, 10, kernels=250, read_gbps=2.0, launch=0.8)
     want_bytes = weights + 3 * 40 * kv_token + 3 * 2 * 5 * kv_token
