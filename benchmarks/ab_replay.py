@@ -19,6 +19,10 @@ at 512 keys that is 16 warps, whose 128-register cap spills. --variant wide-tile
 launches as splits of 256-key tiles on 8 warps (one tile per split, no spills at sm_90).
 --variant narrow-tiles: as many splits of 64 keys as the SMs take one program each (one tile
 per split; where the SMs do not cover the keys that way, the default 128-key tiles).
+--variant one-split-two-tiles: over more than 256 keys (cross-attention), one split streaming
+256-key tiles on 8 warps (at 512 keys the first tile loads before the dependent-launch wait, the
+second is requested right after it; 206 registers at sm_90, no spills) in place of up to 4 split
+programs merged by the last.
 """
 from __future__ import annotations
 
@@ -47,6 +51,10 @@ def few_programs_config(variant: str):
         if batch * num_heads < num_sms and max_keys <= 512 and head_dim <= 64:
             if variant == "wide-tiles":
                 return DecodeConfig(block_n=256, num_warps=8, num_splits=-(-max_keys // 256))
+            if variant == "one-split-two-tiles":
+                if max_keys > 256:  # cross-attention; self-attention (at most 256 keys here) keeps the default
+                    return DecodeConfig(block_n=256, num_warps=8, num_splits=1)
+                return default(batch, num_heads, head_dim, max_keys, num_sms)
             if variant == "narrow-tiles":
                 splits = max(1, min(-(-max_keys // 64), num_sms // (batch * num_heads)))
                 return DecodeConfig(block_n=64 if splits * 64 >= max_keys else 128, num_warps=4, num_splits=splits)
@@ -79,7 +87,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("label")
     ap.add_argument("--cases", default=DEFAULT_CASES, help="layout:rows:beams,...")
-    ap.add_argument("--variant", choices=("default", "one-split", "wide-tiles", "narrow-tiles"), default="default")
+    ap.add_argument("--variant", choices=("default", "one-split", "wide-tiles", "narrow-tiles", "one-split-two-tiles"), default="default")
     args = ap.parse_args(argv)
     common.require_cuda("ab_replay.py")
     cases = []
