@@ -90,7 +90,7 @@ def _folded_cross_kernel(
         ticket = tl.atomic_add(ticket_ptr + row * num_heads + head, 1, sem="acq_rel")
         if ticket == num_splits - 1:
             decode._merge_splits(part_ptr, out_ptr, row, head, num_heads, num_splits, head_dim,
-                          stride_out_batch, stride_out_head, MERGE_CHUNK, BLOCK_D)
+                                 stride_out_batch, stride_out_head, MERGE_CHUNK, BLOCK_D)
             tl.atomic_xchg(ticket_ptr + row * num_heads + head, 0)
 
 

@@ -100,6 +100,8 @@ def cases() -> list[tuple]:
         ("self", 128, 4, 1, 0, 1), ("cross", 128, 4, 0, 0, 1),
         ("self, many rows (async loads, 1 deep)", 128, 4, 1, 2, 1),
         ("cross, many rows (async loads, 2 deep)", 128, 4, 0, 2, 2),
+        # one split of two 256-key tiles (ab_replay.py --variant one-split-two-tiles), and on 4 warps
+        ("cross, one split, 256-key tiles", 256, 8, 0, 0, 1), ("cross, one split, 256-key tiles", 256, 4, 0, 0, 1),
     ):
         const = dict(BIAS_MODE=bias, BLOCK_SIZE=16, BLOCK_N=block_n, BLOCK_D=64,
                      MERGE_CHUNK=16, FUSED_COMBINE=True, PREFETCH=prefetch, NUM_STAGES=stages, PDL=True,
