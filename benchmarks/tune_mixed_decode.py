@@ -10,9 +10,14 @@ Cases: `cross` (the 20-2,000-key mix, no bias), `self` (a 1-200-key mix with T5'
 table) and `uniform` (the shapes of --uniform, cross-attention of a wide generate() batch). It
 prints µs per call in a CUDA graph and the K/V bandwidth reached.
 
+--layouts slot-major,head-major also times each case over a pool whose memory is [block, head,
+slot, dim] (the kernels read the pool through its strides; the package's pool is [block, slot,
+head, dim], where a head's key is 128 bytes at a num_heads * 128-byte stride, and head-major puts
+a block's keys of one head in one run of block_size * 128 bytes).
+
     python benchmarks/tune_mixed_decode.py [--rows 512,256,64] [--kinds cross,self,uniform]
         [--uniform 40x512,64x512,128x512,64x2048] [--orders random,longest-first]
-        [--configs all|few|depths] [--out DIR] [--quick]
+        [--configs all|few|depths|default] [--layouts slot-major,head-major] [--out DIR] [--quick]
 
 Writes DIR/mixed-decode.json (default DIR: benchmarks/results/<date>-<gpu>/, with its env.json).
 """
@@ -37,11 +42,20 @@ def lengths(rows: int, seed: int, median: int, low: int, high: int) -> list[int]
     return [min(max(round(rng.lognormvariate(0, 1.0) * median), low), high) for _ in range(rows)]
 
 
-def paged(lens: list[int], device, dtype):
+LAYOUTS = ("slot-major", "head-major")
+
+
+def pool(blocks: int, layout: str, device, dtype) -> torch.Tensor:
+    """Random K or V blocks, shape [blocks, BLOCK_SIZE, HEADS, HEAD_DIM] in either memory layout."""
+    if layout == "head-major":
+        return torch.randn(blocks, HEADS, BLOCK_SIZE, HEAD_DIM, device=device, dtype=dtype).transpose(1, 2)
+    return torch.randn(blocks, BLOCK_SIZE, HEADS, HEAD_DIM, device=device, dtype=dtype)
+
+
+def paged(lens: list[int], device, dtype, layout: str = "slot-major"):
     per_row = [-(-n // BLOCK_SIZE) for n in lens]
     blocks = sum(per_row) + 1
-    key = torch.randn(blocks, BLOCK_SIZE, HEADS, HEAD_DIM, device=device, dtype=dtype)
-    value = torch.randn_like(key)
+    key, value = pool(blocks, layout, device, dtype), pool(blocks, layout, device, dtype)
     ids = torch.randperm(blocks, device="cpu").tolist()
     table = torch.zeros(len(lens), max(per_row), dtype=torch.int32)
     for row, n in enumerate(per_row):
@@ -71,6 +85,8 @@ def cases(args) -> list[tuple[str, str, list[int]]]:
 
 
 def configs_for(which: str, default: DecodeConfig) -> dict:
+    if which == "default":
+        return {"default": default}
     configs = {"default": default, "tile": DecodeConfig(block_n=128, num_warps=4)}
     for depth in (1, 2, 3):
         configs[f"async {depth} deep"] = DecodeConfig(block_n=128, num_warps=4, num_stages=depth, prefetch="async")
@@ -95,13 +111,18 @@ def main(argv=None) -> None:
                     help="row orders to time (the kernel's grid follows the rows)")
     ap.add_argument("--configs", default="all",
                     help="'all' (default: pipeline depths, splits 2-16 fused or not), 'few' (depths, "
-                         "splits 2 and 4) or 'depths' (the default, tile, async 1-3 deep)")
+                         "splits 2 and 4), 'depths' (the default, tile, async 1-3 deep) or 'default' alone")
+    ap.add_argument("--layouts", default="slot-major",
+                    help="pool memory layouts to time each case over: slot-major (the package's), head-major")
     ap.add_argument("--out", default=None,
                     help="folder for mixed-decode.json (default: benchmarks/results/<date>-<gpu>)")
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU ok)")
     args = ap.parse_args(argv)
-    if args.configs not in ("all", "few", "depths"):
-        raise SystemExit(f"--configs must be all, few or depths, got {args.configs!r}")
+    if args.configs not in ("all", "few", "depths", "default"):
+        raise SystemExit(f"--configs must be all, few, depths or default, got {args.configs!r}")
+    layouts = args.layouts.split(",")
+    if not layouts or any(layout not in LAYOUTS for layout in layouts):
+        raise SystemExit(f"--layouts takes a comma-separated list of {', '.join(LAYOUTS)}, got {args.layouts!r}")
     todo = cases(args)
     if not args.quick:
         common.require_cuda("tune_mixed_decode.py (without --quick)")
@@ -110,9 +131,9 @@ def main(argv=None) -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     gbps = common.copy_bandwidth(device, 1 << 30) if device.type == "cuda" else float("nan")
     report = {"gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "copy_gbps": gbps, "rows": []}
-    for kind, order, lens in todo:
+    for (kind, order, lens), layout in ((case, layout) for case in todo for layout in layouts):
         rows = len(lens)
-        key, value, table, seq_lens = paged(lens, device, dtype)
+        key, value, table, seq_lens = paged(lens, device, dtype, layout)
         query = torch.randn(rows, HEADS, HEAD_DIM, device=device, dtype=dtype)
         # self-attention: T5's causal distance table (128 buckets' worth of distances)
         bias = torch.randn(HEADS, 129, device=device, dtype=dtype) if kind == "self" else None
@@ -121,14 +142,14 @@ def main(argv=None) -> None:
                                      bias_table=None if bias is None else bias.float())
         sms = common.num_sms(device)
         configs = configs_for(args.configs, decode_config(rows, HEADS, HEAD_DIM, max(lens), sms))
-        print(f"{kind}: {rows} rows ({order}), keys {min(lens)}..{max(lens)} (mean {sum(lens) / rows:.0f}), "
+        print(f"{kind}: {rows} rows ({order}, {layout}), keys {min(lens)}..{max(lens)} (mean {sum(lens) / rows:.0f}), "
               f"K+V {kv_bytes / 2**20:.1f} MiB; copy {gbps:.0f} GB/s; default {configs['default']}", flush=True)
         for name, config in configs.items():
             kw = dict(query=query, key_cache=key, value_cache=value, block_table=table, seq_lens=seq_lens,
                       bias_table=bias, max_seq_len=max(lens), config=config)
             err = float((paged_decode(**kw).float() - ref).norm() / ref.norm())
             us = common.graph_us([lambda kw=kw: paged_decode(**kw)] * 4)
-            row = dict(kind=kind, rows=rows, order=order, config=name, knobs=config.__dict__.copy(), us=us,
+            row = dict(kind=kind, rows=rows, order=order, layout=layout, config=name, knobs=config.__dict__.copy(), us=us,
                        rel_err=err, pct_of_copy=100 * kv_bytes / (us * 1e3) / gbps)
             report["rows"].append(row)
             print(f"  {name:<24} {us:8.1f} us  {row['pct_of_copy']:5.1f}% of copy  err {err:.1e}", flush=True)

@@ -133,6 +133,36 @@ def test_store_kv_casts_skips_negative_slots_and_takes_strided_input():
 # ----------------------------------------------------------------------------- decode
 
 
+def head_major(cache: torch.Tensor) -> torch.Tensor:
+    """The same values [num_blocks, block_size, num_heads, head_dim] in memory [block, head, slot, dim]."""
+    return cache.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+@pytest.mark.parametrize("prefetch", ["tile", "async"])
+def test_store_kv_and_paged_decode_address_the_pool_through_its_strides(prefetch):
+    """A pool laid out [block, head, slot, dim] (what `benchmarks/tune_mixed_decode.py --layouts`
+    times) is written and read by slot like the package's [block, slot, head, dim] one: same bits."""
+    block_size, num_heads, head_dim = 4, 3, 32
+    lens = [3, 4, 37, 1]  # 37 keys: three 16-key tiles
+    key_cache, value_cache, block_table, seq_lens = make_paged_kv(lens, block_size, num_heads, head_dim,
+                                                                  torch.float32)
+    key_hm, value_hm = head_major(key_cache), head_major(value_cache)
+    assert key_hm.stride()[1:3] == (head_dim, block_size * head_dim)
+    new_k, new_v = (torch.randn(2, num_heads, head_dim, device=DEVICE) for _ in range(2))
+    slots = torch.tensor([2, 13], dtype=torch.int64, device=DEVICE)
+    for k, v in ((key_cache, value_cache), (key_hm, value_hm)):
+        store_kv(key=new_k, value=new_v, key_cache=k, value_cache=v, slot_mapping=slots)
+    assert torch.equal(key_hm, key_cache) and torch.equal(value_hm, value_cache)
+    query = torch.randn(len(lens), num_heads, head_dim, device=DEVICE)
+    config = DecodeConfig(block_n=16, num_warps=4, num_stages=2 if prefetch == "async" else 1, prefetch=prefetch)
+    outs = [paged_decode(query=query, key_cache=k, value_cache=v, block_table=block_table, seq_lens=seq_lens,
+                         scale=0.5, config=config)
+            for k, v in ((key_cache, value_cache), (key_hm, value_hm))]
+    assert torch.equal(outs[0], outs[1])
+    ref = decode_reference(query, key_cache, value_cache, block_table, seq_lens, scale=0.5)
+    torch.testing.assert_close(outs[1], ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("block_size", [1, 4, 16, 32])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", ["none", "table", "dense", "dense_bcast"])
