@@ -7,16 +7,19 @@ splits (short rows' extra splits exit at once), against the pipeline depths of t
 (async copies 1-3 deep, the register prefetch "tile"), and rows in random order against longest
 first (the grid launches rows in order, so that is longest-processing-time-first scheduling).
 Cases: `cross` (the 20-2,000-key mix, no bias), `self` (a 1-200-key mix with T5's causal bias
-table) and `uniform` (the shapes of --uniform, cross-attention of a wide generate() batch). It
-prints µs per call in a CUDA graph and the K/V bandwidth reached.
+table), `uniform` (the shapes of --uniform, cross-attention of a wide generate() batch) and
+`beams` (the shapes of --beams: sources x beams rows over one table per source, as a beam
+search's cross-attention reads its source's keys once per beam; against `uniform` at the same row
+count and at the source count it says what the shared keys save). It prints µs per call in a CUDA
+graph and the K/V bandwidth reached (K/V bytes counted once per source).
 
 --layouts slot-major,head-major also times each case over a pool whose memory is [block, head,
 slot, dim] (the kernels read the pool through its strides; the package's pool is [block, slot,
 head, dim], where a head's key is 128 bytes at a num_heads * 128-byte stride, and head-major puts
 a block's keys of one head in one run of block_size * 128 bytes).
 
-    python benchmarks/tune_mixed_decode.py [--rows 512,256,64] [--kinds cross,self,uniform]
-        [--uniform 40x512,64x512,128x512,64x2048] [--orders random,longest-first]
+    python benchmarks/tune_mixed_decode.py [--rows 512,256,64] [--kinds cross,self,uniform,beams]
+        [--uniform 40x512,64x512,128x512,64x2048] [--beams 1x4x512,8x4x512] [--orders random,longest-first]
         [--configs all|few|depths|default] [--layouts slot-major,head-major] [--out DIR] [--quick]
 
 Writes DIR/mixed-decode.json (default DIR: benchmarks/results/<date>-<gpu>/, with its env.json).
@@ -52,19 +55,22 @@ def pool(blocks: int, layout: str, device, dtype) -> torch.Tensor:
     return torch.randn(blocks, BLOCK_SIZE, HEADS, HEAD_DIM, device=device, dtype=dtype)
 
 
-def paged(lens: list[int], device, dtype, layout: str = "slot-major"):
-    per_row = [-(-n // BLOCK_SIZE) for n in lens]
+def paged(lens: list[int], device, dtype, layout: str = "slot-major", group: int = 1):
+    """K/V pools, a shuffled block table and seq_lens for rows of `lens` keys; each `group` rows in
+    a row share one table row (a beam search's rows of one source), their lens alike."""
+    per_row = [-(-n // BLOCK_SIZE) for n in lens[::group]]
     blocks = sum(per_row) + 1
     key, value = pool(blocks, layout, device, dtype), pool(blocks, layout, device, dtype)
     ids = torch.randperm(blocks, device="cpu").tolist()
-    table = torch.zeros(len(lens), max(per_row), dtype=torch.int32)
+    table = torch.zeros(len(per_row), max(per_row), dtype=torch.int32)
     for row, n in enumerate(per_row):
         table[row, :n] = torch.tensor([ids.pop() for _ in range(n)], dtype=torch.int32)
+    table = table.repeat_interleave(group, dim=0)
     return key, value, table.to(device), torch.tensor(lens, dtype=torch.int32, device=device)
 
 
-def cases(args) -> list[tuple[str, str, list[int]]]:
-    """(kind, order, key counts per row) of each timed case."""
+def cases(args) -> list[tuple[str, str, list[int], int]]:
+    """(kind, order, key counts per row, rows per table row) of each timed case."""
     quick = args.quick
     mixes = {"cross": (24, 4, 120) if quick else (160, 20, 2000), "self": (8, 1, 30) if quick else (60, 1, 200)}
     out = []
@@ -72,15 +78,20 @@ def cases(args) -> list[tuple[str, str, list[int]]]:
         if kind == "uniform":
             for shape in (args.uniform or ("3x20,5x40" if quick else "40x512,64x512,128x512,64x2048")).split(","):
                 rows, keys = (int(v) for v in shape.split("x"))
-                out.append((kind, "random", [keys] * rows))
+                out.append((kind, "random", [keys] * rows, 1))
+            continue
+        if kind == "beams":
+            for shape in (args.beams or ("2x3x20" if quick else "1x4x512,8x4x512,16x4x512")).split(","):
+                sources, beams, keys = (int(v) for v in shape.split("x"))
+                out.append((kind, f"{sources} sources x {beams} beams", [keys] * (sources * beams), beams))
             continue
         if kind not in mixes:
-            raise SystemExit(f"--kinds: unknown kind {kind!r} (cross, self, uniform)")
+            raise SystemExit(f"--kinds: unknown kind {kind!r} (cross, self, uniform, beams)")
         for rows, order in ((int(r), o) for r in args.rows.split(",") for o in args.orders.split(",")):
             lens = lengths(rows, 0, *mixes[kind])
             if order != "random":  # the grid launches rows in order: longest first is LPT scheduling
                 lens = sorted(lens, reverse=order == "longest-first")
-            out.append((kind, order, lens))
+            out.append((kind, order, lens, 1))
     return out
 
 
@@ -104,9 +115,11 @@ def configs_for(which: str, default: DecodeConfig) -> dict:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="512,256,64", help="row counts of the cross / self mixes")
-    ap.add_argument("--kinds", default="cross,self,uniform", help="cases to time: cross, self, uniform")
+    ap.add_argument("--kinds", default="cross,self,uniform", help="cases to time: cross, self, uniform, beams")
     ap.add_argument("--uniform", default=None,
                     help="ROWSxKEYS shapes of the uniform case (default 40x512,64x512,128x512,64x2048)")
+    ap.add_argument("--beams", default=None,
+                    help="SOURCESxBEAMSxKEYS shapes of the beams case (default 1x4x512,8x4x512,16x4x512)")
     ap.add_argument("--orders", default="random,longest-first,shortest-first",
                     help="row orders to time (the kernel's grid follows the rows)")
     ap.add_argument("--configs", default="all",
@@ -131,13 +144,13 @@ def main(argv=None) -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     gbps = common.copy_bandwidth(device, 1 << 30) if device.type == "cuda" else float("nan")
     report = {"gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "copy_gbps": gbps, "rows": []}
-    for (kind, order, lens), layout in ((case, layout) for case in todo for layout in layouts):
+    for (kind, order, lens, group), layout in ((case, layout) for case in todo for layout in layouts):
         rows = len(lens)
-        key, value, table, seq_lens = paged(lens, device, dtype, layout)
+        key, value, table, seq_lens = paged(lens, device, dtype, layout, group)
         query = torch.randn(rows, HEADS, HEAD_DIM, device=device, dtype=dtype)
         # self-attention: T5's causal distance table (128 buckets' worth of distances)
         bias = torch.randn(HEADS, 129, device=device, dtype=dtype) if kind == "self" else None
-        kv_bytes = 2 * sum(lens) * HEADS * HEAD_DIM * key.element_size()
+        kv_bytes = 2 * sum(lens[::group]) * HEADS * HEAD_DIM * key.element_size()  # once per table row
         ref = reference.paged_decode(query.float(), key.float(), value.float(), table, seq_lens,
                                      bias_table=None if bias is None else bias.float())
         sms = common.num_sms(device)
@@ -149,8 +162,8 @@ def main(argv=None) -> None:
                       bias_table=bias, max_seq_len=max(lens), config=config)
             err = float((paged_decode(**kw).float() - ref).norm() / ref.norm())
             us = common.graph_us([lambda kw=kw: paged_decode(**kw)] * 4)
-            row = dict(kind=kind, rows=rows, order=order, layout=layout, config=name, knobs=config.__dict__.copy(), us=us,
-                       rel_err=err, pct_of_copy=100 * kv_bytes / (us * 1e3) / gbps)
+            row = dict(kind=kind, rows=rows, rows_per_table_row=group, order=order, layout=layout, config=name,
+                       knobs=config.__dict__.copy(), us=us, rel_err=err, pct_of_copy=100 * kv_bytes / (us * 1e3) / gbps)
             report["rows"].append(row)
             print(f"  {name:<24} {us:8.1f} us  {row['pct_of_copy']:5.1f}% of copy  err {err:.1e}", flush=True)
     common.write_json(out / "mixed-decode.json", report)

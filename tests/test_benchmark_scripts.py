@@ -307,3 +307,23 @@ def test_the_generate_floor_counts_reads_at_the_read_bandwidth():
     assert got["floor_ms"] == pytest.approx(want_bytes / 2e9 * 1e3)
     assert got["launch_floor_ms"] == pytest.approx(250 * 0.8e-3) and got["kernels_per_step"] == 250
     assert common.read_bandwidth(torch.device("cpu"), 1 << 20) > 0
+
+
+def test_tune_mixed_decode_shares_a_source_table_across_beams_in_either_layout(tmp_path):
+    """tune_mixed_decode's pools: `beams` rows of a source share one table row (and their keys are
+    counted once), a head-major pool holds [block, head, slot, dim] in memory; its --quick run
+    (interpreter) matches the reference in every case and layout, and bad --layouts stop at once."""
+    import tune_mixed_decode as tmd
+
+    key, value, table, seq_lens = tmd.paged([20] * 6, "cpu", torch.float32, "head-major", group=3)
+    assert table.shape[0] == 6 and torch.equal(table[0], table[2]) and not torch.equal(table[0], table[3])
+    assert key.stride()[1:3] == (tmd.HEAD_DIM, tmd.BLOCK_SIZE * tmd.HEAD_DIM) and seq_lens.tolist() == [20] * 6
+    tmd.main(["--quick", "--configs", "default", "--kinds", "beams,uniform", "--layouts", "slot-major,head-major",
+              "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "mixed-decode.json").read_text())["rows"]
+    assert {(r["kind"], r["layout"], r["rows_per_table_row"]) for r in rows} == {
+        (kind, layout, group) for kind, group in (("beams", 3), ("uniform", 1))
+        for layout in ("slot-major", "head-major")}
+    assert max(r["rel_err"] for r in rows) < 1e-5
+    with pytest.raises(SystemExit, match="--layouts"):
+        tmd.main(["--quick", "--layouts", "slot-major,column-major", "--out", str(tmp_path)])
