@@ -56,8 +56,8 @@ def pool(blocks: int, layout: str, device, dtype) -> torch.Tensor:
 
 
 def paged(lens: list[int], device, dtype, layout: str = "slot-major", group: int = 1):
-    """K/V pools, a shuffled block table and seq_lens for rows of `lens` keys; each `group` rows in
-    a row share one table row (a beam search's rows of one source), their lens alike."""
+    """K/V pools, a shuffled block table and seq_lens for rows of `lens` keys; each run of `group`
+    consecutive rows shares one table row (a beam search's rows of one source; their lens alike)."""
     per_row = [-(-n // BLOCK_SIZE) for n in lens[::group]]
     blocks = sum(per_row) + 1
     key, value = pool(blocks, layout, device, dtype), pool(blocks, layout, device, dtype)
@@ -82,7 +82,10 @@ def cases(args) -> list[tuple[str, str, list[int], int]]:
             continue
         if kind == "beams":
             for shape in (args.beams or ("2x3x20" if quick else "1x4x512,8x4x512,16x4x512")).split(","):
-                sources, beams, keys = (int(v) for v in shape.split("x"))
+                parts = shape.split("x")
+                if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+                    raise SystemExit(f"--beams takes SOURCESxBEAMSxKEYS shapes of positive ints, got {shape!r}")
+                sources, beams, keys = (int(v) for v in parts)
                 out.append((kind, f"{sources} sources x {beams} beams", [keys] * (sources * beams), beams))
             continue
         if kind not in mixes:

@@ -327,3 +327,5 @@ def test_tune_mixed_decode_shares_a_source_table_across_beams_in_either_layout(t
     assert max(r["rel_err"] for r in rows) < 1e-5
     with pytest.raises(SystemExit, match="--layouts"):
         tmd.main(["--quick", "--layouts", "slot-major,column-major", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="SOURCESxBEAMSxKEYS"):
+        tmd.main(["--quick", "--kinds", "beams", "--beams", "8x4", "--out", str(tmp_path)])
