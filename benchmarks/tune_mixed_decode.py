@@ -137,7 +137,7 @@ def main(argv=None) -> None:
     if args.configs not in ("all", "few", "depths", "default"):
         raise SystemExit(f"--configs must be all, few, depths or default, got {args.configs!r}")
     layouts = args.layouts.split(",")
-    if not layouts or any(layout not in LAYOUTS for layout in layouts):
+    if any(layout not in LAYOUTS for layout in layouts):  # "" included
         raise SystemExit(f"--layouts takes a comma-separated list of {', '.join(LAYOUTS)}, got {args.layouts!r}")
     todo = cases(args)
     if not args.quick:
