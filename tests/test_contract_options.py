@@ -12,10 +12,13 @@ Where stock HF raises for a setting, the patched call must raise the same.
 
 from __future__ import annotations
 
+import random
+import warnings
+
 import pytest
 import torch
 from conftest import make_batch, make_model
-from oracle import BACKENDS, case_seed, compare_with_stock, stock_copy
+from oracle import BACKENDS, assert_exact_in_float64, case_seed, compare_with_stock, stock_copy
 from transformers import CompileConfig, WatermarkingConfig
 
 import hf_paged_t5 as hp
@@ -187,3 +190,89 @@ def test_streamer_gets_what_stock_gives_it(models, mode):
     assert runs[1] == runs[0]
     if mode == "beam":
         assert "streamer` cannot be used with beam search" in runs[0][0]
+
+
+# ---- options together ---------------------------------------------------------------------------
+MIX_FAMILIES = ("t5", "t5v1_1", "umt5", "mt5")
+CI_MIX_SEEDS = (0, 1, 2, 3)  # each family, both backends
+SLOW_MIX_SEEDS = tuple(range(4, 40))
+
+
+def _mixed_options(rng: random.Random, stock, seed: int) -> dict:
+    """generate() kwargs of one random call: a search mode and a random set of the processors and
+    warpers HF applies over the paged logits, with token ids the model does produce."""
+    rows = rng.randint(1, 4)
+    ids, mask = make_batch([rng.randint(1, 14) for _ in range(rows)], padding_side=rng.choice(["left", "right"]),
+                           seed=seed)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=rng.randint(1, 16))
+    beams = rng.choice([1, 1, 2, 3])
+    if beams > 1:
+        kw.update(num_beams=beams, num_return_sequences=rng.randint(1, beams))
+    if rng.random() < 0.3:
+        kw.update(do_sample=True, top_k=rng.choice([0, 10, 50]))
+        chances = (("top_p", 0.5, (0.5, 0.9)), ("temperature", 0.3, (0.7, 1.3)), ("typical_p", 0.2, (0.8,)),
+                   ("epsilon_cutoff", 0.2, (3e-4,)))
+        kw.update({name: rng.choice(values) for name, chance, values in chances if rng.random() < chance})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        probe = stock.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, min_new_tokens=10)
+    tokens = sorted(set(probe[:, 1:].flatten().tolist()))  # not empty: 10 new tokens a row
+    options = {
+        "repetition_penalty": lambda: rng.choice([1.2, 0.8, 2.0]),
+        "no_repeat_ngram_size": lambda: rng.choice([1, 2, 3]),
+        "encoder_no_repeat_ngram_size": lambda: rng.choice([1, 2]),
+        "encoder_repetition_penalty": lambda: 1.3,
+        "bad_words_ids": lambda: [[t] for t in rng.sample(tokens, min(2, len(tokens)))],
+        "suppress_tokens": lambda: rng.sample(tokens, min(2, len(tokens))),
+        "begin_suppress_tokens": lambda: rng.sample(tokens, 1),
+        "forced_eos_token_id": lambda: 1,
+        "forced_bos_token_id": lambda: tokens[0],
+        "sequence_bias": lambda: {(rng.choice(tokens),): -2.0},
+        "renormalize_logits": lambda: True,
+        "exponential_decay_length_penalty": lambda: (2, 1.5),
+        "eos_token_id": lambda: rng.sample(tokens, min(len(tokens), rng.randint(1, 2))),
+        "min_new_tokens": lambda: rng.randint(1, 6),
+    }
+    kw.update({name: value() for name, value in options.items() if rng.random() < 0.25})
+    if rng.random() < 0.3:
+        kw.update(return_dict_in_generate=True, output_scores=True, output_logits=rng.random() < 0.5)
+    return kw
+
+
+@pytest.mark.parametrize("seed", [*CI_MIX_SEEDS, *(pytest.param(s, marks=pytest.mark.slow) for s in SLOW_MIX_SEEDS)])
+def test_random_option_mix(seed):
+    """Eight random calls per case, each with a random set of the options HF applies over the
+    paged logits (penalties, n-gram and word bans, forced and suppressed tokens, warpers, EOS
+    ids, min lengths) in a random search mode, on a model of the case's family with its block size
+    and backend: in float64 (`assert_exact_in_float64`), stock HF's tokens and its scores and
+    logits up to their float32 cast, or stock's error (options it refuses together). (In float32 the paged path's other summation order moves
+    scores by stock's own rounding error, and where a rescaling processor sits between two beams
+    a rounding apart, no float32 oracle can tell such a near tie from a wrong choice.)"""
+    rng = random.Random(case_seed("option mix", seed))
+    model = make_model(MIX_FAMILIES[seed % len(MIX_FAMILIES)], seed=case_seed("option mix", seed))
+    backend = BACKENDS[("reference", "cpu")[seed % 2]].backend
+    config = hp.PagedCacheConfig(block_size=rng.choice([1, 4, 16]), backend=backend)
+    for call in range(8):
+        call_seed = case_seed("option mix", seed, call)
+        kw = _mixed_options(rng, model, call_seed)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert_exact_in_float64(model, seed=call_seed, expect_paged=None, config=config, stock_may_raise=True,
+                                    **kw)
+
+
+def test_beams_a_forced_first_token_leaves_behind():
+    """A forced first token in a one-token beam search that returns every beam: only the first
+    beam is live at the start, the others carry HF's -1e9 start penalty on the forced token (their
+    `sequences_scores` are no sum of their chosen scores); the oracle holds paged's to stock's
+    there, and to the sum rule on the first beam."""
+    seed = case_seed("forced first token, every beam")
+    model = make_model("t5", seed=seed)
+    ids, mask = make_batch([9, 4], seed=seed)
+    stock, paged = compare_with_stock(model, BACKENDS["cpu"], seed=seed, input_ids=ids, attention_mask=mask,
+                                      max_new_tokens=1, num_beams=3, num_return_sequences=3, forced_bos_token_id=7,
+                                      return_dict_in_generate=True, output_scores=True)
+    # premise: each source's first beam took the forced token; the others kept the penalty (on the
+    # forced token) or hold a masked choice (-inf: another token than the forced one)
+    assert (stock.sequences.view(2, 3, -1)[:, 0, 1] == 7).all()
+    assert (stock.sequences_scores.view(2, 3)[:, 1:] < -1e8).all()
