@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import random
+
 import pytest
 import torch
 from conftest import make_model
@@ -652,3 +655,55 @@ def test_per_input_sampling_refusals():
             0, hp.BatchRequest(ids, do_sample=True, temperature=0.5))
     with pytest.raises(ValueError, match="read the generated tokens"):
         hp.BatchGenerator(model, do_sample=True, repetition_penalty=1.2).make_request(0, hp.BatchRequest(ids, seed=1))
+
+
+# ---- random option mixes, float64 ---------------------------------------------------------------
+MIX_FAMILIES = ("t5", "t5v1_1", "umt5", "mt5")
+CI_MIX_SEEDS = (0, 1, 2, 3)  # each family, both backends
+SLOW_MIX_SEEDS = tuple(range(4, 60))
+
+
+def _mixed_job(rng: random.Random, model, seed: int) -> tuple[dict, list]:
+    """A job's generator options (a search mode and a random set of the processors HF applies per
+    row) and its requests (inputs of 1-20 tokens, some with their own max / min new tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    inputs = [torch.randint(2, 300, (rng.randint(1, 20),), generator=g).tolist() for _ in range(rng.randint(1, 9))]
+    opts = dict(max_new_tokens=rng.randint(1, 12))
+    beams = rng.choice([1, 1, 2, 3])
+    if beams > 1:
+        opts.update(num_beams=beams, num_return_sequences=rng.randint(1, beams))
+        opts.update({k: rng.choice(v) for k, v in (("length_penalty", (0.0, 0.6, 2.0)),
+                                                   ("early_stopping", (True, False, "never"))) if rng.random() < 0.5})
+    tokens = sorted(set(alone(model, inputs[0], max_new_tokens=10, min_new_tokens=10)[0][0][1:]))
+    choices = {"repetition_penalty": 1.3, "no_repeat_ngram_size": 2, "bad_words_ids": [[tokens[0]]],
+               "suppress_tokens": tokens[:1], "begin_suppress_tokens": tokens[-1:], "forced_eos_token_id": 1,
+               "sequence_bias": {(tokens[0],): -1.0}, "renormalize_logits": True,
+               "exponential_decay_length_penalty": (2, 1.5), "min_new_tokens": rng.randint(1, 5),
+               "eos_token_id": tokens[:2]}
+    opts.update({k: v for k, v in choices.items() if rng.random() < 0.25})
+    requests = []
+    for ids in inputs:
+        limits = {k: rng.randint(1, n) for k, n in (("max_new_tokens", 12), ("min_new_tokens", 4)) if rng.random() < 0.25}
+        requests.append(hp.BatchRequest(ids, **limits))
+    return opts, requests
+
+
+@pytest.mark.parametrize("seed", [*CI_MIX_SEEDS, *(pytest.param(s, marks=pytest.mark.slow) for s in SLOW_MIX_SEEDS)])
+def test_random_option_mix_matches_stock_alone_in_float64(seed):
+    """A job with random options (search mode, penalties, bans, forced and suppressed tokens, EOS
+    ids, per-input limits) on a float64 model, on the case's backend and block size: each input's
+    sequences are stock HF's generate() on that input alone, its beam scores too (float64: no
+    near ties, so any difference is the engine's)."""
+    rng = random.Random(seed)
+    model = make_model(MIX_FAMILIES[seed % len(MIX_FAMILIES)], seed=seed).double()
+    stock = copy.deepcopy(model)
+    opts, requests = _mixed_job(rng, stock, seed)
+    hp.patch_model(model, hp.PagedCacheConfig(block_size=rng.choice([1, 4, 16]), backend=("torch", "cpu")[seed % 2]))
+    results = dict(hp.BatchGenerator(model, **opts).as_completed(requests))
+    assert sorted(results) == list(range(len(requests)))
+    for index, request in enumerate(requests):
+        limits = {k: getattr(request, k) for k in ("max_new_tokens", "min_new_tokens") if getattr(request, k)}
+        rows, scores = alone(stock, request.inputs, **{**opts, **limits})
+        assert results[index].sequences == rows, (index, opts, limits)
+        if scores is not None:
+            assert results[index].scores == pytest.approx(scores, rel=1e-12, abs=0), (index, opts, limits)
