@@ -193,9 +193,9 @@ def test_streamer_gets_what_stock_gives_it(models, mode):
 
 
 # ---- options together ---------------------------------------------------------------------------
-MIX_FAMILIES = ("t5", "t5v1_1", "umt5", "mt5")
-CI_MIX_SEEDS = (0, 1, 2, 3)  # each family, both backends
-SLOW_MIX_SEEDS = tuple(range(4, 40))
+MIX_FAMILIES = ("t5", "t5v1_1", "umt5", "mt5", "inner_dim", "d_kv128")
+CI_MIX_SEEDS = tuple(range(len(MIX_FAMILIES)))  # each family, both backends
+SLOW_MIX_SEEDS = tuple(range(len(MIX_FAMILIES), 300))
 
 
 def _mixed_options(rng: random.Random, stock, seed: int) -> dict:
@@ -236,6 +236,20 @@ def _mixed_options(rng: random.Random, stock, seed: int) -> dict:
     kw.update({name: value() for name, value in options.items() if rng.random() < 0.25})
     if rng.random() < 0.3:
         kw.update(return_dict_in_generate=True, output_scores=True, output_logits=rng.random() < 0.5)
+    if beams > 1:
+        kw.update({k: rng.choice(v) for k, v in (("length_penalty", (0.0, -0.7, 0.6, 2.0)),
+                                                 ("early_stopping", (True, False, "never"))) if rng.random() < 0.5})
+    # a decoder prompt (not UMT5: transformers 5.17's UMT5 decoder lets a prompt's tokens attend to
+    # later ones, tests/test_soak.py), a total length in place of new tokens, another pad id
+    if type(stock).__name__ != "UMT5ForConditionalGeneration" and rng.random() < 0.3:
+        prompt = torch.randint(2, 300, (rows, rng.randint(1, 6)), generator=torch.Generator().manual_seed(seed))
+        if rng.random() < 0.5:
+            prompt[:, 0] = 0
+        kw["decoder_input_ids"] = prompt
+    if rng.random() < 0.3:
+        kw["max_length"] = kw.pop("max_new_tokens") + (kw["decoder_input_ids"].shape[1] if "decoder_input_ids" in kw else 1)
+    if rng.random() < 0.2:
+        kw["pad_token_id"] = rng.choice([0, 3, 1])
     return kw
 
 
