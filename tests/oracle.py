@@ -297,7 +297,9 @@ def assert_beam_floats(model64, stock, paged, length_penalty, from_step=0, **inp
       generated) ** length_penalty, HF's arithmetic; stock's and paged's each equal it up to
       the fp32 rounding of that sum. (Not against fp64 directly: three sums of a few chosen
       tokens are too few to measure stock's own error by, and a near tie's chosen log-prob
-      is the difference of two logits whose errors stock may cancel by luck.)
+      is the difference of two logits whose errors stock may cancel by luck.) A beam whose stock
+      score is no such sum (a masked choice, HF's -1e9 start penalty kept): paged's equals
+      stock's up to fp32 rounding at its magnitude.
     """
     generated = stock.beam_indices[:, : len(stock.scores)] >= 0  # [rows, steps]
     # The same steps generated. The beams themselves may differ where two beams held the same
