@@ -410,17 +410,17 @@ def float_outputs(out) -> dict:
 
 
 def assert_exact_in_float64(model, seed=None, expect_paged=True, config=CONFIG, stock_may_raise=False,
-                            **kwargs) -> None:
+                            **kwargs):
     """Stock and paged generate() on a float64 copy of `model`: same tokens, and the float outputs
     equal up to their float32 cast (HF casts the logits to float32: values that agree to ~1e-15
     may round to neighbouring float32 numbers, one ulp apart). `stock_may_raise`: if stock HF
-    raises, the patched call must raise the same (type and message)."""
+    raises, the patched call must raise the same (type and message). Returns (stock, paged)."""
     model64 = fp64_twin(model)
     stock, paged = stock_and_paged(model64, config=config, seed=seed, expect_paged=expect_paged,
                                    stock_may_raise=stock_may_raise, **in_float64(kwargs))
     if isinstance(stock, Exception) or isinstance(paged, Exception):
         assert type(paged) is type(stock) and str(paged) == str(stock), f"stock HF: {stock!r}\npaged: {paged!r}"
-        return
+        return stock, paged
     assert_same_tokens(stock, paged)
     floats_a, floats_b = float_outputs(stock), float_outputs(paged)
     assert floats_a.keys() == floats_b.keys()
@@ -429,6 +429,7 @@ def assert_exact_in_float64(model, seed=None, expect_paged=True, config=CONFIG, 
         for t, (x, y) in enumerate(zip(*(v if isinstance(v, tuple) else (v,) for v in (a, b)))):
             eps = torch.finfo(x.dtype).eps
             torch.testing.assert_close(y, x, rtol=2 * eps, atol=0.0, equal_nan=True, msg=lambda m: f"{name}[{t}]: {m}")
+    return stock, paged
 
 
 def beam_hypotheses_tie(model, stock, paged, kwargs) -> bool:

@@ -254,25 +254,35 @@ def _mixed_options(rng: random.Random, stock, seed: int) -> dict:
 
 
 @pytest.mark.parametrize("seed", [*CI_MIX_SEEDS, *(pytest.param(s, marks=pytest.mark.slow) for s in SLOW_MIX_SEEDS)])
-def test_random_option_mix(seed):
+def test_random_option_mix(monkeypatch, seed):
     """Eight random calls per case, each with a random set of the options HF applies over the
     paged logits (penalties, n-gram and word bans, forced and suppressed tokens, warpers, EOS
-    ids, min lengths) in a random search mode, on a model of the case's family with its block size
-    and backend: in float64 (`assert_exact_in_float64`), stock HF's tokens and its scores and
-    logits up to their float32 cast, or stock's error (options it refuses together). (In float32 the paged path's other summation order moves
-    scores by stock's own rounding error, and where a rescaling processor sits between two beams
-    a rounding apart, no float32 oracle can tell such a near tie from a wrong choice.)"""
+    ids, min lengths) in a random search mode, with decoder prompts, total lengths and pad ids,
+    on a model of the case's family with its block size and backend: in float64
+    (`assert_exact_in_float64`), stock HF's tokens and its scores and logits up to their float32
+    cast, or stock's error (options it refuses together). (In float32 the paged path's other
+    summation order moves scores by stock's own rounding error, and where a rescaling processor
+    sits between two beams a rounding apart, no float32 oracle can tell such a near tie from a
+    wrong choice.)"""
+    from hf_paged_t5.hf import generate as paged_generate
+
+    paged_runs = []
+    real = paged_generate._paged_generate
+    monkeypatch.setattr(paged_generate, "_paged_generate", lambda *a, **k: paged_runs.append(1) or real(*a, **k))
     rng = random.Random(case_seed("option mix", seed))
     model = make_model(MIX_FAMILIES[seed % len(MIX_FAMILIES)], seed=case_seed("option mix", seed))
     backend = BACKENDS[("reference", "cpu")[seed % 2]].backend
     config = hp.PagedCacheConfig(block_size=rng.choice([1, 4, 16]), backend=backend)
+    answered = 0
     for call in range(8):
         call_seed = case_seed("option mix", seed, call)
         kw = _mixed_options(rng, model, call_seed)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            assert_exact_in_float64(model, seed=call_seed, expect_paged=None, config=config, stock_may_raise=True,
-                                    **kw)
+            stock, _ = assert_exact_in_float64(model, seed=call_seed, expect_paged=None, config=config,
+                                               stock_may_raise=True, **kw)
+        answered += not isinstance(stock, Exception)
+    assert len(paged_runs) >= answered  # every call stock answers ran on the paged path (no fallback)
 
 
 def test_beams_a_forced_first_token_leaves_behind():
