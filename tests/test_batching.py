@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import copy
 import random
 
 import pytest
 import torch
 from conftest import make_model
+from oracle import stock_copy
 from transformers import GenerationConfig
 
 import hf_paged_t5 as hp
@@ -696,7 +696,7 @@ def test_random_option_mix_matches_stock_alone_in_float64(seed):
     near ties, so any difference is the engine's)."""
     rng = random.Random(seed)
     model = make_model(MIX_FAMILIES[seed % len(MIX_FAMILIES)], seed=seed).double()
-    stock = copy.deepcopy(model)
+    stock = stock_copy(model)
     opts, requests = _mixed_job(rng, stock, seed)
     hp.patch_model(model, hp.PagedCacheConfig(block_size=rng.choice([1, 4, 16]), backend=("torch", "cpu")[seed % 2]))
     results = dict(hp.BatchGenerator(model, **opts).as_completed(requests))
