@@ -1088,3 +1088,26 @@ def test_gpu_new_workload_sizes_compile_nothing():
     assert len(step_compiles) <= 1  # the first launch's, where no earlier test compiled it
     assert ahead.binaries() == loaded + len(step_compiles)
     assert int(tickets.count_nonzero()) == 0
+
+
+@pytest.mark.parametrize("group,head_dim,block_size", [(4, 64, 16), (3, 40, 4), (1, 32, 16), (5, 64, 1)])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_grouped_decode_matches_the_reference_per_row(group, head_dim, block_size, dtype, num_splits):
+    """Rows in groups sharing a table row (a beam search's rows of a source): the grouped kernel
+    gives each row the reference's attention over its own table, at awkward groups, head dims,
+    block sizes and lengths (a tile edge, one key, a long source), with and without splits."""
+    from hf_paged_t5.kernels.decode import grouped_decode
+
+    num_heads = 2
+    source_lens = [max(1, block_size - 1), 1, 37, 70]
+    key_cache, value_cache, table, _ = make_paged_kv(source_lens, block_size, num_heads, head_dim, dtype)
+    block_table = table.repeat_interleave(group, dim=0)
+    seq_lens = torch.tensor(source_lens, dtype=torch.int32, device=DEVICE).repeat_interleave(group)
+    query = torch.randn(len(seq_lens), num_heads, head_dim, device=DEVICE).to(dtype)
+    out = grouped_decode(query, key_cache, value_cache, block_table, seq_lens, group, scale=0.7,
+                         num_splits=num_splits, block_n=16)
+    ref = decode_reference(query, key_cache, value_cache, block_table, seq_lens, scale=0.7)
+    assert rel_err(out, ref) < TOLERANCE[dtype]
+    with pytest.raises(ValueError, match="group"):
+        grouped_decode(query, key_cache, value_cache, block_table, seq_lens, len(seq_lens) + 1)

@@ -470,3 +470,154 @@ def paged_decode(
             num_warps=4, **launch,
         )  # fmt: skip
     return out
+
+
+@triton.jit(do_not_specialize=["max_keys", "keys_per_split", "stride_table_batch"])  # workload sizes: see kernels/__init__.py
+def _grouped_decode_kernel(
+    query_ptr,  # [batch, num_heads, head_dim], batch = sources * GROUP
+    key_cache_ptr,  # [num_blocks, block_size, num_heads, head_dim]
+    value_cache_ptr,
+    block_table_ptr,  # [batch, max_blocks] int32: row source * GROUP's row serves the source's GROUP rows
+    seq_lens_ptr,  # [batch] int32, read at row source * GROUP
+    out_ptr,  # [batch, num_heads, head_dim] (one split)
+    part_ptr,  # [batch, num_heads, num_splits, BLOCK_D + 2] fp32 (several splits; layout: _combine_splits_kernel)
+    scale,
+    head_dim,
+    max_keys,
+    keys_per_split,
+    stride_query_batch,
+    stride_query_head,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_table_batch,
+    stride_out_batch,
+    stride_out_head,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """One program: one (head, source, key split), the source's GROUP rows (beams) at once, so each
+    K/V tile is read once for all of them; the rows' queries are a [BLOCK_G, BLOCK_D] tile (rows
+    past GROUP are zeros, never stored) and scores and the V sum are tensor-core dots."""
+    head = tl.program_id(0).to(tl.int64)
+    source = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    num_heads = tl.num_programs(0)
+    num_splits = tl.num_programs(2)
+    first_row = source * GROUP
+    seq_len = tl.minimum(tl.load(seq_lens_ptr + first_row), max_keys)
+    start = split * keys_per_split
+    end = tl.minimum(seq_len, start + keys_per_split)
+
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < head_dim
+    members = tl.arange(0, BLOCK_G)
+    rows = first_row + members
+    row_mask = members < GROUP
+    slot_args = (block_table_ptr + first_row * stride_table_batch, max_keys, head,
+                 stride_cache_block, stride_cache_slot, stride_cache_head)
+    kv_args = (key_cache_ptr, value_cache_ptr, end, dims, dim_mask)
+    # The cross keys were written before the step: the first tile loads before the wait for the
+    # kernel before (which wrote the queries).
+    slots = _tile_slots(start, *slot_args, BLOCK_SIZE, BLOCK_N)
+    k, v = _load_kv(slots, start, *kv_args, BLOCK_N)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    q_off = rows[:, None] * stride_query_batch + head * stride_query_head + dims[None, :]
+    q = tl.load(query_ptr + q_off, mask=row_mask[:, None] & dim_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+    c = scale * 1.4426950408889634  # log2 units
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    for tile_start in range(start, end, BLOCK_N):
+        slots = _tile_slots(tile_start + BLOCK_N, *slot_args, BLOCK_SIZE, BLOCK_N)
+        k_next, v_next = _load_kv(slots, tile_start + BLOCK_N, *kv_args, BLOCK_N)
+        key_mask = (tile_start + tl.arange(0, BLOCK_N)) < end
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * c  # [BLOCK_G, BLOCK_N] fp32 (masked keys' K rows are zeros)
+        s = tl.where(key_mask[None, :], s, float("-inf"))
+        # Every tile holds a live key, so m_new is finite for every member row.
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+        k, v = k_next, v_next
+
+    mask = row_mask[:, None] & dim_mask[None, :]
+    if num_splits == 1:
+        out_off = rows[:, None] * stride_out_batch + head * stride_out_head + dims[None, :]
+        tl.store(out_ptr + out_off, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        # An empty split (past seq_len) stores max -inf and sum 0: the merge gives it weight 0.
+        part_rows = part_ptr + ((rows * num_heads + head) * num_splits + split) * (BLOCK_D + 2)  # [BLOCK_G]
+        tl.store(part_rows[:, None] + dims[None, :], acc, mask=row_mask[:, None])
+        tl.store(part_rows + BLOCK_D, m_i, mask=row_mask)
+        tl.store(part_rows + BLOCK_D + 1, l_i, mask=row_mask)
+
+
+def grouped_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    group: int,
+    scale: float = 1.0,
+    max_seq_len: Optional[int] = None,
+    num_splits: int = 1,
+    block_n: int = 64,
+    num_warps: int = 4,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """`paged_decode` without a bias for rows in groups of `group` that share keys (a beam search's
+    rows of one source, over its cross-attention keys): each group's first row's table and seq_len
+    serve the whole group (a promise, unchecked), and each K/V tile is read once per group.
+
+    query: [batch, num_heads, head_dim], batch a multiple of `group`; fp16 / bf16 (the scores and
+    the V sum are tensor-core dots, the probabilities rounded to the query's dtype for the second,
+    as flash attention does) or fp32 (dots in full fp32). Returns [batch, num_heads, head_dim].
+    """
+    check_decode_args(query, key_cache, value_cache, block_table, seq_lens, None, None)
+    batch, num_heads, head_dim = query.shape
+    if not isinstance(group, int) or group < 1 or batch % group:
+        raise ValueError(f"group must be a positive int dividing the batch ({batch}), got {group!r}")
+    if num_splits < 1 or block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"num_splits must be >= 1 and block_n a power of two >= 16, got {num_splits}, {block_n}")
+    block_size = key_cache.shape[1]
+    max_keys = block_table.shape[1] * block_size
+    out = torch.empty((batch, num_heads, head_dim), dtype=query.dtype, device=query.device)
+    if batch == 0 or num_heads == 0 or max_keys == 0:
+        return out
+    padded_d = block_d(head_dim)
+    covered = max_keys if max_seq_len is None else max(1, min(max_keys, int(max_seq_len)))
+    keys_per_split = max_keys
+    splits = num_splits
+    if splits > 1:
+        keys_per_split = triton.cdiv(triton.cdiv(covered, splits), block_n) * block_n
+        splits = triton.cdiv(covered, keys_per_split)
+    part = torch.empty((batch, num_heads, splits, padded_d + 2) if splits > 1 else (1,), dtype=torch.float32,
+                       device=query.device)
+    pdl, launch = pdl_options(pdl)
+    _grouped_decode_kernel[(num_heads, batch // group, splits)](
+        query, key_cache, value_cache, block_table, seq_lens, out, part,
+        float(scale), head_dim, max_keys, keys_per_split,
+        query.stride(0), query.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        block_table.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, BLOCK_G=max(16, 1 << (group - 1).bit_length()), BLOCK_SIZE=block_size, BLOCK_N=block_n,
+        BLOCK_D=padded_d, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", PDL=pdl,
+        num_warps=num_warps, **launch,
+    )  # fmt: skip
+    if splits > 1:
+        _combine_splits_kernel[(batch, num_heads)](
+            part, out, head_dim, splits, out.stride(0), out.stride(1),
+            MERGE_CHUNK=_MERGE_CHUNK, BLOCK_D=padded_d, PDL=pdl, num_warps=4, **launch,
+        )  # fmt: skip
+    return out
