@@ -10,8 +10,10 @@ Cases: `cross` (the 20-2,000-key mix, no bias), `self` (a 1-200-key mix with T5'
 table), `uniform` (the shapes of --uniform, cross-attention of a wide generate() batch) and
 `beams` (the shapes of --beams: sources x beams rows over one table per source, as a beam
 search's cross-attention reads its source's keys once per beam; against `uniform` at the same row
-count and at the source count it says what the shared keys save). It prints µs per call in a CUDA
-graph and the K/V bandwidth reached (K/V bytes counted once per source).
+count and at the source count it says what the shared keys save; it also times `grouped_decode`,
+which reads them once per source: its default and, unless --configs default, its tile / split /
+warp variants, merging splits on tickets as a step does). It prints µs per call in a CUDA graph
+and the K/V bandwidth reached (K/V bytes counted once per source).
 
 --layouts slot-major,head-major also times each case over a pool whose memory is [block, head,
 slot, dim] (the kernels read the pool through its strides; the package's pool is [block, slot,
@@ -35,7 +37,7 @@ import torch
 import common  # benchmarks/ is on sys.path
 from hf_paged_t5 import reference
 from hf_paged_t5.kernels import paged_decode
-from hf_paged_t5.kernels.decode import DecodeConfig, decode_config, grouped_decode
+from hf_paged_t5.kernels.decode import DecodeConfig, decode_config, grouped_config, grouped_decode
 
 HEADS, HEAD_DIM, BLOCK_SIZE = 16, 64, 16
 
@@ -158,22 +160,25 @@ def main(argv=None) -> None:
                                      bias_table=None if bias is None else bias.float())
         sms = common.num_sms(device)
         configs = configs_for(args.configs, decode_config(rows, HEADS, HEAD_DIM, max(lens), sms))
-        if group > 1:  # the grouped kernel: one program per (head, source, split) reads the keys once
-            # (128-key tiles on 4 warps spill at sm_90: 8 warps)
-            for block_n, splits, warps in ((64, 1, 4), (64, 2, 4), (64, 4, 4), (128, 1, 8), (128, 2, 8), (32, 4, 4)):
-                configs[f"grouped {block_n}x{splits}, {warps} warps"] = (block_n, splits, warps)
+        grouped = {}
+        if group > 1:  # the grouped kernel: one program per (head, source, split) reads the keys once, the
+            # split partials merged in-kernel on tickets, as a decode step launches it
+            grouped["grouped default"] = grouped_config(-(-rows // group), HEADS, HEAD_DIM, max(lens), sms)
+            if args.configs != "default":
+                for block_n, splits, warps in ((64, 1, 4), (64, 2, 4), (64, 4, 4), (64, 8, 4), (128, 1, 8), (32, 4, 4)):
+                    grouped[f"grouped {block_n}x{splits}, {warps} warps"] = DecodeConfig(
+                        block_n=block_n, num_warps=warps, num_splits=splits)
+        tickets = torch.zeros(rows * HEADS, dtype=torch.int32, device=device)
         print(f"{kind}: {rows} rows ({order}, {layout}), keys {min(lens)}..{max(lens)} (mean {sum(lens) / rows:.0f}), "
               f"K+V {kv_bytes / 2**20:.1f} MiB; copy {gbps:.0f} GB/s; default {configs['default']}", flush=True)
-        for name, config in configs.items():
+        for name, config in [*configs.items(), *grouped.items()]:
             kw = dict(query=query, key_cache=key, value_cache=value, block_table=table, seq_lens=seq_lens,
-                      max_seq_len=max(lens))
-            if isinstance(config, tuple):
-                fn = lambda kw=kw, c=config: grouped_decode(**kw, group=group, block_n=c[0], num_splits=c[1],  # noqa: E731
-                                                            num_warps=c[2])
-                knobs = dict(block_n=config[0], num_splits=config[1], num_warps=config[2])
+                      max_seq_len=max(lens), config=config)
+            if name in grouped:
+                fn = lambda kw=kw: grouped_decode(**kw, group=group, tickets=tickets)  # noqa: E731
             else:
-                fn = lambda kw=kw, c=config: paged_decode(**kw, bias_table=bias, config=c)  # noqa: E731
-                knobs = config.__dict__.copy()
+                fn = lambda kw=kw: paged_decode(**kw, bias_table=bias)  # noqa: E731
+            knobs = config.__dict__.copy()
             err = float((fn().float() - ref).norm() / ref.norm())
             us = common.graph_us([fn] * 4)
             row = dict(kind=kind, rows=rows, rows_per_table_row=group, order=order, layout=layout, config=name,

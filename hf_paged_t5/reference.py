@@ -122,6 +122,21 @@ def paged_decode(
     return out
 
 
+def grouped_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    group: int,
+    scale: float = 1.0,
+) -> torch.Tensor:
+    """`paged_decode` without a bias where rows come in consecutive groups of `group` (the last may
+    be shorter) and each group's first row's table and seq_len serve the whole group."""
+    first = torch.arange(query.shape[0], device=block_table.device) // group * group
+    return paged_decode(query, key_cache, value_cache, block_table[first], seq_lens[first.to(seq_lens.device)], scale)
+
+
 def prefill(
     query: torch.Tensor,
     key: torch.Tensor,

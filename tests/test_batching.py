@@ -255,7 +255,8 @@ def test_a_draining_job_uses_one_graph_bucket(monkeypatch):
     results = list(hp.BatchGenerator(model, max_batch_rows=len(inputs)).generate(requests))
     assert [r.num_new_tokens for r in results] == MAX_NEW
     assert len(rows) >= 5  # the job drained through many row counts...
-    assert keys == {(64, 8, 8)}  # ...under one graph key: 64 rows, 7 self blocks (26 tokens), 8 cross blocks
+    # ...under one graph key: 64 rows, 7 self blocks (26 tokens), 8 cross blocks, 1 row per source
+    assert keys == {(64, 8, 8, 1)}
 
 
 @pytest.mark.parametrize("early_stopping", [True, False, "never"])

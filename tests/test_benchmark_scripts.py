@@ -325,6 +325,9 @@ def test_tune_mixed_decode_shares_a_source_table_across_beams_in_either_layout(t
         (kind, layout, group) for kind, group in (("beams", 3), ("uniform", 1))
         for layout in ("slot-major", "head-major")}
     assert max(r["rel_err"] for r in rows) < 1e-5
+    # the beams case also times the grouped kernel (a source's keys read once for its beams)
+    assert {r["config"] for r in rows if r["kind"] == "beams"} == {"default", "grouped default"}
+    assert {r["config"] for r in rows if r["kind"] == "uniform"} == {"default"}
     with pytest.raises(SystemExit, match="--layouts"):
         tmd.main(["--quick", "--layouts", "slot-major,column-major", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="SOURCESxBEAMSxKEYS"):

@@ -385,3 +385,41 @@ def test_a_cold_first_generate_compiles_its_step_kernels_on_the_pool(tmp_path):
     assert step, report
     assert all(thread.startswith("hf_paged_t5-compile") for thread, _ in step), report
     assert report["later"] == [] and report["equal"], report
+
+
+@pytest.mark.parametrize("sources,beams", [(3, 3), (1, 4)])
+def test_gpu_beam_cross_attention_reads_each_source_once(monkeypatch, sources, beams):
+    """bf16 beam search: cross-attention is one grouped launch per layer (`kernels.grouped_decode`,
+    the source's beams in one program), in the op-by-op step (3 x 3: 9 rows, a 16-row graph whose
+    padded rows make groups of their own, the last one short) and the fused layer (1 x 4). Eager,
+    every launch gives each row the reference attention over its own table (the kernel tests'
+    bf16 tolerance); captured, the first step's logits are within stock's own bf16 error."""
+    from hf_paged_t5 import kernels, reference
+
+    launches, real = [], kernels.grouped_decode
+
+    def grouped(**kw):
+        out = real(**kw)
+        err = None
+        if not torch.cuda.is_current_stream_capturing():
+            up = {name: kw[name].float() for name in ("query", "key_cache", "value_cache")}
+            ref = reference.paged_decode(**up, block_table=kw["block_table"], seq_lens=kw["seq_lens"],
+                                         scale=kw["scale"])
+            err = float((out.float() - ref).norm() / ref.norm())
+        launches.append((kw["group"], err))
+        return out
+
+    monkeypatch.setattr(kernels, "grouped_decode", grouped)
+    model = real_shape_model("t5-small", torch.bfloat16, layers=3)
+    ids, mask = batch(sources, 150, seed=5)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, num_beams=beams)
+    hp.patch_model(model, hp.PagedCacheConfig(cuda_graphs=False))
+    model.generate(**kw)
+    errors = [err for _, err in launches]
+    assert len(errors) == 6 * 3 and {group for group, _ in launches} == {beams} and max(errors) < 2e-2
+    launches.clear()
+    kw.update(max_new_tokens=1, min_new_tokens=1, output_logits=True, return_dict_in_generate=True)
+    ref, out = both(model, compare=False, **kw)
+    assert launches and {group for group, _ in launches} == {beams}  # captured with the graph
+    exact = teacher_forced_logits(fp64_twin(model), ref.sequences, input_ids=ids, attention_mask=mask)[:, 0]
+    assert_within_stock_error(out.logits[0][::beams], ref.logits[0][::beams], exact, "bf16 beam first-step logits")

@@ -1090,24 +1090,36 @@ def test_gpu_new_workload_sizes_compile_nothing():
     assert int(tickets.count_nonzero()) == 0
 
 
-@pytest.mark.parametrize("group,head_dim,block_size", [(4, 64, 16), (3, 40, 4), (1, 32, 16), (5, 64, 1)])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_grouped_decode_matches_the_reference_per_row(group, head_dim, block_size, dtype, num_splits):
-    """Rows in groups sharing a table row (a beam search's rows of a source): the grouped kernel
-    gives each row the reference's attention over its own table, at awkward groups, head dims,
-    block sizes and lengths (a tile edge, one key, a long source), with and without splits."""
+@pytest.mark.parametrize("group,rows_cut,head_dim,block_size", [(4, 0, 64, 16), (3, 2, 40, 4), (1, 0, 32, 16),
+                                                                (5, 3, 64, 1), (16, 9, 64, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])  # bf16 in the interpreter too
+@pytest.mark.parametrize("num_splits,merge", [(1, "none"), (3, "kernel"), (3, "tickets")])
+def test_grouped_decode_matches_the_reference_per_row(group, rows_cut, head_dim, block_size, dtype, num_splits, merge):
+    """Rows in groups sharing a table row (a beam search's rows of a source, the last group short
+    where `rows_cut` rows are cut): the grouped kernel gives each row the reference's attention
+    over its own table, at awkward groups, head dims, block sizes and lengths (a tile edge, one
+    key, a long source), one split or three merged by a second kernel or in-kernel on tickets
+    (left at zero), and the reference twin agrees."""
     from hf_paged_t5.kernels.decode import grouped_decode
 
     num_heads = 2
     source_lens = [max(1, block_size - 1), 1, 37, 70]
     key_cache, value_cache, table, _ = make_paged_kv(source_lens, block_size, num_heads, head_dim, dtype)
-    block_table = table.repeat_interleave(group, dim=0)
-    seq_lens = torch.tensor(source_lens, dtype=torch.int32, device=DEVICE).repeat_interleave(group)
-    query = torch.randn(len(seq_lens), num_heads, head_dim, device=DEVICE).to(dtype)
+    rows = len(source_lens) * group - rows_cut
+    block_table = table.repeat_interleave(group, dim=0)[:rows]
+    seq_lens = torch.tensor(source_lens, dtype=torch.int32, device=DEVICE).repeat_interleave(group)[:rows]
+    query = torch.randn(rows, num_heads, head_dim, device=DEVICE).to(dtype)
+    tickets = torch.zeros(rows * num_heads, dtype=torch.int32, device=DEVICE) if merge == "tickets" else None
     out = grouped_decode(query, key_cache, value_cache, block_table, seq_lens, group, scale=0.7,
-                         num_splits=num_splits, block_n=16)
+                         num_splits=num_splits, tickets=tickets)
     ref = decode_reference(query, key_cache, value_cache, block_table, seq_lens, scale=0.7)
     assert rel_err(out, ref) < TOLERANCE[dtype]
+    if tickets is not None:
+        assert int(tickets.count_nonzero()) == 0
+    # the twin reads each group's first row only: another table for the other rows changes nothing
+    scrambled = block_table.clone()
+    scrambled[torch.arange(rows, device=DEVICE) % group != 0] = 0
+    assert torch.equal(reference.grouped_decode(query, key_cache, value_cache, scrambled, seq_lens, group, 0.7),
+                       reference.paged_decode(query, key_cache, value_cache, block_table, seq_lens, 0.7))
     with pytest.raises(ValueError, match="group"):
-        grouped_decode(query, key_cache, value_cache, block_table, seq_lens, len(seq_lens) + 1)
+        grouped_decode(query, key_cache, value_cache, block_table, seq_lens, 17)

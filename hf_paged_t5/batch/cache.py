@@ -53,6 +53,7 @@ class BatchCache:
     """
 
     cross_written_once = False  # sources are admitted (their cross K/V written) between steps
+    cross_group = 1  # a step's rows are in `order`, not grouped by source (`StepMetadata.cross_group`)
 
     def __init__(self, pool: KVPool, max_rows: int) -> None:
         self.pool = pool

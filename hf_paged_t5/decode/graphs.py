@@ -1,7 +1,7 @@
 """Decode-step CUDA graphs: embedding -> every decoder layer -> final norm -> lm_head, replayed.
 
-One graph per (batch bucket, self-table width bucket, cross-table width bucket), captured
-lazily and reused across `generate()` calls. Rows past the real batch are padding: their
+One graph per (batch bucket, self-table width bucket, cross-table width bucket, rows per
+source), captured lazily and reused across `generate()` calls. Rows past the real batch are padding: their
 tables point at the pool's scratch block, so they never touch a live sequence. Inputs are
 copied into static buffers before each replay; nothing in the replayed step syncs with the host.
 """
@@ -31,23 +31,28 @@ def bucket(n: int, minimum: int = 1) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def graph_key(cache, rows: int, tables, capture: bool = True) -> tuple[int, int, int]:
-    """(rows served, self-table width, cross-table width) of the static step for `rows` rows of
-    `cache` with its `host_tables()`: a graph serves a power-of-two bucket of batch sizes, at
-    least the cache's `min_graph_rows`; eager buffers need no padded rows."""
+def graph_key(cache, rows: int, tables, capture: bool = True) -> tuple[int, int, int, int]:
+    """(rows served, self-table width, cross-table width, rows per source) of the static step for
+    `rows` rows of `cache` with its `host_tables()`: a graph serves a power-of-two bucket of batch
+    sizes, at least the cache's `min_graph_rows`; eager buffers need no padded rows. Rows per
+    source: the cache's `cross_group` (`StepMetadata.cross_group`); the padded rows after the
+    real ones make groups of their own, over the scratch block."""
     rows_key = bucket(rows, cache.min_graph_rows) if capture else rows
-    return rows_key, bucket(tables[0].shape[1], 4), bucket(tables[2].shape[1], 4)
+    return rows_key, bucket(tables[0].shape[1], 4), bucket(tables[2].shape[1], 4), cache.cross_group
 
 
-def predicted_key(cache, rows: int, self_tokens: int, cross_tokens: int) -> tuple[int, int, int]:
+def predicted_key(cache, rows: int, self_tokens: int, cross_tokens: int,
+                  cross_group: Optional[int] = None) -> tuple[int, int, int, int]:
     """`graph_key` of a step of `rows` rows of `cache` before its tables exist: the self table as
     wide as `self_tokens` need, the cross table as wide as the longest source's `cross_tokens`
     real tokens need (a generate() cache: its rows, their owned width, before the cross K/V are
-    stored; a batch job: the rows after an admission, its decoder lengths and longest input)."""
+    stored; a batch job: the rows after an admission, its decoder lengths and longest input);
+    rows per source the cache's unless `cross_group` is given (another call's step, compiled ahead)."""
     def blocks(tokens: int) -> int:
         return -(-max(tokens, 1) // cache.pool.block_size)
 
-    return bucket(rows, cache.min_graph_rows), bucket(blocks(self_tokens), 4), bucket(blocks(cross_tokens), 4)
+    group = cache.cross_group if cross_group is None else cross_group
+    return bucket(rows, cache.min_graph_rows), bucket(blocks(self_tokens), 4), bucket(blocks(cross_tokens), 4), group
 
 
 @dataclasses.dataclass
@@ -213,7 +218,7 @@ class DecodeGraphs:
             static.copied.synchronize()  # the previous transfer out of `host` has finished
         self_table, self_lens, cross_table, cross_lens = (t.numpy() for t in tables)
         # numpy views of the pinned buffer: a few microseconds for what torch ops take ~50 for
-        slot, s_lens, c_lens, s_table, c_table = (v.numpy() for v in _views(static.host, *key))
+        slot, s_lens, c_lens, s_table, c_table = (v.numpy() for v in _views(static.host, *key[:3]))
         # Padded rows (a bucket larger than the batch) write and read only the scratch block.
         slot[rows:] = pool.scratch_block * pool.block_size
         s_lens[rows:] = c_lens[rows:] = 1
@@ -230,23 +235,23 @@ class DecodeGraphs:
     @staticmethod
     def _buffers(pool: KVPool, key: tuple, device) -> _StaticStep:
         """A step's static buffers (no graph, no logits yet), every row on the scratch block."""
-        batch, self_width, cross_width = key
+        batch, self_width, cross_width, cross_group = key
         size = 4 * _lane(batch) + batch * (self_width + cross_width)
         pin = torch.device(device).type == "cuda"
         host = torch.zeros(size, dtype=torch.int32, pin_memory=pin)
-        slot, s_lens, c_lens, s_table, c_table = _views(host, *key)
+        slot, s_lens, c_lens, s_table, c_table = _views(host, *key[:3])
         slot.fill_(pool.scratch_block * pool.block_size)
         s_lens.fill_(1)
         c_lens.fill_(1)
         s_table.fill_(pool.scratch_block)
         c_table.fill_(pool.scratch_block)
         packed = host.to(device, copy=True)
-        slot, s_lens, c_lens, s_table, c_table = _views(packed, *key)
+        slot, s_lens, c_lens, s_table, c_table = _views(packed, *key[:3])
         heads = max(cache.shape[2] for cache in pool.key_caches)
         meta = StepMetadata(
             num_new=1, slot_mapping=slot, self_block_table=s_table, self_seq_lens=s_lens,
             cross_block_table=c_table, cross_seq_lens=c_lens,
-            tickets=torch.zeros(batch * heads, dtype=torch.int32, device=device),
+            tickets=torch.zeros(batch * heads, dtype=torch.int32, device=device), cross_group=cross_group,
         )
         static_ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
         copied = torch.cuda.Event() if pin else None
@@ -255,7 +260,8 @@ class DecodeGraphs:
         return _StaticStep(static_ids, packed, host, copied, meta, None, None)
 
     def _capture(self, step_fn, pool: KVPool, key: tuple, device) -> _StaticStep:
-        logger.info("capturing a decode CUDA graph: batch %d, self width %d, cross width %d", *key)
+        logger.info("capturing a decode CUDA graph: batch %d, self width %d, cross width %d, %d rows per source",
+                    *key)
         static = self._buffers(pool, key, device)
         static_ids, meta = static.input_ids, static.meta
         meta_for = lambda _device: meta  # noqa: E731  (one device: checked by the caller)

@@ -49,6 +49,8 @@ class PagedEncoderDecoderCache(Cache):
         self.pool = pool
         self.num_sources = num_sources
         self.expand = expand
+        # rows of a source are consecutive and share its cross table row: `StepMetadata.cross_group`
+        self.cross_group = expand
         self.num_rows = num_sources * expand
         self.block_size = pool.block_size
         self.max_self_blocks = blocks_for(max(max_self_tokens, 1), self.block_size)
@@ -214,6 +216,7 @@ class PagedEncoderDecoderCache(Cache):
             self_seq_lens=self_lens.to(device, non_blocking=True),
             cross_block_table=state["cross_block_table"],
             cross_seq_lens=state["cross_seq_lens"],
+            cross_group=self.cross_group,
         )
 
     def release(self) -> None:

@@ -3,6 +3,9 @@
 - `store_kv`: write K/V of new tokens into pool slots.
 - `paged_decode`: one query token per row over paged keys, with the causal T5 bias table,
   a dense bias or none; splits long key ranges across programs (flash-decoding).
+- `grouped_decode`: the same without a bias for rows in groups that share keys (a beam search's
+  rows of a source over its cross-attention keys), each K/V tile read once per group
+  (`grouped_supports`: the rows and dtypes it takes).
 - `rms_norm`: T5's layer norm, optionally fused with the residual add.
 - `gated_gelu`: the gated feed-forward's `gelu_tanh(gate) * linear` (T5 v1.1, mT5, UMT5).
 - `gemv`: x @ weight.T for at most a few rows (batch-1 decode projections).
@@ -24,7 +27,7 @@ moving would keep compiling. These arguments are loop bounds and masks, where th
 from .beam import beam_update
 from .beam import supports as beam_update_supports
 from .beam import workspace as beam_workspace
-from .decode import paged_decode
+from .decode import grouped_decode, grouped_supports, paged_decode
 from .gated_gelu import gated_gelu
 from .gemv import gemv, gemv_supports
 from .greedy import greedy_update
@@ -35,5 +38,6 @@ from .prefill import prefill
 from .rmsnorm import rms_norm
 from .store_kv import store_kv
 
-__all__ = ["beam_update", "beam_update_supports", "beam_workspace", "fused_linear", "fused_linear_supports", "gated_gelu", "gemv", "gemv_supports",
-           "greedy_update", "local_prefill", "paged_decode", "pdl_available", "prefill", "rms_norm", "store_kv"]
+__all__ = ["beam_update", "beam_update_supports", "beam_workspace", "fused_linear", "fused_linear_supports", "gated_gelu",
+           "gemv", "gemv_supports", "greedy_update", "grouped_decode", "grouped_supports", "local_prefill",
+           "paged_decode", "pdl_available", "prefill", "rms_norm", "store_kv"]

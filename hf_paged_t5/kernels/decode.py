@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ._checks import block_d, broadcast_strides, check_decode_args, interpreting, pdl_options
-from .launch import _PREFETCH, DecodeConfig, _num_sms, decode_config
+from .launch import _PREFETCH, DecodeConfig, _num_sms, decode_config, grouped_config
 
 # BIAS_MODE values.
 _NO_BIAS, _TABLE_BIAS, _DENSE_BIAS = 0, 1, 2
@@ -472,16 +472,20 @@ def paged_decode(
     return out
 
 
-@triton.jit(do_not_specialize=["max_keys", "keys_per_split", "stride_table_batch"])  # workload sizes: see kernels/__init__.py
+# workload sizes: see kernels/__init__.py
+@triton.jit(do_not_specialize=["batch", "group", "max_keys", "keys_per_split", "stride_table_batch"])
 def _grouped_decode_kernel(
-    query_ptr,  # [batch, num_heads, head_dim], batch = sources * GROUP
+    query_ptr,  # [batch, num_heads, head_dim]
     key_cache_ptr,  # [num_blocks, block_size, num_heads, head_dim]
     value_cache_ptr,
-    block_table_ptr,  # [batch, max_blocks] int32: row source * GROUP's row serves the source's GROUP rows
-    seq_lens_ptr,  # [batch] int32, read at row source * GROUP
-    out_ptr,  # [batch, num_heads, head_dim] (one split)
+    block_table_ptr,  # [batch, max_blocks] int32: row g * group's row serves rows g * group .. g * group + group - 1
+    seq_lens_ptr,  # [batch] int32, read at row g * group
+    out_ptr,  # [batch, num_heads, head_dim], written with one split (with several and FUSED_COMBINE, by the last split)
     part_ptr,  # [batch, num_heads, num_splits, BLOCK_D + 2] fp32 (several splits; layout: _combine_splits_kernel)
+    ticket_ptr,  # [groups, num_heads] int32 zeros, with FUSED_COMBINE: splits of (group, head) done (left at zero)
     scale,
+    batch,
+    group,
     head_dim,
     max_keys,
     keys_per_split,
@@ -493,23 +497,28 @@ def _grouped_decode_kernel(
     stride_table_batch,
     stride_out_batch,
     stride_out_head,
-    GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr,
+    FUSED_COMBINE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    DOT_F32: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """One program: one (head, source, key split), the source's GROUP rows (beams) at once, so each
-    K/V tile is read once for all of them; the rows' queries are a [BLOCK_G, BLOCK_D] tile (rows
-    past GROUP are zeros, never stored) and scores and the V sum are tensor-core dots."""
+    """One program: one (head, group, key split), the group's rows (a source's beams) at once, so
+    each K/V tile is read once for all of them; the rows' queries are a [BLOCK_G, BLOCK_D] tile
+    (members past the group or the batch are zeros, never stored) and scores and the V sum are
+    tensor-core dots. The group size is a run-time value: every group up to BLOCK_G runs one binary."""
     head = tl.program_id(0).to(tl.int64)
-    source = tl.program_id(1).to(tl.int64)
+    g = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     num_heads = tl.num_programs(0)
     num_splits = tl.num_programs(2)
-    first_row = source * GROUP
+    first_row = g * group
+    # The step's inputs (seq_lens, tables) and the cross keys were written before the step: they
+    # and the first tile load before the wait for the kernel before (which wrote the queries).
     seq_len = tl.minimum(tl.load(seq_lens_ptr + first_row), max_keys)
     start = split * keys_per_split
     end = tl.minimum(seq_len, start + keys_per_split)
@@ -518,12 +527,10 @@ def _grouped_decode_kernel(
     dim_mask = dims < head_dim
     members = tl.arange(0, BLOCK_G)
     rows = first_row + members
-    row_mask = members < GROUP
+    row_mask = (members < group) & (rows < batch)
     slot_args = (block_table_ptr + first_row * stride_table_batch, max_keys, head,
                  stride_cache_block, stride_cache_slot, stride_cache_head)
     kv_args = (key_cache_ptr, value_cache_ptr, end, dims, dim_mask)
-    # The cross keys were written before the step: the first tile loads before the wait for the
-    # kernel before (which wrote the queries).
     slots = _tile_slots(start, *slot_args, BLOCK_SIZE, BLOCK_N)
     k, v = _load_kv(slots, start, *kv_args, BLOCK_N)
     if PDL:
@@ -539,27 +546,63 @@ def _grouped_decode_kernel(
         slots = _tile_slots(tile_start + BLOCK_N, *slot_args, BLOCK_SIZE, BLOCK_N)
         k_next, v_next = _load_kv(slots, tile_start + BLOCK_N, *kv_args, BLOCK_N)
         key_mask = (tile_start + tl.arange(0, BLOCK_N)) < end
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * c  # [BLOCK_G, BLOCK_N] fp32 (masked keys' K rows are zeros)
+        # [BLOCK_G, BLOCK_N] fp32 (masked keys' K rows are zeros)
+        if DOT_F32:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * c
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * c
         s = tl.where(key_mask[None, :], s, float("-inf"))
         # Every tile holds a live key, so m_new is finite for every member row.
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        p = p.to(v.dtype)  # rounded as the tensor cores take it
+        if DOT_F32:
+            acc = acc * alpha[:, None] + tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
         m_i = m_new
         k, v = k_next, v_next
 
-    mask = row_mask[:, None] & dim_mask[None, :]
-    if num_splits == 1:
-        out_off = rows[:, None] * stride_out_batch + head * stride_out_head + dims[None, :]
-        tl.store(out_ptr + out_off, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+    # As in `_paged_decode_kernel`: the split count is read at run time, and with the fused merge
+    # a group whose keys all lie in the first split is finished by that split.
+    whole = num_splits == 1
+    if FUSED_COMBINE:
+        whole = whole | (seq_len <= keys_per_split)
+    if whole:
+        if split == 0:
+            out_off = rows[:, None] * stride_out_batch + head * stride_out_head + dims[None, :]
+            tl.store(out_ptr + out_off, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
+                     mask=row_mask[:, None] & dim_mask[None, :])
     else:
         # An empty split (past seq_len) stores max -inf and sum 0: the merge gives it weight 0.
         part_rows = part_ptr + ((rows * num_heads + head) * num_splits + split) * (BLOCK_D + 2)  # [BLOCK_G]
         tl.store(part_rows[:, None] + dims[None, :], acc, mask=row_mask[:, None])
         tl.store(part_rows + BLOCK_D, m_i, mask=row_mask)
         tl.store(part_rows + BLOCK_D + 1, l_i, mask=row_mask)
+        if FUSED_COMBINE:
+            # Release / acquire on one counter per (group, head): the last split to finish sees
+            # every split's partials and merges them, row by row.
+            tl.debug_barrier()
+            ticket = tl.atomic_add(ticket_ptr + g * num_heads + head, 1, sem="acq_rel")
+            if ticket == num_splits - 1:
+                for member in range(0, tl.minimum(group, batch - first_row)):
+                    _merge_splits(
+                        part_ptr, out_ptr, first_row + member, head, num_heads, num_splits, head_dim,
+                        stride_out_batch, stride_out_head, MERGE_CHUNK, BLOCK_D,
+                    )  # fmt: skip
+                tl.atomic_xchg(ticket_ptr + g * num_heads + head, 0)
+
+
+# Rows a grouped program serves at most: its queries are one [16, head_dim] tile (tl.dot's least M).
+MAX_GROUP = 16
+
+
+def grouped_supports(query: torch.Tensor, group: int) -> bool:
+    """Whether `grouped_decode` takes these rows: groups of 2 to MAX_GROUP, a half-precision query
+    (the step's grouped launch; float32 keeps `paged_decode`), head_dim at most 128."""
+    return 1 < group <= MAX_GROUP and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] <= 128
 
 
 def grouped_decode(
@@ -571,51 +614,72 @@ def grouped_decode(
     group: int,
     scale: float = 1.0,
     max_seq_len: Optional[int] = None,
-    num_splits: int = 1,
-    block_n: int = 64,
-    num_warps: int = 4,
+    num_splits: Optional[int] = None,
+    config: Optional[DecodeConfig] = None,
     pdl: bool = False,
+    tickets: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """`paged_decode` without a bias for rows in groups of `group` that share keys (a beam search's
-    rows of one source, over its cross-attention keys): each group's first row's table and seq_len
-    serve the whole group (a promise, unchecked), and each K/V tile is read once per group.
+    """`paged_decode` without a bias for rows in consecutive groups of `group` that share keys (a
+    beam search's rows of one source, over its cross-attention keys; the last group may be
+    shorter): each group's first row's table and seq_len serve the whole group (a promise,
+    unchecked), and each K/V tile is read once per group. Like `paged_decode` with
+    keys_ready="all": with `pdl` the first tile loads before the wait for the kernel before.
 
-    query: [batch, num_heads, head_dim], batch a multiple of `group`; fp16 / bf16 (the scores and
-    the V sum are tensor-core dots, the probabilities rounded to the query's dtype for the second,
-    as flash attention does) or fp32 (dots in full fp32). Returns [batch, num_heads, head_dim].
+    query: [batch, num_heads, head_dim]; fp16 / bf16 (the scores and the V sum are tensor-core
+        dots, the probabilities rounded to the query's dtype for the second, as flash attention
+        does) or fp32 (dots in full fp32)
+    group: rows per group, 1 to MAX_GROUP
+    num_splits, config: overrides of `grouped_config`'s knobs (testing, tuning; block_n,
+        num_warps and num_splits are read)
+    tickets: [>= groups * num_heads] int32 zeros (left at zero), or None: with several splits the
+        last split of each (group, head) merges the partials (else a second kernel does)
+    returns: [batch, num_heads, head_dim], query's dtype
     """
     check_decode_args(query, key_cache, value_cache, block_table, seq_lens, None, None)
     batch, num_heads, head_dim = query.shape
-    if not isinstance(group, int) or group < 1 or batch % group:
-        raise ValueError(f"group must be a positive int dividing the batch ({batch}), got {group!r}")
-    if num_splits < 1 or block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"num_splits must be >= 1 and block_n a power of two >= 16, got {num_splits}, {block_n}")
+    if isinstance(group, bool) or not isinstance(group, int) or not 1 <= group <= MAX_GROUP:
+        raise ValueError(f"group must be an int from 1 to {MAX_GROUP}, got {group!r}")
     block_size = key_cache.shape[1]
     max_keys = block_table.shape[1] * block_size
     out = torch.empty((batch, num_heads, head_dim), dtype=query.dtype, device=query.device)
     if batch == 0 or num_heads == 0 or max_keys == 0:
         return out
+    groups = triton.cdiv(batch, group)
     padded_d = block_d(head_dim)
     covered = max_keys if max_seq_len is None else max(1, min(max_keys, int(max_seq_len)))
+    if config is None and interpreting():
+        config = DecodeConfig(block_n=16, num_warps=4)  # small tiles: tile edges on tiny shapes
+    if config is None:
+        config = grouped_config(groups, num_heads, head_dim, covered, _num_sms(query.device))
+    splits = config.num_splits if num_splits is None else num_splits
+    if splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {splits}")
     keys_per_split = max_keys
-    splits = num_splits
     if splits > 1:
-        keys_per_split = triton.cdiv(triton.cdiv(covered, splits), block_n) * block_n
+        keys_per_split = triton.cdiv(triton.cdiv(covered, splits), config.block_n) * config.block_n
         splits = triton.cdiv(covered, keys_per_split)
     part = torch.empty((batch, num_heads, splits, padded_d + 2) if splits > 1 else (1,), dtype=torch.float32,
                        device=query.device)
+    ticket = out  # unused placeholder without the fused merge
+    if tickets is not None:
+        _check_tickets(tickets, groups * num_heads, query.device)
+        ticket = tickets
     pdl, launch = pdl_options(pdl)
-    _grouped_decode_kernel[(num_heads, batch // group, splits)](
-        query, key_cache, value_cache, block_table, seq_lens, out, part,
-        float(scale), head_dim, max_keys, keys_per_split,
+    _grouped_decode_kernel[(num_heads, groups, splits)](
+        query, key_cache, value_cache, block_table, seq_lens, out, part, ticket,
+        float(scale), batch, group, head_dim, max_keys, keys_per_split,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         block_table.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, BLOCK_G=max(16, 1 << (group - 1).bit_length()), BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        BLOCK_D=padded_d, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", PDL=pdl,
-        num_warps=num_warps, **launch,
+        BLOCK_G=MAX_GROUP, BLOCK_SIZE=block_size, BLOCK_N=config.block_n, BLOCK_D=padded_d,
+        MERGE_CHUNK=_MERGE_CHUNK, FUSED_COMBINE=tickets is not None,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        # The interpreter's tl.dot reads bfloat16 operands as integers: there they go in as float32
+        # (the same values; the probabilities still rounded to bfloat16 first).
+        DOT_F32=interpreting() and query.dtype == torch.bfloat16, PDL=pdl,
+        num_warps=config.num_warps, **launch,
     )  # fmt: skip
-    if splits > 1:
+    if splits > 1 and tickets is None:
         _combine_splits_kernel[(batch, num_heads)](
             part, out, head_dim, splits, out.stride(0), out.stride(1),
             MERGE_CHUNK=_MERGE_CHUNK, BLOCK_D=padded_d, PDL=pdl, num_warps=4, **launch,

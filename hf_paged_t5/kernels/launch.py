@@ -140,6 +140,15 @@ def decode_config(batch: int, num_heads: int, head_dim: int, max_keys: int, num_
     return DecodeConfig(block_n=max(16, min(128, 8192 // padded_d)), num_warps=4, num_splits=splits)
 
 
+def grouped_config(groups: int, num_heads: int, head_dim: int, max_keys: int, num_sms: int) -> DecodeConfig:
+    """Default knobs of `grouped_decode`: 64-key tiles on 4 warps (sm_90, Triton 3.6, with the
+    in-kernel merge: 122 registers at d64, 203 at d128, no spills; `benchmarks/diag_ptxas.py`'s
+    `compile_report`), and key splits while programs are fewer than the SMs, at least one tile
+    each. The split count is read at run time: one binary serves every batch and group."""
+    block_n = 64
+    splits = max(1, min(num_sms // max(1, groups * num_heads), triton.cdiv(max_keys, block_n), _MAX_SPLITS))
+    return DecodeConfig(block_n=block_n, num_warps=4, num_splits=splits)
+
 
 def _check_tiles(config, tiles: tuple[str, ...]) -> None:
     """A tiled attention config's checks: each of `tiles` a power of two >= 16, num_warps a power

@@ -175,6 +175,10 @@ class StepMetadata:
     tickets: [>= rows * num_heads] int32 zeros, or None: counters of split attention (each kernel
         that uses them leaves them at zero); a captured step owns one, so its split attention
         merges its partials in-kernel with no memset per launch
+    cross_group: rows per source, consecutive (a generate() call's beams or returned sequences,
+        the last group possibly short in a padded step), sharing one cross table row and length:
+        cross-attention may read each source's keys once for its rows (`kernels.grouped_decode`);
+        1: no such promise
     """
 
     num_new: int
@@ -184,3 +188,4 @@ class StepMetadata:
     cross_block_table: torch.Tensor
     cross_seq_lens: torch.Tensor
     tickets: Optional[torch.Tensor] = None
+    cross_group: int = 1

@@ -273,6 +273,20 @@ def _decode_launch(ops: ModuleType, query: torch.Tensor, meta: StepMetadata, key
     return dict(pdl=ops.pdl_available(query.device), tickets=meta.tickets, keys_ready=keys_ready)
 
 
+def cross_decode(ops: ModuleType, meta: StepMetadata, launch: dict, **kwargs) -> torch.Tensor:
+    """Cross-attention's decode launch: rows of a source in groups (`meta.cross_group`, one new
+    token per row) read the source's keys once through the backend's `grouped_decode` where it
+    takes them (`grouped_supports`: half precision, up to 16 rows per source); else `paged_decode`
+    per row. kwargs: `paged_decode`'s query, caches, table, lengths and scale; launch: its
+    launch options (`_decode_launch`), of which the grouped launch takes the dependent launch and
+    the step's split counters."""
+    group = meta.cross_group
+    if group > 1 and meta.num_new == 1 and hasattr(ops, "grouped_supports") and ops.grouped_supports(
+            kwargs["query"], group):
+        return ops.grouped_decode(**kwargs, group=group, pdl=launch.get("pdl", False), tickets=launch.get("tickets"))
+    return ops.paged_decode(**kwargs, **launch)
+
+
 def decoder_self_attention(
     ops: ModuleType,
     attn: nn.Module,
@@ -325,7 +339,7 @@ def cross_attention(
     if state is not None:
         out = state.cross_decode(layer, **kwargs)
     else:
-        out = ops.paged_decode(**kwargs, **_decode_launch(ops, q, meta, "all"))
+        out = cross_decode(ops, meta, _decode_launch(ops, q, meta, "all"), **kwargs)
     return project(ops, attn.o, out.reshape(rows, num_new, -1))
 
 

@@ -8,8 +8,9 @@ modules as they are (`serves`), this runs each layer as
     norm + q                 | cross-attention | o + residual
     norm + wi (+ activation) | wo + residual
 
-(`kernels.fused_linear` and `kernels.paged_decode`: 8 launches; a split attention merges its
-partials in its last program, on the step's `tickets`), each a programmatic dependent launch
+(`kernels.fused_linear` and `kernels.paged_decode`, cross-attention `grouped_decode` over a
+beam search's rows of a source: 8 launches; a split attention merges its partials in its last
+program, on the step's `tickets`), each a programmatic dependent launch
 where the GPU allows it (`pdl_available`). Each kernel of the chain triggers its dependent only
 after its own wait, so when a kernel starts, every kernel two or more launches back has finished:
 what those wrote (the residual stream, the step's tables and slots, the keys of earlier steps,
@@ -155,9 +156,10 @@ def _layer(ops: ModuleType, block: nn.Module, hidden: torch.Tensor, key_cache: t
     cross = ca.EncDecAttention
     q = ops.fused_linear(x=hidden, weights=(cross.q.weight,), norm_weight=ca.layer_norm.weight,
                          eps=ca.layer_norm.variance_epsilon, pdl=pdl)
-    out = ops.paged_decode(
-        query=q.view(rows, *heads), key_cache=key_cache, value_cache=value_cache, block_table=meta.cross_block_table,
-        seq_lens=meta.cross_seq_lens, scale=1.0, pdl=pdl, tickets=meta.tickets, keys_ready="all",
+    out = attn_ops.cross_decode(
+        ops, meta, dict(pdl=pdl, tickets=meta.tickets, keys_ready="all"), query=q.view(rows, *heads),
+        key_cache=key_cache, value_cache=value_cache, block_table=meta.cross_block_table,
+        seq_lens=meta.cross_seq_lens, scale=1.0,
     )
     hidden = ops.fused_linear(x=out.view(rows, -1), weights=(cross.o.weight,), residual=hidden, pdl=pdl,
                               early_inputs=True)

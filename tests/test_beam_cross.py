@@ -1,0 +1,79 @@
+"""A generate() call's rows of one source (beams, returned sequences) share its cross-attention keys:
+the Triton backend reads them once per source (`kernels.grouped_decode`, `StepMetadata.cross_group`),
+in the op-by-op step and in the fused layer. Triton kernels interpreted on CPU."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from conftest import make_batch, make_model  # noqa: E402
+
+import hf_paged_t5 as hp  # noqa: E402
+from hf_paged_t5 import kernels, reference  # noqa: E402
+from hf_paged_t5.model import fused_layer  # noqa: E402
+
+# The kernel tests' tolerances (tests/test_kernels.py): relative error against the fp32 reference.
+TOLERANCE = {torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def spy(monkeypatch):
+    """Record every grouped launch: (group, rows, relative error of its output against the
+    reference attention of each row over its own table and length, not its group's first row's)
+    and every fused step."""
+    launches, fused_steps = [], []
+    real, real_layers = kernels.grouped_decode, fused_layer.decoder_layers
+
+    def grouped(**kw):
+        out = real(**kw)
+        up = {name: kw[name].float() for name in ("query", "key_cache", "value_cache")}
+        ref = reference.paged_decode(**up, block_table=kw["block_table"], seq_lens=kw["seq_lens"], scale=kw["scale"])
+        launches.append((kw["group"], out.shape[0], float((out.float() - ref).norm() / ref.norm())))
+        return out
+
+    monkeypatch.setattr(kernels, "grouped_decode", grouped)
+    monkeypatch.setattr(fused_layer, "decoder_layers", lambda *a, **k: fused_steps.append(1) or real_layers(*a, **k))
+    return launches, fused_steps
+
+
+@pytest.mark.parametrize("dtype,lengths,opts,fused", [
+    (torch.float16, [9, 5, 12], dict(num_beams=3), False),  # op-by-op step, 9 rows
+    (torch.bfloat16, [7], dict(num_beams=4), True),  # the fused layer (4 rows)
+    (torch.float16, [6, 11], dict(do_sample=True, num_return_sequences=2), False),  # returned sequences
+])
+def test_rows_of_a_source_read_its_cross_keys_once(monkeypatch, dtype, lengths, opts, fused):
+    """Every decode step's cross-attention is one grouped launch per layer, its groups the call's
+    rows per source; each row gets its own attention within the kernel tests' tolerance (so the
+    rows of a group do share their first row's table and length); a beam search's tokens are the
+    torch backend's."""
+    launches, fused_steps = spy(monkeypatch)
+    model = make_model("t5", dtype=dtype)
+    ids, mask = make_batch(lengths)
+    steps, rows_per_source = 5, max(opts.get("num_beams", 1), opts.get("num_return_sequences", 1))
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps, **opts)
+    hp.patch_model(model, hp.PagedCacheConfig(block_size=4, backend="triton", cuda_graphs=False))
+    torch.manual_seed(3)
+    out = model.generate(**kw)
+    rows = len(lengths) * rows_per_source
+    assert len(launches) == steps * model.config.num_decoder_layers
+    assert {(group, n) for group, n, _ in launches} == {(rows_per_source, rows)}
+    assert max(err for _, _, err in launches) < TOLERANCE[dtype]
+    assert len(fused_steps) == (steps if fused else 0)
+    if "num_beams" in opts and dtype == torch.float16:  # (the interpreter's bf16 is not the GPU's)
+        hp.patch_model(model, hp.PagedCacheConfig(block_size=4, backend="torch"))
+        assert torch.equal(model.generate(**kw), out)
+
+
+@pytest.mark.parametrize("dtype,opts", [(torch.float32, dict(num_beams=3)), (torch.float16, {})])
+def test_float32_and_one_row_per_source_keep_the_row_kernel(monkeypatch, dtype, opts):
+    """float32 keeps `paged_decode` (its tokens are HF's bit for bit on the GPU's cuBLAS path, and
+    it stays the kernel they were measured with); a call with one row per source has nothing to share."""
+    launches, _ = spy(monkeypatch)
+    model = make_model("t5", dtype=dtype)
+    ids, mask = make_batch([8, 5])
+    hp.patch_model(model, hp.PagedCacheConfig(block_size=4, backend="triton", cuda_graphs=False))
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, **opts)
+    assert launches == []
