@@ -41,7 +41,7 @@ def spy(monkeypatch):
 
 @pytest.mark.parametrize("dtype,lengths,opts,fused", [
     (torch.float16, [9, 5, 12], dict(num_beams=3), False),  # op-by-op step, 9 rows
-    (torch.bfloat16, [7], dict(num_beams=4), True),  # the fused layer (4 rows)
+    (torch.bfloat16, [7, 5], dict(num_beams=2), True),  # the fused layer (4 rows)
     (torch.float16, [6, 11], dict(do_sample=True, num_return_sequences=2), False),  # returned sequences
 ])
 def test_rows_of_a_source_read_its_cross_keys_once(monkeypatch, dtype, lengths, opts, fused):
@@ -67,13 +67,19 @@ def test_rows_of_a_source_read_its_cross_keys_once(monkeypatch, dtype, lengths, 
         assert torch.equal(model.generate(**kw), out)
 
 
-@pytest.mark.parametrize("dtype,opts", [(torch.float32, dict(num_beams=3)), (torch.float16, {})])
-def test_float32_and_one_row_per_source_keep_the_row_kernel(monkeypatch, dtype, opts):
+@pytest.mark.parametrize("dtype,lengths,opts", [
+    (torch.float32, [8, 5], dict(num_beams=3)),
+    (torch.float16, [8, 5], {}),
+    (torch.float16, [8], dict(num_beams=4)),
+])
+def test_float32_one_row_per_source_and_one_source_keep_the_row_kernel(monkeypatch, dtype, lengths, opts):
     """float32 keeps `paged_decode` (its tokens are HF's bit for bit on the GPU's cuBLAS path, and
-    it stays the kernel they were measured with); a call with one row per source has nothing to share."""
+    it stays the kernel they were measured with); a call with one row per source has nothing to
+    share; a call of one source keeps it too (its rows' repeated reads of the same keys hit L2:
+    `PagedEncoderDecoderCache.cross_group`)."""
     launches, _ = spy(monkeypatch)
     model = make_model("t5", dtype=dtype)
-    ids, mask = make_batch([8, 5])
+    ids, mask = make_batch(lengths)
     hp.patch_model(model, hp.PagedCacheConfig(block_size=4, backend="triton", cuda_graphs=False))
     model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, **opts)
     assert launches == []

@@ -387,19 +387,23 @@ def test_a_cold_first_generate_compiles_its_step_kernels_on_the_pool(tmp_path):
     assert report["later"] == [] and report["equal"], report
 
 
-@pytest.mark.parametrize("sources,beams", [(3, 3), (1, 4)])
+@pytest.mark.parametrize("sources,beams", [(3, 3), (2, 2)])
 def test_gpu_beam_cross_attention_reads_each_source_once(monkeypatch, sources, beams):
-    """bf16 beam search: cross-attention is one grouped launch per layer (`kernels.grouped_decode`,
-    the source's beams in one program), in the op-by-op step (3 x 3: 9 rows, a 16-row graph whose
-    padded rows make groups of their own, the last one short) and the fused layer (1 x 4). Eager,
-    every launch gives each row the reference attention over its own table (the kernel tests'
-    bf16 tolerance); captured, the first step's logits are within stock's own bf16 error."""
+    """bf16 beam search over several sources: cross-attention is one grouped launch per layer
+    (`kernels.grouped_decode`, a source's beams in one program), in the op-by-op step (3 x 3: 9
+    rows, a 16-row graph whose padded rows make groups of their own, the last one short) and the
+    fused layer (2 x 2). Eager, every launch gives each row the reference attention over its own
+    table (the kernel tests' bf16 tolerance); captured, the first step's logits are within stock's
+    own bf16 error. (A cold process's compile-ahead pass launches without running: not counted.)"""
     from hf_paged_t5 import kernels, reference
+    from hf_paged_t5.kernels import ahead
 
     launches, real = [], kernels.grouped_decode
 
     def grouped(**kw):
         out = real(**kw)
+        if ahead.compile_only():
+            return out
         err = None
         if not torch.cuda.is_current_stream_capturing():
             up = {name: kw[name].float() for name in ("query", "key_cache", "value_cache")}

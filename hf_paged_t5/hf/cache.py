@@ -49,8 +49,11 @@ class PagedEncoderDecoderCache(Cache):
         self.pool = pool
         self.num_sources = num_sources
         self.expand = expand
-        # rows of a source are consecutive and share its cross table row: `StepMetadata.cross_group`
-        self.cross_group = expand
+        # rows of a source are consecutive and share its cross table row: `StepMetadata.cross_group`.
+        # With one source the row kernel stays: its rows' second reads of the same keys hit L2, and
+        # one launch per row spreads over more programs (1 x 4 beams replayed 3.7% slower grouped,
+        # 8 x 4 7-14% faster; docs/performance.md)
+        self.cross_group = expand if num_sources > 1 else 1
         self.num_rows = num_sources * expand
         self.block_size = pool.block_size
         self.max_self_blocks = blocks_for(max(max_self_tokens, 1), self.block_size)

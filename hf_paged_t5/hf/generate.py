@@ -212,10 +212,9 @@ def _first_step_ahead(runtime: PagedRuntime, model: nn.Module, cache: PagedEncod
     """What a cold process's encoder pass compiles besides the encoder (`PagedRuntime.compile_ahead`):
     the cross K/V store of this call's real tokens and its first decode step, so their kernels
     compile on the pool together with the encoder's, not in a second pass after it; and, where
-    the process has compile workers, the step at the fused layer's other row counts, compiled
-    there for the calls that come later while this one runs: the most rows first, as a beam
-    call's step (one source's beams: its binaries are a greedy step's of as many rows plus the
-    grouped cross-attention, which serves every beam count)."""
+    the process has compile workers, the step at the fused layer's other row counts (a one-source
+    beam call's 4 first, whose cross-attention is a greedy step's: `PagedEncoderDecoderCache.cross_group`),
+    compiled there for the calls that come later while this one runs."""
 
     def ahead() -> None:
         packed = torch.zeros(int(sum(source_lens)), runtime.d_model, dtype=model.decoder.embed_tokens.weight.dtype,
@@ -231,8 +230,7 @@ def _first_step_ahead(runtime: PagedRuntime, model: nn.Module, cache: PagedEncod
                 beam_graph.update_ahead(runtime.ops_for(source.device), model.lm_head.out_features,
                                         model.decoder.embed_tokens.weight.dtype, source.device)
             for rows in sorted(ROW_COUNTS, reverse=True) if sending else ():
-                group = rows if rows == max(ROW_COUNTS) else 1
-                other = predicted_key(cache, rows, self_tokens, cross_tokens, group)
+                other = predicted_key(cache, rows, self_tokens, cross_tokens, 1)
                 if other != key:
                     runtime.runner.step_ahead(model, cache, source.device, cache.num_rows, other)
 

@@ -144,6 +144,12 @@ def _start_triton(device: torch.device) -> None:
     _Process.started = True
 
 
+def compile_only() -> bool:
+    """Whether this thread is inside a `compile_ahead` pass: its launches compile and none runs
+    (their outputs hold garbage)."""
+    return _COMPILE_ONLY.get()
+
+
 @contextlib.contextmanager
 def compile_ahead(device: torch.device) -> Iterator[None]:
     """Within: this thread's launches of this package's kernels compile on a pool, none runs."""
