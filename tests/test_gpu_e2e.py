@@ -422,6 +422,7 @@ def test_gpu_beam_cross_attention_reads_each_source_once(monkeypatch, sources, b
     errors = [err for _, err in launches]
     assert len(errors) == 6 * 3 and {group for group, _ in launches} == {beams} and max(errors) < 2e-2
     launches.clear()
+    hp.unpatch_model(model)
     kw.update(max_new_tokens=1, min_new_tokens=1, output_logits=True, return_dict_in_generate=True)
     ref, out = both(model, compare=False, **kw)
     assert launches and {group for group, _ in launches} == {beams}  # captured with the graph
