@@ -51,8 +51,8 @@ class PagedEncoderDecoderCache(Cache):
         self.expand = expand
         # rows of a source are consecutive and share its cross table row: `StepMetadata.cross_group`.
         # With one source the row kernel stays: its rows' second reads of the same keys hit L2, and
-        # one launch per row spreads over more programs (1 x 4 beams replayed 3.7% slower grouped,
-        # 8 x 4 7-14% faster; docs/performance.md)
+        # one launch per row spreads over more programs (1 x 4 beams replayed 3.8% slower grouped
+        # on an H100, 8 x 4 7-14% faster; docs/performance.md)
         self.cross_group = expand if num_sources > 1 else 1
         self.num_rows = num_sources * expand
         self.block_size = pool.block_size
