@@ -413,18 +413,9 @@ def paged_decode(
 
     padded_d = block_d(head_dim)
     covered = max_keys if max_seq_len is None else max(1, min(max_keys, int(max_seq_len)))
-    if config is None and interpreting():
-        # Small tiles: cheap in the interpreter and they exercise tile edges on tiny shapes.
-        config = DecodeConfig(block_n=16, num_warps=4)
-    if config is None:
+    if config is None and not interpreting():
         config = decode_config(batch, num_heads, head_dim, covered, _num_sms(query.device))
-    splits = config.num_splits if num_splits is None else num_splits
-    if splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {splits}")
-    keys_per_split = max_keys
-    if splits > 1:
-        keys_per_split = triton.cdiv(triton.cdiv(covered, splits), config.block_n) * config.block_n
-        splits = triton.cdiv(covered, keys_per_split)
+    config, splits, keys_per_split = _key_splits(config, num_splits, covered, max_keys)
 
     if bias_table is not None:
         bias_mode, bias, bias_strides, dense_len = _TABLE_BIAS, bias_table, [0, *bias_table.stride()], 0
@@ -599,6 +590,23 @@ def _grouped_decode_kernel(
 MAX_GROUP = 16
 
 
+def _key_splits(config: Optional[DecodeConfig], num_splits: Optional[int], covered: int,
+                max_keys: int) -> tuple[DecodeConfig, int, int]:
+    """(config, splits, keys per split) of a decode launch over `covered` of a table's `max_keys`
+    keys: `config` (None: small tiles, for the interpreter: cheap, and they exercise tile edges on
+    tiny shapes) with `num_splits` overriding its split count, the keys cut into whole tiles per split."""
+    if config is None:
+        config = DecodeConfig(block_n=16, num_warps=4)
+    splits = config.num_splits if num_splits is None else num_splits
+    if splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {splits}")
+    keys_per_split = max_keys
+    if splits > 1:
+        keys_per_split = triton.cdiv(triton.cdiv(covered, splits), config.block_n) * config.block_n
+        splits = triton.cdiv(covered, keys_per_split)
+    return config, splits, keys_per_split
+
+
 def grouped_supports(query: torch.Tensor, group: int) -> bool:
     """Whether `grouped_decode` takes these rows: groups of 2 to MAX_GROUP, a half-precision query
     (the step's grouped launch; float32 keeps `paged_decode`), head_dim at most 128."""
@@ -647,17 +655,9 @@ def grouped_decode(
     groups = triton.cdiv(batch, group)
     padded_d = block_d(head_dim)
     covered = max_keys if max_seq_len is None else max(1, min(max_keys, int(max_seq_len)))
-    if config is None and interpreting():
-        config = DecodeConfig(block_n=16, num_warps=4)  # small tiles: tile edges on tiny shapes
-    if config is None:
+    if config is None and not interpreting():
         config = grouped_config(groups, num_heads, head_dim, covered, _num_sms(query.device))
-    splits = config.num_splits if num_splits is None else num_splits
-    if splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {splits}")
-    keys_per_split = max_keys
-    if splits > 1:
-        keys_per_split = triton.cdiv(triton.cdiv(covered, splits), config.block_n) * config.block_n
-        splits = triton.cdiv(covered, keys_per_split)
+    config, splits, keys_per_split = _key_splits(config, num_splits, covered, max_keys)
     part = torch.empty((batch, num_heads, splits, padded_d + 2) if splits > 1 else (1,), dtype=torch.float32,
                        device=query.device)
     ticket = out  # unused placeholder without the fused merge
