@@ -8,8 +8,8 @@ modules as they are (`serves`), this runs each layer as
     norm + q                 | cross-attention | o + residual
     norm + wi (+ activation) | wo + residual
 
-(`kernels.fused_linear` and `kernels.paged_decode`, cross-attention `grouped_decode` over a
-beam search's rows of a source: 8 launches; a split attention merges its partials in its last
+(`kernels.fused_linear` and `kernels.paged_decode`, cross-attention `grouped_decode` over each
+source's rows where a call has several sources and beams: 8 launches; a split attention merges its partials in its last
 program, on the step's `tickets`), each a programmatic dependent launch
 where the GPU allows it (`pdl_available`). Each kernel of the chain triggers its dependent only
 after its own wait, so when a kernel starts, every kernel two or more launches back has finished:
