@@ -88,7 +88,7 @@ MIX_CI_SEEDS, MIX_SLOW_SEEDS = range(4), range(4, 60)
 
 
 @pytest.mark.parametrize("seed", [*MIX_CI_SEEDS, *(pytest.param(s, marks=pytest.mark.slow) for s in MIX_SLOW_SEEDS)])
-def test_random_grouped_calls_match_the_torch_backend(monkeypatch, seed):
+def test_random_grouped_calls_match_the_row_kernel(monkeypatch, seed):
     """Random fp16 calls of 2-3 sources (T5, T5 v1.1, UMT5 layouts; block sizes 1, 4, 16): beam
     searches of 2-5 beams with returned sequences, early stopping and length penalties, or sampling
     with 2-4 returned sequences. Every decode step is one grouped launch per layer, each row within
