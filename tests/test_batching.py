@@ -275,6 +275,39 @@ def test_beam_search_matches_generate_alone(early_stopping):
     assert model._hf_paged_t5.pool.is_idle()
 
 
+@pytest.mark.parametrize("early_stopping,length_penalty", [(False, 1.0), (True, 1.0), ("never", 0.0), ("never", 1.5)])
+def test_beam_requests_of_different_lengths_share_a_group(monkeypatch, early_stopping, length_penalty):
+    """Requests admitted together with different max_new_tokens step as one `BeamGroup` (each with
+    its own max length), except where HF's early-stop heuristic reads the max length
+    (early_stopping="never" with a positive length penalty: one group per length); either way each
+    result is generate()'s on the input alone."""
+    from hf_paged_t5.batch import run as run_mod
+
+    made = []
+    real = run_mod.BeamGroup
+
+    def spy(*args, **kwargs):
+        group = real(*args, **kwargs)
+        made.append(group.batch)
+        return group
+
+    monkeypatch.setattr(run_mod, "BeamGroup", spy)
+    model = patched(seed=5)
+    inputs = make_inputs(LENGTHS[:6], seed=4)
+    max_new, min_new = [9, 4, 13, 6, 11, 4], [0, 2, 5, 0, 3, 1]
+    kw = dict(num_beams=3, num_return_sequences=2, early_stopping=early_stopping, length_penalty=length_penalty)
+    requests = [hp.BatchRequest(ids, max_new_tokens=m, min_new_tokens=n) for ids, m, n in zip(inputs, max_new, min_new)]
+    gen = hp.BatchGenerator(model, max_batch_rows=18, eos_token_id=[1, _frequent_token(model, inputs)], **kw)
+    for request, result in zip(requests, gen.generate(requests)):
+        sequences, scores = alone(model, request.inputs, max_new_tokens=request.max_new_tokens,
+                                  min_new_tokens=request.min_new_tokens, eos_token_id=list(gen.eos), **kw)
+        assert result.sequences == sequences
+        assert result.scores == pytest.approx(scores, rel=1e-5, abs=1e-5)
+    # all six fit the first admission: one group, or one per distinct length (4, 6, 9, 11, 13)
+    assert made == ([6] if early_stopping != "never" or length_penalty <= 0 else [1, 2, 1, 1, 1]), made
+    assert model._hf_paged_t5.pool.is_idle()
+
+
 def test_per_request_min_new_tokens_and_eos():
     model = patched(seed=4)
     inputs = make_inputs(LENGTHS[:6], seed=3)

@@ -144,22 +144,40 @@ class LogitsRules:
         return scores
 
 
-class BeamGroup(BeamState):
-    """The `BeamState` of `batch` requests that share cur_len, max_length and EOS ids (the decoder
-    start token as prompt), stepped by HF's helpers with each row's own length limits.
+def needs_one_max_length(config: GenerationConfig) -> bool:
+    """Whether HF's early-stop heuristic reads max_length (`_check_early_stop_heuristic`: the best
+    hypothetical length of a running beam under early_stopping="never" and a positive length
+    penalty), so that one beam group must hold requests of one max_length."""
+    return config.early_stopping == "never" and config.length_penalty > 0.0
 
+
+class BeamGroup(BeamState):
+    """The `BeamState` of `batch` requests that share cur_len and EOS ids (the decoder start token
+    as prompt), stepped by HF's helpers with each request's own length limits.
+
+    max_lengths: each request's max_length (1 + its max_new_tokens). The state's buffers take the
+        longest; a request's own enters HF's max-length criterion (`hits_of`) and its forced EOS
+        (`RowLimits`). HF's early-stop heuristic reads one max_length, and only under
+        early_stopping="never" with a positive length penalty: there the caller groups requests
+        of one max_length (`needs_one_max_length`).
     limits: `RowLimits` of the batch * num_beams rows, built once (`generated` is set each step)
     """
 
-    def __init__(self, model: nn.Module, config: GenerationConfig, min_new: Sequence[int], max_length: int,
-                 eos: Sequence[int], start_id: int, pad_id: Optional[int], device: torch.device) -> None:
+    def __init__(self, model: nn.Module, config: GenerationConfig, min_new: Sequence[int],
+                 max_lengths: Sequence[int], eos: Sequence[int], start_id: int, pad_id: Optional[int],
+                 device: torch.device) -> None:
         k = config.num_beams
         batch, rows = len(min_new), len(min_new) * k
+        if len(max_lengths) != batch:
+            raise ValueError(f"{batch} requests but {len(max_lengths)} max lengths")
+        if needs_one_max_length(config) and len(set(max_lengths)) > 1:
+            raise ValueError("early_stopping='never' with a positive length_penalty reads one max_length per group")
         prompt = torch.full((batch, k, 1), start_id, dtype=torch.long, device=device)
-        super().__init__(prompt, max_length, fill_value(pad_id, list(eos)), len(eos))
+        super().__init__(prompt, max(max_lengths), fill_value(pad_id, list(eos)), len(eos))
         self.model, self.config = model, config
-        self.limits = RowLimits.build([0] * rows, [m for m in min_new for _ in range(k)], [max_length - 1] * rows,
-                                      [eos] * rows, device)
+        self.limits = RowLimits.build([0] * rows, [m for m in min_new for _ in range(k)],
+                                      [n - 1 for n in max_lengths for _ in range(k)], [eos] * rows, device)
+        self.max_lengths = upload(torch.tensor(list(max_lengths), dtype=torch.long), device)[:, None]  # [batch, 1]
         self.eos = torch.tensor(list(eos), dtype=torch.long, device=device)
 
     def step(self, logits: torch.Tensor, rules: LogitsRules) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,7 +190,7 @@ class BeamGroup(BeamState):
         log_probs = rules(self.history(), nn.functional.log_softmax(logits, dim=-1), self.limits)
 
         def hits_of(candidates: torch.Tensor, cur_len: int) -> torch.Tensor:  # HF's EOS and max-length criteria
-            return torch.isin(candidates[:, :, cur_len], self.eos) | (cur_len + 1 >= self.max_length)
+            return torch.isin(candidates[:, :, cur_len], self.eos) | (cur_len + 1 >= self.max_lengths)
 
         beam_idx = self.advance(self.model, self.config, log_probs, hits_of)
         return beam_idx, self.unfinished_each(self.config.early_stopping)
@@ -190,4 +208,5 @@ class BeamGroup(BeamState):
         super().keep(positions)
         index = torch.tensor(list(positions), dtype=torch.long, device=self.running_sequences.device)
         k = self.num_beams
+        self.max_lengths = self.max_lengths.index_select(0, index)
         self.limits = self.limits.select((index[:, None] * k + torch.arange(k, device=index.device)).reshape(-1))

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from .cache import BatchCache, blocks_for
-from .decoding import BeamGroup
+from .decoding import BeamGroup, needs_one_max_length
 from .rows import DecodeRows
 from ..kv.block_manager import PoolExhaustedError
 from ..hf import forward as hf_forward
@@ -319,14 +319,18 @@ class BatchRun:
         return forward
 
     def _form_groups(self, admitted: list[Request]) -> None:
-        """Beam search: one `BeamGroup` per (max length, EOS ids) among requests admitted together."""
+        """Beam search: one `BeamGroup` per EOS ids among requests admitted together, each request
+        with its own max length (per max length too where HF's early-stop heuristic reads it:
+        `needs_one_max_length`). A group's step is a few dozen small launches whatever its size,
+        so requests of different max_new_tokens share one instead of each stepping its own."""
+        gen = self.gen
+        one_length = needs_one_max_length(gen.config)
         by_key: dict[tuple, list[Request]] = defaultdict(list)
         for request in admitted:
-            by_key[(request.max_new, request.eos)].append(request)
-        gen = self.gen
-        for (max_new, eos), requests in by_key.items():
-            group = BeamGroup(gen.model, gen.config, [r.min_new for r in requests], 1 + max_new, eos, gen.start_id,
-                              gen.pad_id, gen.device)
+            by_key[(request.max_new if one_length else None, request.eos)].append(request)
+        for (_, eos), requests in by_key.items():
+            group = BeamGroup(gen.model, gen.config, [r.min_new for r in requests], [1 + r.max_new for r in requests],
+                              eos, gen.start_id, gen.pad_id, gen.device)
             self.groups.append(group)
             self.group_of[id(group)] = requests
 
