@@ -265,8 +265,14 @@ def test_beam_search_matches_generate_alone(early_stopping):
     inputs = make_inputs(LENGTHS[:7], seed=2)
     kw = dict(num_beams=3, length_penalty=0.7, early_stopping=early_stopping, num_return_sequences=2)
     min_new = [0, 5, 0, 2, 9, 0, 4]
-    requests = [hp.BatchRequest(ids, max_new_tokens=m, min_new_tokens=n) for ids, m, n in zip(inputs, MAX_NEW, min_new)]
-    gen = hp.BatchGenerator(model, max_batch_rows=7, eos_token_id=[1, _frequent_token(model, inputs)], **kw)
+    _beam_job_matches_alone(model, inputs, MAX_NEW, min_new, max_batch_rows=7, **kw)
+
+
+def _beam_job_matches_alone(model, inputs, max_new, min_new, max_batch_rows, **kw):
+    """A beam job of per-input limits (EOS: token 1 and one the model picks early) against patched
+    generate() on each input alone: sequences equal, scores within fp32 rounding."""
+    requests = [hp.BatchRequest(ids, max_new_tokens=m, min_new_tokens=n) for ids, m, n in zip(inputs, max_new, min_new)]
+    gen = hp.BatchGenerator(model, max_batch_rows=max_batch_rows, eos_token_id=[1, _frequent_token(model, inputs)], **kw)
     for request, result in zip(requests, gen.generate(requests)):
         sequences, scores = alone(model, request.inputs, max_new_tokens=request.max_new_tokens,
                                   min_new_tokens=request.min_new_tokens, eos_token_id=list(gen.eos), **kw)
@@ -296,16 +302,9 @@ def test_beam_requests_of_different_lengths_share_a_group(monkeypatch, early_sto
     inputs = make_inputs(LENGTHS[:6], seed=4)
     max_new, min_new = [9, 4, 13, 6, 11, 4], [0, 2, 5, 0, 3, 1]
     kw = dict(num_beams=3, num_return_sequences=2, early_stopping=early_stopping, length_penalty=length_penalty)
-    requests = [hp.BatchRequest(ids, max_new_tokens=m, min_new_tokens=n) for ids, m, n in zip(inputs, max_new, min_new)]
-    gen = hp.BatchGenerator(model, max_batch_rows=18, eos_token_id=[1, _frequent_token(model, inputs)], **kw)
-    for request, result in zip(requests, gen.generate(requests)):
-        sequences, scores = alone(model, request.inputs, max_new_tokens=request.max_new_tokens,
-                                  min_new_tokens=request.min_new_tokens, eos_token_id=list(gen.eos), **kw)
-        assert result.sequences == sequences
-        assert result.scores == pytest.approx(scores, rel=1e-5, abs=1e-5)
+    _beam_job_matches_alone(model, inputs, max_new, min_new, max_batch_rows=18, **kw)
     # all six fit the first admission: one group, or one per distinct length (4, 6, 9, 11, 13)
     assert made == ([6] if early_stopping != "never" or length_penalty <= 0 else [1, 2, 1, 1, 1]), made
-    assert model._hf_paged_t5.pool.is_idle()
 
 
 def test_per_request_min_new_tokens_and_eos():
