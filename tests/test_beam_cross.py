@@ -9,6 +9,7 @@ import torch
 from conftest import make_batch, make_model  # (conftest sets TRITON_INTERPRET=1 on a machine without CUDA)
 
 import hf_paged_t5 as hp
+from oracle import assert_within_stock_error, fp64_twin, teacher_forced_logits
 from hf_paged_t5 import kernels, reference
 from hf_paged_t5.model import fused_layer
 
@@ -127,3 +128,48 @@ def test_random_grouped_calls_match_the_row_kernel(monkeypatch, seed):
     returned = kw.get("num_return_sequences", 1)
     assert [sorted(rows[i : i + returned].tolist()) for i in range(0, len(rows), returned)] == \
         [sorted(out[i : i + returned].tolist()) for i in range(0, len(out), returned)]
+
+
+def test_a_batch_beam_job_reads_each_inputs_cross_keys_once(monkeypatch):
+    """A `BatchGenerator` beam job keeps each input's beams consecutive until the input is done
+    (`BatchCache.cross_group`): every decode step's cross-attention is one grouped launch per layer
+    while inputs join and leave (9 rows: 3 inputs of 3 beams at most, 5 inputs of different lengths
+    and limits), each row within the kernel tests' tolerance of the reference over its own table.
+    Each input's sequences are those of the same job with one `paged_decode` program per row, and
+    their scores as close to the fp64 scores of those sequences as the row kernel's are
+    (`oracle.assert_within_stock_error`, the row kernel in stock's place)."""
+    launches, _ = spy(monkeypatch)
+    model = make_model("t5", dtype=torch.float16)
+    model64 = fp64_twin(model)
+    hp.patch_model(model, hp.PagedCacheConfig(block_size=4, backend="triton", cuda_graphs=False))
+    g = torch.Generator().manual_seed(7)
+    lengths, limits = [9, 4, 13, 6, 11], [5, 2, 4, 6, 3]
+    inputs = [torch.randint(2, 384, (n,), generator=g).tolist() for n in lengths]
+    # every step masks EOS (min_new_tokens = max_new_tokens) and no length penalty: a returned
+    # sequence's score is the sum of its tokens' log-probabilities over the rest of the vocabulary
+    requests = [hp.BatchRequest(ids, max_new_tokens=m, min_new_tokens=m) for ids, m in zip(inputs, limits)]
+
+    def job():
+        gen = hp.BatchGenerator(model, max_batch_rows=9, num_beams=3, num_return_sequences=2, length_penalty=0.0)
+        return list(gen.generate(requests))
+
+    grouped = job()
+    assert launches and len(launches) % model.config.num_decoder_layers == 0
+    assert {group for group, _, _ in launches} == {3}
+    assert {rows for _, rows, _ in launches} > {9}  # inputs joined and left between steps
+    assert max(err for _, _, err in launches) < TOLERANCE[torch.float16]
+    monkeypatch.setattr(kernels, "grouped_supports", lambda query, group: False)
+    launches.clear()
+    rows = job()
+    assert launches == []
+    assert [r.sequences for r in grouped] == [r.sequences for r in rows]
+    exact = []
+    for ids, result in zip(inputs, rows):
+        sequences = torch.tensor(result.sequences)
+        logits = teacher_forced_logits(model64, sequences, input_ids=torch.tensor([ids]))
+        logits[..., model.generation_config.eos_token_id] = float("-inf")
+        picked = logits.log_softmax(-1).gather(-1, sequences[:, 1:, None])[..., 0]
+        exact.append(picked.sum(-1))
+    assert_within_stock_error([torch.tensor(r.scores) for r in grouped], [torch.tensor(r.scores) for r in rows],
+                              exact, "beam job scores")
+    assert model._hf_paged_t5.pool.is_idle()

@@ -428,3 +428,70 @@ def test_gpu_beam_cross_attention_reads_each_source_once(monkeypatch, sources, b
     assert launches and {group for group, _ in launches} == {beams}  # captured with the graph
     exact = teacher_forced_logits(fp64_twin(model), ref.sequences, input_ids=ids, attention_mask=mask)[:, 0]
     assert_within_stock_error(out.logits[0][::beams], ref.logits[0][::beams], exact, "bf16 beam first-step logits")
+
+
+def test_gpu_batch_beam_job_groups_cross_attention_per_input(monkeypatch):
+    """A bf16 `BatchGenerator` beam job (4 beams, 7 inputs, 12 rows at most: inputs join and leave)
+    reads each input's cross keys once per layer (`BatchCache.cross_group`). Eager, every grouped
+    launch gives each row the reference attention over its own table (the kernel tests' bf16
+    tolerance); with graphs, the launches are captured grouped, and the returned scores are as close
+    to the fp64 scores of their sequences as those of the same job with the row kernel are to theirs
+    (every step masks EOS and there is no length penalty: a score is the sum of its tokens'
+    log-probabilities). (A cold process's compile-ahead pass launches without running: not counted.)"""
+    from oracle import ERROR_FACTOR
+
+    from hf_paged_t5 import kernels, reference
+    from hf_paged_t5.kernels import ahead
+
+    launches, real = [], kernels.grouped_decode
+
+    def grouped(**kw):
+        out = real(**kw)
+        if ahead.compile_only():
+            return out
+        err = None
+        if not torch.cuda.is_current_stream_capturing():
+            up = {name: kw[name].float() for name in ("query", "key_cache", "value_cache")}
+            ref = reference.paged_decode(**up, block_table=kw["block_table"], seq_lens=kw["seq_lens"],
+                                         scale=kw["scale"])
+            err = float((out.float() - ref).norm() / ref.norm())
+        launches.append((kw["group"], err))
+        return out
+
+    monkeypatch.setattr(kernels, "grouped_decode", grouped)
+    model = real_shape_model("t5-small", torch.bfloat16, layers=3)
+    model64 = fp64_twin(model)
+    g = torch.Generator().manual_seed(11)
+    lengths, limits = [150, 40, 300, 90, 220, 60, 120], [6, 3, 8, 5, 4, 7, 2]
+    inputs = [torch.randint(2, 32000, (n,), generator=g).tolist() for n in lengths]
+    requests = [hp.BatchRequest(ids, max_new_tokens=m, min_new_tokens=m) for ids, m in zip(inputs, limits)]
+
+    def job(graphs):
+        hp.patch_model(model, hp.PagedCacheConfig(cuda_graphs=graphs))
+        gen = hp.BatchGenerator(model, max_batch_rows=12, num_beams=4, length_penalty=0.0)
+        return list(gen.generate(requests))
+
+    job(False)
+    errors = [err for _, err in launches]
+    assert errors and {group for group, _ in launches} == {4} and max(errors) < 2e-2
+    launches.clear()
+    graphed = job(True)
+    assert launches and {group for group, _ in launches} == {4}
+    monkeypatch.setattr(kernels, "grouped_supports", lambda query, group: False)
+    launches.clear()
+    rows = job(True)
+    assert launches == []
+
+    def deviations(results):
+        out = []
+        for ids, result in zip(inputs, results):
+            sequences = torch.tensor(result.sequences, device="cuda")
+            logits = teacher_forced_logits(model64, sequences, input_ids=torch.tensor([ids], device="cuda"))
+            logits[..., model.generation_config.eos_token_id] = float("-inf")
+            exact = logits.log_softmax(-1).gather(-1, sequences[:, 1:, None])[..., 0].sum(-1)
+            out.append((torch.tensor(result.scores, dtype=torch.float64, device="cuda") - exact).abs())
+        return torch.cat(out)
+
+    mine, theirs = deviations(graphed), deviations(rows)
+    assert float(mine.max()) <= ERROR_FACTOR["largest"] * float(theirs.max())
+    assert float(mine.pow(2).mean().sqrt()) <= ERROR_FACTOR["rms"] * float(theirs.pow(2).mean().sqrt())

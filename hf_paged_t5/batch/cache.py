@@ -53,7 +53,10 @@ class BatchCache:
     """
 
     cross_written_once = False  # sources are admitted (their cross K/V written) between steps
-    cross_group = 1  # a step's rows are in `order`, not grouped by source (`StepMetadata.cross_group`)
+    # rows per source, consecutive in `order` (`StepMetadata.cross_group`): 1 for greedy and sampling
+    # jobs (their rows in `order` are sorted by source length, not grouped); a beam job sets its beam
+    # count, since it orders each input's beams together and keeps them until the input is done
+    cross_group = 1
 
     def __init__(self, pool: KVPool, max_rows: int) -> None:
         self.pool = pool
@@ -166,4 +169,5 @@ class BatchCache:
             self_seq_lens=self_lens,
             cross_block_table=cross_table,
             cross_seq_lens=cross_lens,
+            cross_group=self.cross_group,
         )

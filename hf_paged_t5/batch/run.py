@@ -96,7 +96,9 @@ class BatchRun:
             if gen.reserve_tokens is not None:
                 _reserve_budget(pool, gen.reserve_tokens, gen.max_batch_rows)
             self.cache = BatchCache(pool, gen.max_batch_rows)
-            if gen.num_beams == 1:
+            if gen.num_beams > 1:  # each input's beams consecutive in `order`: one cross-attention read
+                self.cache.cross_group = gen.num_beams
+            else:
                 self.rows = DecodeRows(gen.max_batch_rows, gen.rules, gen.config.do_sample, gen.start_id, gen.device)
         elif self.cache.pool is not pool:
             raise RuntimeError("the model's KV pool was re-created during the batch job (device or dtype changed)")
