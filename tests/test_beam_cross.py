@@ -1,4 +1,5 @@
-"""A generate() call's rows of one source (beams, returned sequences) share its cross-attention keys:
+"""A generate() call's rows of one source (beams, returned sequences), and a `BatchGenerator` beam
+job's beams of one input, share its cross-attention keys:
 the Triton backend reads them once per source (`kernels.grouped_decode`, `StepMetadata.cross_group`),
 in the op-by-op step and in the fused layer. Triton kernels interpreted on CPU."""
 
