@@ -387,14 +387,11 @@ def test_a_cold_first_generate_compiles_its_step_kernels_on_the_pool(tmp_path):
     assert report["later"] == [] and report["equal"], report
 
 
-@pytest.mark.parametrize("sources,beams", [(3, 3), (2, 2)])
-def test_gpu_beam_cross_attention_reads_each_source_once(monkeypatch, sources, beams):
-    """bf16 beam search over several sources: cross-attention is one grouped launch per layer
-    (`kernels.grouped_decode`, a source's beams in one program), in the op-by-op step (3 x 3: 9
-    rows, a 16-row graph whose padded rows make groups of their own, the last one short) and the
-    fused layer (2 x 2). Eager, every launch gives each row the reference attention over its own
-    table (the kernel tests' bf16 tolerance); captured, the first step's logits are within stock's
-    own bf16 error. (A cold process's compile-ahead pass launches without running: not counted.)"""
+def _spy_grouped(monkeypatch) -> list:
+    """Record each grouped cross-attention launch (`kernels.grouped_decode`) as (group, relative
+    error of its output against the reference attention of each row over its own table; None for
+    a launch being captured). A cold process's compile-ahead pass launches without running: not
+    recorded."""
     from hf_paged_t5 import kernels, reference
     from hf_paged_t5.kernels import ahead
 
@@ -414,6 +411,18 @@ def test_gpu_beam_cross_attention_reads_each_source_once(monkeypatch, sources, b
         return out
 
     monkeypatch.setattr(kernels, "grouped_decode", grouped)
+    return launches
+
+
+@pytest.mark.parametrize("sources,beams", [(3, 3), (2, 2)])
+def test_gpu_beam_cross_attention_reads_each_source_once(monkeypatch, sources, beams):
+    """bf16 beam search over several sources: cross-attention is one grouped launch per layer
+    (`kernels.grouped_decode`, a source's beams in one program), in the op-by-op step (3 x 3: 9
+    rows, a 16-row graph whose padded rows make groups of their own, the last one short) and the
+    fused layer (2 x 2). Eager, every launch gives each row the reference attention over its own
+    table (the kernel tests' bf16 tolerance); captured, the first step's logits are within stock's
+    own bf16 error. (A cold process's compile-ahead pass launches without running: not counted.)"""
+    launches = _spy_grouped(monkeypatch)
     model = real_shape_model("t5-small", torch.bfloat16, layers=3)
     ids, mask = batch(sources, 150, seed=5)
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, num_beams=beams)
@@ -440,25 +449,9 @@ def test_gpu_batch_beam_job_groups_cross_attention_per_input(monkeypatch):
     log-probabilities). (A cold process's compile-ahead pass launches without running: not counted.)"""
     from oracle import ERROR_FACTOR
 
-    from hf_paged_t5 import kernels, reference
-    from hf_paged_t5.kernels import ahead
+    from hf_paged_t5 import kernels
 
-    launches, real = [], kernels.grouped_decode
-
-    def grouped(**kw):
-        out = real(**kw)
-        if ahead.compile_only():
-            return out
-        err = None
-        if not torch.cuda.is_current_stream_capturing():
-            up = {name: kw[name].float() for name in ("query", "key_cache", "value_cache")}
-            ref = reference.paged_decode(**up, block_table=kw["block_table"], seq_lens=kw["seq_lens"],
-                                         scale=kw["scale"])
-            err = float((out.float() - ref).norm() / ref.norm())
-        launches.append((kw["group"], err))
-        return out
-
-    monkeypatch.setattr(kernels, "grouped_decode", grouped)
+    launches = _spy_grouped(monkeypatch)
     model = real_shape_model("t5-small", torch.bfloat16, layers=3)
     model64 = fp64_twin(model)
     g = torch.Generator().manual_seed(11)
