@@ -4,7 +4,10 @@ Same workload and model as bench_batch.py (t5-large shape, bf16). Wraps the batc
 with perf_counter (no syncs added), and runs the job once more under a CUDA-only profiler to sum
 kernel time (GPU busy) against wall time.
 
-    python benchmarks/profile_batch.py [--num-inputs 2000] [--batch-rows 512]
+    python benchmarks/profile_batch.py [--num-inputs 2000] [--batch-rows 512] [--beams 1]
+
+With --beams K (beam search, K beams per input) the job's beam steps show as `_advance_beams`, and
+each input's K rows count against --batch-rows.
 """
 
 from __future__ import annotations
@@ -20,8 +23,8 @@ import hf_paged_t5 as hp
 from bench_batch import workload
 
 
-def job(model, items, rows, tokens):
-    gen = hp.BatchGenerator(model, max_batch_tokens=tokens, max_batch_rows=rows)
+def job(model, items, rows, tokens, beams=1):
+    gen = hp.BatchGenerator(model, max_batch_tokens=tokens, max_batch_rows=rows, num_beams=beams)
     requests = [hp.BatchRequest(ids, max_new_tokens=n, min_new_tokens=n) for ids, n in items]
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -35,6 +38,7 @@ def main(argv=None) -> None:
     ap.add_argument("--num-inputs", type=int, default=2000)
     ap.add_argument("--batch-rows", type=int, default=512)
     ap.add_argument("--batch-tokens", type=int, default=262144)
+    ap.add_argument("--beams", type=int, default=1, help="num_beams of the job (default: 1, greedy)")
     args = ap.parse_args(argv)
     common.require_cuda("profile_batch.py")
     model = common.make_model("t5-large", "sdpa", torch.bfloat16)
@@ -43,10 +47,10 @@ def main(argv=None) -> None:
     config = hp.PagedCacheConfig(max_tokens=args.batch_tokens + args.batch_rows * 32,
                                  max_graph_batch=max(512, args.batch_rows))
     hp.patch_model(model, config)
-    job(model, items[: len(items) // 4], args.batch_rows, args.batch_tokens)  # warm: graphs
+    job(model, items[: len(items) // 4], args.batch_rows, args.batch_tokens, args.beams)  # warm: graphs
     captured = common.graphs_captured(model)
     with common.timers(common.batch_run_phases()) as (spent, calls):
-        n, wall = job(model, items, args.batch_rows, args.batch_tokens)
+        n, wall = job(model, items, args.batch_rows, args.batch_tokens, args.beams)
     steps = calls["decode step launch"]
     print(f"{n} tokens in {wall:.2f} s = {n / wall:.0f} tok/s; {steps} decode steps, "
           f"{n / max(steps, 1):.1f} tokens/step, {wall / max(steps, 1) * 1e3:.2f} ms/step, "
@@ -56,7 +60,7 @@ def main(argv=None) -> None:
                         for name, s in spent.most_common()))
     sub = items[: len(items) // 4]
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        _, wall2 = job(model, sub, args.batch_rows, args.batch_tokens)
+        _, wall2 = job(model, sub, args.batch_rows, args.batch_tokens, args.beams)
     busy = sum(e.self_device_time_total for e in prof.key_averages()) / 1e6
     print(f"profiled quarter: wall {wall2:.2f} s, GPU kernel time {busy:.2f} s ({busy / wall2:.0%} busy)")
     print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=20))
