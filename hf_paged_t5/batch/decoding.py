@@ -156,8 +156,8 @@ class BeamGroup(BeamState):
     as prompt), stepped by HF's helpers with each request's own length limits.
 
     max_lengths: each request's max_length (1 + its max_new_tokens). The state's buffers take the
-        longest; a request's own enters HF's max-length criterion (`hits_of`) and its forced EOS
-        (`RowLimits`). HF's early-stop heuristic reads one max_length, and only under
+        longest; a request's own, kept in `limits.max_new`, enters HF's max-length criterion
+        (`hits_of`) and its forced EOS. HF's early-stop heuristic reads one max_length, and only under
         early_stopping="never" with a positive length penalty: there the caller groups requests
         of one max_length (`needs_one_max_length`).
     limits: `RowLimits` of the batch * num_beams rows, built once (`generated` is set each step)
@@ -177,7 +177,6 @@ class BeamGroup(BeamState):
         self.model, self.config = model, config
         self.limits = RowLimits.build([0] * rows, [m for m in min_new for _ in range(k)],
                                       [n - 1 for n in max_lengths for _ in range(k)], [eos] * rows, device)
-        self.max_lengths = upload(torch.tensor(list(max_lengths), dtype=torch.long), device)[:, None]  # [batch, 1]
         self.eos = torch.tensor(list(eos), dtype=torch.long, device=device)
 
     def step(self, logits: torch.Tensor, rules: LogitsRules) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,7 +189,9 @@ class BeamGroup(BeamState):
         log_probs = rules(self.history(), nn.functional.log_softmax(logits, dim=-1), self.limits)
 
         def hits_of(candidates: torch.Tensor, cur_len: int) -> torch.Tensor:  # HF's EOS and max-length criteria
-            return torch.isin(candidates[:, :, cur_len], self.eos) | (cur_len + 1 >= self.max_lengths)
+            # cur_len + 1 >= the source's max_length (1 + max_new; its rows share it: the first row's)
+            last = cur_len >= self.limits.max_new.view(-1, self.num_beams)[:, :1]  # [batch, 1]
+            return torch.isin(candidates[:, :, cur_len], self.eos) | last
 
         beam_idx = self.advance(self.model, self.config, log_probs, hits_of)
         return beam_idx, self.unfinished_each(self.config.early_stopping)
@@ -208,5 +209,4 @@ class BeamGroup(BeamState):
         super().keep(positions)
         index = torch.tensor(list(positions), dtype=torch.long, device=self.running_sequences.device)
         k = self.num_beams
-        self.max_lengths = self.max_lengths.index_select(0, index)
         self.limits = self.limits.select((index[:, None] * k + torch.arange(k, device=index.device)).reshape(-1))
