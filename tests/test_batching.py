@@ -281,6 +281,36 @@ def _beam_job_matches_alone(model, inputs, max_new, min_new, max_batch_rows, **k
     assert model._hf_paged_t5.pool.is_idle()
 
 
+def test_a_beam_steps_block_copies_run_as_one(monkeypatch):
+    """A beam job's step reorders the rows of many inputs; the partial blocks they share are copied
+    in one `KVPool.copy_blocks` per step (each input's copy was a transfer and launches of its own),
+    with the results generate()'s on each input alone."""
+    from hf_paged_t5.kv.pool import KVPool
+
+    per_step = []  # copy_blocks calls of each of the job's steps: [blocks copied by each call]
+    copy, decode = KVPool.copy_blocks, BatchRun._decode_step
+
+    def spy_decode(run):
+        per_step.append([])
+        try:
+            return decode(run)
+        finally:
+            per_step[-1] = tuple(per_step[-1])  # closed: generate() alone below copies outside the job
+
+    def spy_copy(pool, src, dst):
+        if per_step and isinstance(per_step[-1], list):
+            per_step[-1].append(len(src))
+        return copy(pool, src, dst)
+
+    monkeypatch.setattr(KVPool, "copy_blocks", spy_copy)
+    monkeypatch.setattr(BatchRun, "_decode_step", spy_decode)
+    model = patched(seed=3)
+    inputs = make_inputs(LENGTHS[:8], seed=6)
+    _beam_job_matches_alone(model, inputs, MAX_NEW[:8], [0] * 8, max_batch_rows=24, num_beams=3)
+    assert max(len(calls) for calls in per_step) == 1  # one call per step...
+    assert max(n for calls in per_step for n in calls) > 3  # ...copying blocks of several inputs
+
+
 @pytest.mark.parametrize("early_stopping,length_penalty", [(False, 1.0), (True, 1.0), ("never", 0.0), ("never", 1.5)])
 def test_beam_requests_of_different_lengths_share_a_group(monkeypatch, early_stopping, length_penalty):
     """Requests admitted together with different max_new_tokens step as one `BeamGroup` (each with

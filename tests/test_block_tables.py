@@ -65,13 +65,20 @@ def test_shared_mode_random_appends_reorders_and_frees(seed):
             write(pool, tables.append(rows), values)
             for row, value in zip(rows.tolist(), values):
                 reference[row].append(value)
-        elif action == 2 and live:  # beams: each row continues from a row of the group
-            group = live[: int(rng.integers(1, len(live) + 1))]
-            sources = rng.integers(0, len(group), size=len(group)).tolist()
-            tables.reorder(group, sources)
-            before = {row: list(reference[row]) for row in group}
-            for row, src in zip(group, sources):
-                reference[row] = list(before[group[src]])
+        elif action == 2 and live:  # beams: each row continues from a row of its group
+            # one group, or two (a batch job's step: their partial blocks copied at once at the end)
+            rows = live[: int(rng.integers(1, len(live) + 1))]
+            cut = int(rng.integers(1, len(rows) + 1))
+            groups = [rows[:cut], rows[cut:]] if rng.random() < 0.5 else [rows]
+            copies = [] if len(groups) == 2 else None
+            before = {row: list(reference[row]) for row in rows}
+            for group in filter(None, groups):
+                sources = rng.integers(0, len(group), size=len(group)).tolist()
+                tables.reorder(group, sources, copies)
+                for row, src in zip(group, sources):
+                    reference[row] = list(before[group[src]])
+            if copies:
+                pool.copy_blocks(*zip(*copies))
         elif action == 3 and live:  # a row leaves
             slot = live[int(rng.integers(len(live)))]
             tables.free(slot)

@@ -128,10 +128,18 @@ class BatchCache:
     def self_length(self, row: int) -> int:
         return int(self.rows.lens[row])
 
-    def reorder(self, rows: Sequence[int], sources: Sequence[int]) -> None:
-        """Beam search: row `rows[j]` continues from the state that row `rows[sources[j]]` had
-        (`BlockTables.reorder`: full blocks shared, a shared partial last block copied now)."""
-        self.rows.reorder(rows, sources)
+    def reorder(self, moves: Sequence[tuple[Sequence[int], Sequence[int]]]) -> None:
+        """Beam search, one step's reorders: for each (rows, sources), row `rows[j]` continues from
+        the state that row `rows[sources[j]]` had (`BlockTables.reorder`: full blocks shared, a
+        shared partial last block copied). The copies of every move run as one `copy_blocks`: a
+        step reorders most of its inputs, and a copy each costs a host-to-device transfer and two
+        launches per input."""
+        copies: list[tuple[int, int]] = []
+        for rows, sources in moves:
+            self.rows.reorder(rows, sources, copies)
+        if copies:
+            src, dst = zip(*copies)
+            self.pool.copy_blocks(src, dst)
 
     # ---- one decode step (the interface of DecodeRunner.decode and DecodeGraphs.run) ---------
     def prepare_step(self) -> None:

@@ -411,7 +411,7 @@ class BatchRun:
         # One host sync for every group's reorder indices and unfinished flags: the next step cannot be
         # queued before them, since they decide which blocks its rows read and write.
         flat = torch.cat([torch.cat([b.long(), u.long()]) for b, u in steps]).tolist() if steps else []
-        finished, start = [], 0
+        finished, moves, start = [], [], 0
         for group in list(self.groups):  # the order of `steps`
             requests, k = self.group_of[id(group)], group.num_beams
             n = group.batch * k
@@ -427,7 +427,7 @@ class BatchRun:
                 elif unfinished[b]:
                     beams = [s - b * k for s in sources[b * k : (b + 1) * k]]
                     if beams != list(range(k)):  # every beam continuing itself: nothing to move
-                        self.cache.reorder(request.rows, beams)
+                        moves.append((request.rows, beams))
                     keep.append(b)
                 else:
                     sequences, scores = group.output(b)
@@ -443,6 +443,7 @@ class BatchRun:
                 else:
                     self.groups.remove(group)
                     del self.group_of[id(group)]
+        self.cache.reorder(moves)  # (after the frees above: they leave a move's blocks alone)
         return finished
 
     def _retire(self, request: Request, sequences: list[list[int]], scores) -> Optional[BatchResult]:

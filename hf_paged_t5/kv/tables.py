@@ -158,9 +158,13 @@ class BlockTables:
         return self.table[slots, : width or self.width], self.lens[slots]  # fancy indexing: copies
 
     # ---- beams ----------------------------------------------------------------------------------------
-    def reorder(self, rows: Sequence[int], sources: Sequence[int]) -> None:
+    def reorder(self, rows: Sequence[int], sources: Sequence[int],
+                copies: Optional[list[tuple[int, int]]] = None) -> None:
         """Shared mode: row `rows[j]` continues from the state row `rows[sources[j]]` had. Full blocks
-        are shared by reference count; a shared partial last block is copied now."""
+        are shared by reference count; a shared partial last block is copied now, or, given `copies`,
+        its (source, destination) block pair is appended there for the caller to copy with the other
+        reorders of the step (`KVPool.copy_blocks` once): a copy's source stays held by the rows
+        that share it, and its destination is a block no row has written."""
         manager, bs = self.pool.manager, self.block_size
         rows = np.asarray(rows, dtype=np.int64)
         old_tables, old_lens, old_held = self.table[rows].copy(), self.lens[rows].copy(), self.held[rows].copy()
@@ -179,7 +183,10 @@ class BlockTables:
                 blocks[-1] = private
             self.table[row, : len(blocks)] = blocks
             self.lens[row], self.held[row] = old_lens[src], len(blocks)
-        self.pool.copy_blocks(cow_src, cow_dst)
+        if copies is not None:
+            copies.extend(zip(cow_src, cow_dst))
+        else:
+            self.pool.copy_blocks(cow_src, cow_dst)
 
     def reorder_owned(self, src_rows: np.ndarray, length: int) -> None:
         """Owned mode, all rows at `length` tokens: row r continues from row `src_rows[r]`."""
