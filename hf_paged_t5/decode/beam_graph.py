@@ -85,6 +85,95 @@ def _gather(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return torch.take_along_dim(tensor, index, dim=1)
 
 
+def division_factor(denominator: float, multiply: bool) -> float:
+    """The float32 number that stands for HF's `x / denominator` (a Python float): its reciprocal
+    where `scale_by` multiplies (a CUDA tensor: `x * (1 / float32(p))`), else the denominator."""
+    if multiply:
+        return float(np.float32(1.0) / np.float32(denominator))
+    return float(np.float32(denominator))
+
+
+def scale_by(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """HF's division of `x` by a Python float, from `division_factor`'s number on the device."""
+    return x * factor if x.device.type == "cuda" else x / factor
+
+
+def advance_candidates(state: BeamState, log_probs: torch.Tensor, col: torch.Tensor, at_max: torch.Tensor,
+                       eos: Optional[torch.Tensor], length_factor: torch.Tensor, heuristic_factor: torch.Tensor,
+                       early_stopping, batch_offset: torch.Tensor, do_sample: bool = False) -> torch.Tensor:
+    """HF's beam step after the logits processors, on `state`'s tensors in place: the continuations
+    (`_get_top_k_continuations`), the stopping criteria on them, `_get_running_beams_for_next_iteration`,
+    `_update_finished_beams` and `_check_early_stop_heuristic`, with HF's operations in HF's order.
+
+    Every number HF takes from its loop is a device tensor here, one for all sources (0-dim) or one
+    per source ([batch]: sources at their own lengths, the batch engine's beam group):
+    log_probs: [batch * num_beams, vocab] processed log-probs; col: the column the new token takes
+    (HF's cur_len; the beam-index column is col - prompt_len); at_max: the max-length criterion;
+    eos: [num_eos] or [batch, num_eos] ids, or None; length_factor / heuristic_factor: the length
+    penalty's `division_factor`s for the finished candidates and for the heuristic's best running
+    score; batch_offset: [batch, 1] source * num_beams. Returns the candidates that hit a stopping
+    criterion, [batch, beams_to_keep] bool."""
+    batch, beams, keep = state.batch, state.num_beams, state.beams_to_keep
+    vocab = log_probs.shape[-1]
+    col = col.reshape(-1, 1, 1).expand(batch, keep, 1)
+    log_probs = log_probs.reshape(batch, beams, vocab) + state.running_beam_scores[:, :, None]
+    log_probs = log_probs.reshape(batch, beams * vocab)
+    # _get_top_k_continuations
+    if do_sample:
+        topk_indices = torch.multinomial(nn.functional.softmax(log_probs, dim=-1), num_samples=keep)
+        topk_log_probs = torch.gather(input=log_probs, dim=1, index=topk_indices)
+        topk_log_probs, order = topk_log_probs.sort(dim=-1, descending=True)
+        topk_indices = topk_indices.gather(dim=-1, index=order)
+    else:
+        topk_log_probs, topk_indices = torch.topk(log_probs, k=keep)
+    topk_current_beam_indices = topk_indices // vocab
+    topk_running_beam_indices = _gather(state.running_beam_indices, topk_current_beam_indices)
+    topk_running_sequences = _gather(state.running_sequences, topk_current_beam_indices)
+    topk_ids = topk_indices % vocab
+    topk_running_sequences.scatter_(2, col, topk_ids[:, :, None])
+    batch_modified_indices = topk_current_beam_indices + batch_offset
+    topk_running_beam_indices.scatter_(2, col - state.prompt_len, batch_modified_indices[:, :, None].to(torch.int32))
+    # stopping criteria on the candidates: EOS as the last token, max length
+    hits = at_max.reshape(-1, 1).expand(batch, keep)
+    if eos is not None:  # HF: isin(last token, eos)
+        hits = hits | (topk_ids[:, :, None] == eos.reshape(-1, 1, eos.shape[-1])).any(-1)
+    # _get_running_beams_for_next_iteration
+    topk_running_log_probs = topk_log_probs + hits.to(torch.float32) * -1.0e9
+    next_topk_indices = torch.topk(topk_running_log_probs, k=beams)[1]
+    state.running_sequences.copy_(_gather(topk_running_sequences, next_topk_indices))
+    state.running_beam_scores.copy_(_gather(topk_running_log_probs, next_topk_indices))
+    state.running_beam_indices.copy_(_gather(topk_running_beam_indices, next_topk_indices))
+    # _update_finished_beams
+    heuristic = state.is_early_stop_heuristic_unsatisfied
+    did_top_num_beams_just_finished = hits & state.top_num_beam_mask[None, :]
+    topk_log_probs = scale_by(topk_log_probs, _per_source(length_factor))
+    beams_in_batch_are_full = torch.all(state.is_sent_finished, dim=-1, keepdim=True) & (early_stopping is True)
+    topk_log_probs += beams_in_batch_are_full.to(torch.float32) * -1.0e9
+    topk_log_probs += (~heuristic).to(torch.float32) * -1.0e9
+    topk_log_probs += (~did_top_num_beams_just_finished) * -1.0e9
+    merged_sequences = torch.cat((state.sequences, topk_running_sequences), dim=1)
+    merged_scores = torch.cat((state.beam_scores, topk_log_probs), dim=1)
+    merged_beam_indices = torch.cat((state.beam_indices, topk_running_beam_indices), dim=1)
+    merged_is_sent_finished = torch.cat((state.is_sent_finished, did_top_num_beams_just_finished), dim=1)
+    topk_merged_indices = torch.topk(merged_scores, k=beams)[1]
+    state.sequences.copy_(_gather(merged_sequences, topk_merged_indices))
+    state.beam_scores.copy_(_gather(merged_scores, topk_merged_indices))
+    state.beam_indices.copy_(_gather(merged_beam_indices, topk_merged_indices))
+    state.is_sent_finished.copy_(_gather(merged_is_sent_finished, topk_merged_indices))
+    # _check_early_stop_heuristic (after HF's cur_len += 1)
+    best_possible_running_score = scale_by(state.running_beam_scores[:, :1], _per_source(heuristic_factor))
+    worst_finished_score = torch.where(
+        state.is_sent_finished, torch.min(state.beam_scores, dim=1, keepdim=True)[0], -1.0e9
+    )
+    heuristic.copy_(heuristic & torch.any(best_possible_running_score > worst_finished_score, dim=-1, keepdim=True))
+    return hits
+
+
+def _per_source(factor: torch.Tensor) -> torch.Tensor:
+    """A 0-dim factor as it is, a [batch] one as [batch, 1] (it scales each source's row)."""
+    return factor if factor.dim() == 0 else factor.reshape(-1, 1)
+
+
 class BeamStep(BeamState):
     """One beam search's `BeamState` and its capturable per-step update (see the module docstring).
 
@@ -133,12 +222,7 @@ class BeamStep(BeamState):
     def _factor(self, denominator: float) -> float:
         """What `update` multiplies (CUDA, and `beam_update` everywhere) or divides (CPU) by for HF's
         `x / denominator`."""
-        if self.device.type == "cuda" or self.fused is not None:
-            return float(np.float32(1.0) / np.float32(denominator))
-        return float(np.float32(denominator))
-
-    def _scale(self, x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
-        return x * factor if self.device.type == "cuda" else x / factor
+        return division_factor(denominator, multiply=self.device.type == "cuda" or self.fused is not None)
 
     def _numbers(self, cur_len: int) -> tuple[list[int], list[float]]:
         """This step's numbers (HF's Python values for `cur_len`): [cur_len, cur_len - prompt_len,
@@ -217,7 +301,7 @@ class BeamStep(BeamState):
         (`make_resident`), also the cache reorder and the next decode step's inputs."""
         if self.fused is not None and self.logits_in is not None:
             return self._fused_update(copy_blocks)
-        batch, beams, vocab, keep = self.batch, self.num_beams, self.vocab, self.beams_to_keep
+        batch, beams = self.batch, self.num_beams
         if self.logits_in is None:
             ints, floats, logits = self.ints, self.floats, self.logits
         else:
@@ -228,56 +312,12 @@ class BeamStep(BeamState):
         log_probs = nn.functional.log_softmax(logits, dim=-1)
         for i, mask in enumerate(self.min_masks):
             log_probs = forbid_eos(log_probs, mask, ints[3 + i].bool())
-        log_probs = log_probs.reshape(batch, beams, vocab) + self.running_beam_scores[:, :, None]
-        log_probs = log_probs.reshape(batch, beams * vocab)
-        # _get_top_k_continuations
-        topk_log_probs, topk_indices = torch.topk(log_probs, k=keep)
-        topk_current_beam_indices = topk_indices // vocab
-        topk_running_beam_indices = _gather(self.running_beam_indices, topk_current_beam_indices)
-        topk_running_sequences = _gather(self.running_sequences, topk_current_beam_indices)
-        topk_ids = topk_indices % vocab
-        topk_running_sequences.scatter_(2, col.expand(batch, keep, 1), topk_ids[:, :, None])
-        batch_modified_indices = topk_current_beam_indices + self.batch_offset
-        topk_running_beam_indices.scatter_(
-            2, col_idx.expand(batch, keep, 1), batch_modified_indices[:, :, None].to(torch.int32)
-        )
-        # stopping criteria on the candidates: EOS as the last token, max length from the host
-        hits = at_max.expand(batch, keep)
-        if self.eos is not None:  # HF: isin(last token, eos)
-            hits = hits | (topk_ids[:, :, None] == self.eos).any(-1)
-        # _get_running_beams_for_next_iteration
-        topk_running_log_probs = topk_log_probs + hits.to(torch.float32) * -1.0e9
-        next_topk_indices = torch.topk(topk_running_log_probs, k=beams)[1]
-        self.running_sequences.copy_(_gather(topk_running_sequences, next_topk_indices))
-        self.running_beam_scores.copy_(_gather(topk_running_log_probs, next_topk_indices))
-        self.running_beam_indices.copy_(_gather(topk_running_beam_indices, next_topk_indices))
-        # _update_finished_beams
-        did_top_num_beams_just_finished = hits & self.top_num_beam_mask[None, :]
-        topk_log_probs = self._scale(topk_log_probs, floats[0])
-        beams_in_batch_are_full = torch.all(self.is_sent_finished, dim=-1, keepdim=True) & (self.early_stopping is True)
-        topk_log_probs += beams_in_batch_are_full.to(torch.float32) * -1.0e9
-        topk_log_probs += (~self.heuristic).to(torch.float32) * -1.0e9
-        topk_log_probs += (~did_top_num_beams_just_finished) * -1.0e9
-        merged_sequences = torch.cat((self.sequences, topk_running_sequences), dim=1)
-        merged_scores = torch.cat((self.beam_scores, topk_log_probs), dim=1)
-        merged_beam_indices = torch.cat((self.beam_indices, topk_running_beam_indices), dim=1)
-        merged_is_sent_finished = torch.cat((self.is_sent_finished, did_top_num_beams_just_finished), dim=1)
-        topk_merged_indices = torch.topk(merged_scores, k=beams)[1]
-        self.sequences.copy_(_gather(merged_sequences, topk_merged_indices))
-        self.beam_scores.copy_(_gather(merged_scores, topk_merged_indices))
-        self.beam_indices.copy_(_gather(merged_beam_indices, topk_merged_indices))
-        self.is_sent_finished.copy_(_gather(merged_is_sent_finished, topk_merged_indices))
+        hits = advance_candidates(self, log_probs, col, at_max, self.eos, floats[0], floats[1], self.early_stopping,
+                                  self.batch_offset)
         # the cache reorder and the next input tokens
         picked = torch.gather(self.running_beam_indices, 2, col_idx.expand(batch, beams, 1))
         self.beam_idx.copy_(picked.reshape(-1))
         self.next_tokens.copy_(torch.gather(self.running_sequences, 2, col.expand(batch, beams, 1)).reshape(-1, 1))
-        # _check_early_stop_heuristic (after HF's cur_len += 1)
-        best_possible_running_score = self._scale(self.running_beam_scores[:, :1], floats[1])
-        worst_finished_score = torch.where(
-            self.is_sent_finished, torch.min(self.beam_scores, dim=1, keepdim=True)[0], -1.0e9
-        )
-        self.heuristic.copy_(self.heuristic & torch.any(best_possible_running_score > worst_finished_score, dim=-1,
-                                                        keepdim=True))
         # _beam_search_has_unfinished_sequences
         improvement_possible = torch.any(self.heuristic)
         exists_open_beam = ~(torch.all(self.is_sent_finished) & (self.early_stopping is True))
