@@ -312,29 +312,46 @@ def test_a_beam_steps_block_copies_run_as_one(monkeypatch):
 
 
 @pytest.mark.parametrize("early_stopping,length_penalty", [(False, 1.0), (True, 1.0), ("never", 0.0), ("never", 1.5)])
-def test_beam_requests_of_different_lengths_share_a_group(monkeypatch, early_stopping, length_penalty):
-    """Requests admitted together with different max_new_tokens step as one `BeamGroup` (each with
-    its own max length), except where HF's early-stop heuristic reads the max length
-    (early_stopping="never" with a positive length penalty: one group per length); either way each
-    result is generate()'s on the input alone."""
-    from hf_paged_t5.batch import run as run_mod
-
-    made = []
-    real = run_mod.BeamGroup
-
-    def spy(*args, **kwargs):
-        group = real(*args, **kwargs)
-        made.append(group.batch)
-        return group
-
-    monkeypatch.setattr(run_mod, "BeamGroup", spy)
+def test_beam_requests_of_any_length_and_admission_share_a_group(monkeypatch, admissions, early_stopping,
+                                                                   length_penalty):
+    """Beam requests with different max_new_tokens, admitted at different steps (9 rows: 3 inputs of
+    3 beams at a time), step as one `BeamGroup`, each source at its own length with its own length
+    limits and length-penalty divisors (early_stopping="never" with a positive penalty: the
+    heuristic's divisor from its own max length); each result is generate()'s on the input alone."""
+    stepped = []
+    advance = BatchRun._advance_beams
+    monkeypatch.setattr(BatchRun, "_advance_beams",
+                        lambda run, logits: (stepped.append([g.batch for g in run.groups]), advance(run, logits))[1])
     model = patched(seed=5)
     inputs = make_inputs(LENGTHS[:6], seed=4)
     max_new, min_new = [9, 4, 13, 6, 11, 4], [0, 2, 5, 0, 3, 1]
     kw = dict(num_beams=3, num_return_sequences=2, early_stopping=early_stopping, length_penalty=length_penalty)
-    _beam_job_matches_alone(model, inputs, max_new, min_new, max_batch_rows=18, **kw)
-    # all six fit the first admission: one group, or one per distinct length (4, 6, 9, 11, 13)
-    assert made == ([6] if early_stopping != "never" or length_penalty <= 0 else [1, 2, 1, 1, 1]), made
+    _beam_job_matches_alone(model, inputs, max_new, min_new, max_batch_rows=9, **kw)
+    assert len([n for n, _, _ in admissions if n]) >= 3  # inputs joined at several steps...
+    assert max(len(groups) for groups in stepped) == 1  # ...into one group
+    assert max(groups[0] for groups in stepped) == 3
+
+
+def test_beam_requests_of_other_eos_ids_step_in_a_group_of_their_own(monkeypatch):
+    """EOS ids decide how many candidates HF keeps per step (max(2, 1 + num_eos) x num_beams):
+    requests with their own EOS ids step in a group per EOS ids; results are generate()'s alone."""
+    stepped = []
+    advance = BatchRun._advance_beams
+    monkeypatch.setattr(BatchRun, "_advance_beams",
+                        lambda run, logits: (stepped.append(sorted(g.eos_ids for g in run.groups)), advance(run, logits))[1])
+    model = patched(seed=6)
+    inputs = make_inputs(LENGTHS[:5], seed=7)
+    frequent = _frequent_token(model, inputs)
+    eos = [[1], [1, frequent], [1], [frequent, 1], [1, frequent]]
+    requests = [hp.BatchRequest(ids, eos_token_id=e, max_new_tokens=m) for ids, e, m in zip(inputs, eos, MAX_NEW)]
+    kw = dict(num_beams=2, length_penalty=0.8)
+    results = list(hp.BatchGenerator(model, max_batch_rows=10, **kw).generate(requests))
+    for request, result in zip(requests, results):
+        sequences, scores = alone(model, request.inputs, max_new_tokens=request.max_new_tokens,
+                                  eos_token_id=request.eos_token_id, **kw)
+        assert result.sequences == sequences
+        assert result.scores == pytest.approx(scores, rel=1e-5, abs=1e-5)
+    assert max(len(groups) for groups in stepped) == 3  # (1,), (1, frequent), (frequent, 1)
 
 
 def test_per_request_min_new_tokens_and_eos():
@@ -762,7 +779,10 @@ def test_random_option_mix_matches_stock_alone_in_float64(seed):
     stock = stock_copy(model)
     opts, requests = _mixed_job(rng, stock, seed)
     hp.patch_model(model, hp.PagedCacheConfig(block_size=rng.choice([1, 4, 16]), backend=("torch", "cpu")[seed % 2]))
-    results = dict(hp.BatchGenerator(model, **opts).as_completed(requests))
+    # half the jobs hold 1-3 inputs at a time: inputs join at different steps (beam search: one
+    # group of sources at their own lengths, history processors run per length)
+    rows = rng.choice([None, opts.get("num_beams", 1) * rng.randint(1, 3)])
+    results = dict(hp.BatchGenerator(model, max_batch_rows=rows, **opts).as_completed(requests))
     assert sorted(results) == list(range(len(requests)))
     for index, request in enumerate(requests):
         limits = {k: getattr(request, k) for k in ("max_new_tokens", "min_new_tokens") if getattr(request, k)}

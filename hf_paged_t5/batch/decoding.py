@@ -9,10 +9,12 @@ read the row's history (`repetition_penalty`, `no_repeat_ngram_size`, ...): it r
 of rows of equal length, with those rows' histories, which is exactly what it sees when the request
 runs alone. Processors bound to one batch's encoder inputs or to a second model are refused.
 
-`BeamGroup` is the beam search of requests admitted in the same step with the same max length and
-EOS set, kept in HF's layout ([batch, num_beams, ...]) and advanced by HF's own helpers
-(`_get_top_k_continuations`, `_update_finished_beams`, ...), so length_penalty, early_stopping and
-EOS behave as in `generate()`. A request leaves its group when HF's loop would stop for it alone.
+`BeamGroup` is the beam search of a job's requests with the same EOS ids, each at its own length,
+kept in HF's layout ([batch, num_beams, ...]) and advanced by HF's beam arithmetic with each
+source's own numbers (`decode.beam_graph.advance_candidates`, the twin of `_get_top_k_continuations`,
+`_update_finished_beams`, ... that generate()'s captured beam step runs), so length_penalty,
+early_stopping and EOS behave as in `generate()`. A request joins the group when admitted and
+leaves it when HF's loop would stop for it alone.
 """
 
 from __future__ import annotations
@@ -20,13 +22,16 @@ from __future__ import annotations
 from types import MappingProxyType
 import copy
 import dataclasses
+import functools
 import math
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 from transformers import GenerationConfig, LogitsProcessorList
 
+from ..decode.beam_graph import advance_candidates, division_factor
 from ..decode.beam_state import BeamState, fill_value
 from ..decode.min_length import forbid_eos, row_eos_mask
 from ..kv.tables import upload
@@ -144,40 +149,47 @@ class LogitsRules:
         return scores
 
 
-def needs_one_max_length(config: GenerationConfig) -> bool:
-    """Whether HF's early-stop heuristic reads max_length (`_check_early_stop_heuristic`: the best
-    hypothetical length of a running beam under early_stopping="never" and a positive length
-    penalty), so that one beam group must hold requests of one max_length."""
-    return config.early_stopping == "never" and config.length_penalty > 0.0
-
-
 class BeamGroup(BeamState):
-    """The `BeamState` of `batch` requests that share cur_len and EOS ids (the decoder start token
-    as prompt), stepped by HF's helpers with each request's own length limits.
+    """The beam search of `batch` requests with the same EOS ids, each at its own length (the decoder
+    start token as prompt): a request joins when admitted (`extend`) and leaves when HF's loop would
+    stop for it alone (`keep`), so a job steps one group per EOS ids however its admissions fall.
 
-    max_lengths: each request's max_length (1 + its max_new_tokens). The state's buffers take the
-        longest; a request's own, kept in `limits.max_new`, enters HF's max-length criterion
-        (`hits_of`) and its forced EOS. HF's early-stop heuristic reads one max_length, and only under
-        early_stopping="never" with a positive length penalty: there the caller groups requests
-        of one max_length (`needs_one_max_length`).
-    limits: `RowLimits` of the batch * num_beams rows, built once (`generated` is set each step)
+    The state is HF's ([batch, num_beams, ...], each source's tokens from column 0) and its step is
+    HF's beam arithmetic (`decode.beam_graph.advance_candidates`, shared with generate()'s captured
+    beam step) with each source's own numbers on the device: its cur_len (`cur`), its max length
+    (`limits.max_new`: HF's max-length criterion and forced EOS) and its length-penalty divisors
+    (`factors`, HF's Python values per cur_len: `(cur_len - 1) ** length_penalty`, and under
+    early_stopping="never" with a positive penalty the heuristic's `(max_length - 1) ** ...`).
+
+    max_lengths: each request's max_length (1 + its max_new_tokens); the buffers take the longest.
+    limits: `RowLimits` of the batch * num_beams rows (`generated` is set each step)
     """
 
-    def __init__(self, model: nn.Module, config: GenerationConfig, min_new: Sequence[int],
-                 max_lengths: Sequence[int], eos: Sequence[int], start_id: int, pad_id: Optional[int],
-                 device: torch.device) -> None:
+    def __init__(self, config: GenerationConfig, min_new: Sequence[int], max_lengths: Sequence[int],
+                 eos: Sequence[int], start_id: int, pad_id: Optional[int], device: torch.device) -> None:
         k = config.num_beams
         batch, rows = len(min_new), len(min_new) * k
         if len(max_lengths) != batch:
             raise ValueError(f"{batch} requests but {len(max_lengths)} max lengths")
-        if needs_one_max_length(config) and len(set(max_lengths)) > 1:
-            raise ValueError("early_stopping='never' with a positive length_penalty reads one max_length per group")
         prompt = torch.full((batch, k, 1), start_id, dtype=torch.long, device=device)
-        super().__init__(prompt, max(max_lengths), fill_value(pad_id, list(eos)), len(eos))
-        self.model, self.config = model, config
+        self.fill = fill_value(pad_id, list(eos))
+        super().__init__(prompt, max(max_lengths), self.fill, len(eos))
+        self.config, self.eos_ids = config, tuple(eos)
         self.limits = RowLimits.build([0] * rows, [m for m in min_new for _ in range(k)],
                                       [n - 1 for n in max_lengths for _ in range(k)], [eos] * rows, device)
         self.eos = torch.tensor(list(eos), dtype=torch.long, device=device)
+        self.lengths = np.ones(batch, dtype=np.int64)  # each source's cur_len, on the host
+        self.cur = torch.ones(batch, dtype=torch.long, device=device)  # the same on the device
+        multiply = device.type == "cuda"  # how HF's division by a Python float runs there (`scale_by`)
+        table = np.ones((batch, self.max_length, 2), dtype=np.float32)
+        for b, n in enumerate(max_lengths):
+            table[b, :n] = _length_factors(n, config.length_penalty, config.early_stopping, multiply)
+        self.factors = upload(torch.from_numpy(table), device)  # [batch, max_length, 2] float32
+
+    def next_ids(self) -> torch.Tensor:
+        """[batch * num_beams] the last token of every running beam, each source at its own length."""
+        column = (self.cur - 1).view(-1, 1, 1).expand(-1, self.num_beams, 1)
+        return torch.gather(self.running_sequences, 2, column).reshape(-1)
 
     def step(self, logits: torch.Tensor, rules: LogitsRules) -> tuple[torch.Tensor, torch.Tensor]:
         """One beam-search step from logits [batch * num_beams, vocab] float32.
@@ -185,16 +197,36 @@ class BeamGroup(BeamState):
         Returns (beam_idx [batch * num_beams]: the group row each row continues from, as HF's
         `reorder_cache` gets it; unfinished [batch] bool: HF's loop would go on for the request alone).
         """
-        self.limits.generated.fill_(self.cur_len - 1)
-        log_probs = rules(self.history(), nn.functional.log_softmax(logits, dim=-1), self.limits)
+        k = self.num_beams
+        self.limits.generated.copy_((self.cur - 1).repeat_interleave(k))
+        log_probs = nn.functional.log_softmax(logits, dim=-1)
+        log_probs = self._processed(rules, log_probs) if rules.needs_history else rules(None, log_probs, self.limits)
+        factors = torch.gather(self.factors, 1, self.cur.view(-1, 1, 1).expand(-1, 1, 2))[:, 0]  # [batch, 2]
+        at_max = self.cur >= self.limits.max_new.view(-1, k)[:, 0]  # HF: cur_len + 1 >= max_length
+        offset = torch.arange(self.batch, device=self.cur.device).view(-1, 1) * k
+        self.next_token_hits = advance_candidates(self, log_probs, self.cur, at_max, self.eos, factors[:, 0],
+                                                  factors[:, 1], self.config.early_stopping, offset,
+                                                  self.config.do_sample)
+        beam_idx = torch.gather(self.running_beam_indices, 2, (self.cur - 1).view(-1, 1, 1).expand(-1, k, 1))
+        self.cur += 1
+        self.lengths += 1
+        return beam_idx.reshape(-1), self.unfinished_each(self.config.early_stopping)
 
-        def hits_of(candidates: torch.Tensor, cur_len: int) -> torch.Tensor:  # HF's EOS and max-length criteria
-            # cur_len + 1 >= the source's max_length (1 + max_new; its rows share it: the first row's)
-            last = cur_len >= self.limits.max_new.view(-1, self.num_beams)[:, :1]  # [batch, 1]
-            return torch.isin(candidates[:, :, cur_len], self.eos) | last
-
-        beam_idx = self.advance(self.model, self.config, log_probs, hits_of)
-        return beam_idx, self.unfinished_each(self.config.early_stopping)
+    def _processed(self, rules: LogitsRules, log_probs: torch.Tensor) -> torch.Tensor:
+        """`rules` over the sources of each length in turn: a processor that reads the history sees
+        the rows of one length, as in HF's loop for each request alone."""
+        k, out = self.num_beams, log_probs
+        for length in np.unique(self.lengths):
+            sources = np.flatnonzero(self.lengths == length)
+            history = self.running_sequences[:, :, :length]
+            if len(sources) == self.batch:
+                return rules(history.reshape(-1, length), log_probs, self.limits)
+            index = torch.from_numpy(sources).to(log_probs.device)
+            rows = (index[:, None] * k + torch.arange(k, device=index.device)).reshape(-1)
+            done = rules(history.index_select(0, index).reshape(-1, length), log_probs.index_select(0, rows),
+                         self.limits.select(rows))
+            out = out.index_copy(0, rows, done)
+        return out
 
     def output(self, position: int) -> tuple[list[list[int]], list[float]]:
         """The finished request at `position`: its num_return_sequences rows, cropped as generate() crops
@@ -210,3 +242,46 @@ class BeamGroup(BeamState):
         index = torch.tensor(list(positions), dtype=torch.long, device=self.running_sequences.device)
         k = self.num_beams
         self.limits = self.limits.select((index[:, None] * k + torch.arange(k, device=index.device)).reshape(-1))
+        self.cur, self.factors = self.cur.index_select(0, index), self.factors.index_select(0, index)
+        self.lengths = self.lengths[np.asarray(positions, dtype=np.int64)]
+
+    def extend(self, other: "BeamGroup") -> None:
+        """Append `other`'s requests (admitted later: same EOS ids and beams, their own lengths) after
+        this group's; the buffers take the longer max length of the two."""
+        if other.eos_ids != self.eos_ids or other.num_beams != self.num_beams:
+            raise ValueError("only beam groups of the same EOS ids and beam count merge")
+        width = max(self.max_length, other.max_length)
+        # (name, fill, columns, column axis): a source's tokens, its beam indices (one per generated
+        # token), its factors per cur_len
+        for name, fill, columns, axis in (("running_sequences", self.fill, width, 2), ("sequences", self.fill, width, 2),
+                                          ("running_beam_indices", -1, width - 1, 2), ("beam_indices", -1, width - 1, 2),
+                                          ("factors", 1.0, width, 1)):
+            setattr(self, name, torch.cat([_widen(getattr(g, name), columns, fill, axis) for g in (self, other)]))
+        for name in ("running_beam_scores", "beam_scores", "is_sent_finished", "is_early_stop_heuristic_unsatisfied",
+                     "next_token_hits", "cur"):
+            setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
+        self.limits = RowLimits(*(torch.cat([getattr(self.limits, f.name), getattr(other.limits, f.name)])
+                                  for f in dataclasses.fields(RowLimits)))
+        self.lengths = np.concatenate([self.lengths, other.lengths])
+        self.max_length = width
+
+
+def _widen(tensor: torch.Tensor, columns: int, fill, axis: int) -> torch.Tensor:
+    """`tensor` padded with `fill` to `columns` along `axis`."""
+    missing = columns - tensor.shape[axis]
+    if missing <= 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[axis] = missing
+    return torch.cat([tensor, tensor.new_full(shape, fill)], dim=axis)
+
+
+@functools.lru_cache(maxsize=1024)
+def _length_factors(max_length: int, length_penalty: float, early_stopping, multiply: bool) -> np.ndarray:
+    """[max_length, 2] float32: at each cur_len, the `division_factor`s of HF's length penalty for
+    the step's finished candidates and for the early-stop heuristic (prompt: the start token)."""
+    table = np.ones((max_length, 2), dtype=np.float32)
+    for cur_len in range(1, max_length):
+        best = max_length - 1 if early_stopping == "never" and length_penalty > 0.0 else cur_len
+        table[cur_len] = (division_factor(cur_len**length_penalty, multiply), division_factor(best**length_penalty, multiply))
+    return table

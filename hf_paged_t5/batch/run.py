@@ -16,8 +16,9 @@ for the step, never for the whole job) and:
    Greedy and sampling (`DecodeRows`) keep the tokens on the device as the next step's input and read
    them back one step late, so the host never waits for the step it has just queued: a finished row
    is found, and its blocks freed, after it has run one more step, whose token is dropped. Beam
-   search (HF's steps per `BeamGroup`) reads each step's beam choices back before the next step,
-   since they decide which blocks the next step's rows hold.
+   search (one `BeamGroup` per EOS ids: HF's beam step for every source at its own length) reads
+   each step's beam choices back before the next step, since they decide which blocks the next
+   step's rows hold; the partial blocks those reorders share are copied at once.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import numpy as np
 import torch
 
 from .cache import BatchCache, blocks_for
-from .decoding import BeamGroup, needs_one_max_length
+from .decoding import BeamGroup
 from .rows import DecodeRows
 from ..kv.block_manager import PoolExhaustedError
 from ..hf import forward as hf_forward
@@ -321,20 +322,23 @@ class BatchRun:
         return forward
 
     def _form_groups(self, admitted: list[Request]) -> None:
-        """Beam search: one `BeamGroup` per EOS ids among requests admitted together, each request
-        with its own max length (per max length too where HF's early-stop heuristic reads it:
-        `needs_one_max_length`). A group's step is a few dozen small launches whatever its size,
-        so requests of different max_new_tokens share one instead of each stepping its own."""
+        """Beam search: the requests admitted join the job's `BeamGroup` of their EOS ids (a new one
+        for ids no running request has). A group's step is a few dozen small launches whatever its
+        size and its sources' lengths, so a job steps one group per EOS ids."""
         gen = self.gen
-        one_length = needs_one_max_length(gen.config)
-        by_key: dict[tuple, list[Request]] = defaultdict(list)
+        by_eos: dict[tuple, list[Request]] = defaultdict(list)
         for request in admitted:
-            by_key[(request.max_new if one_length else None, request.eos)].append(request)
-        for (_, eos), requests in by_key.items():
-            group = BeamGroup(gen.model, gen.config, [r.min_new for r in requests], [1 + r.max_new for r in requests],
+            by_eos[tuple(request.eos)].append(request)
+        for eos, requests in by_eos.items():
+            group = BeamGroup(gen.config, [r.min_new for r in requests], [1 + r.max_new for r in requests],
                               eos, gen.start_id, gen.pad_id, gen.device)
-            self.groups.append(group)
-            self.group_of[id(group)] = requests
+            joined = next((g for g in self.groups if g.eos_ids == group.eos_ids), None)
+            if joined is None:
+                self.groups.append(group)
+                self.group_of[id(group)] = requests
+            else:
+                joined.extend(group)
+                self.group_of[id(joined)].extend(requests)
 
     # ---- 3. one decode step ---------------------------------------------------------------------
     def _rebuild_order(self) -> None:

@@ -1,13 +1,14 @@
 """`BeamState`: one beam search in HF's layout, from `GenerationMixin._beam_search`'s setup on, and
-its step through HF's own beam helpers.
+its step through HF's own beam helpers (`advance`).
 
 The three beam drivers share it, so their state cannot drift apart:
-- `loop.beam_loop` (generate()'s host-driven beam search) and the batch engine's `BeamGroup` (a
-  subclass: requests of one admission round) step it with `advance`, which calls HF's helpers
-  (`_get_top_k_continuations`, `_get_running_beams_for_next_iteration`, `_update_finished_beams`,
-  `_check_early_stop_heuristic`) in HF's order;
-- `beam_graph.BeamStep` (a subclass) updates the same tensors in place with a capturable twin of
-  those helpers (no host sync), for CUDA graphs.
+- `loop.beam_loop` (generate()'s host-driven beam search) steps it with `advance`, which calls HF's
+  helpers (`_get_top_k_continuations`, `_get_running_beams_for_next_iteration`,
+  `_update_finished_beams`, `_check_early_stop_heuristic`) in HF's order;
+- `beam_graph.BeamStep` (a subclass, generate()'s captured beam step) and the batch engine's
+  `BeamGroup` (a subclass: requests of a job, each at its own length) update the same tensors in
+  place with `beam_graph.advance_candidates`, a twin of those helpers whose per-step numbers are
+  device tensors (no host sync; one per source for `BeamGroup`).
 
 Tensors, batch sources x num_beams beams, sequences of at most max_length tokens:
     running_sequences / sequences: [batch, num_beams, max_length] int64, the prompt then `fill`
