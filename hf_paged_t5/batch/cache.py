@@ -131,15 +131,20 @@ class BatchCache:
     def reorder(self, moves: Sequence[tuple[Sequence[int], Sequence[int]]]) -> None:
         """Beam search, one step's reorders: for each (rows, sources), row `rows[j]` continues from
         the state that row `rows[sources[j]]` had (`BlockTables.reorder`: full blocks shared, a
-        shared partial last block copied). The copies of every move run as one `copy_blocks`: a
-        step reorders most of its inputs, and a copy each costs a host-to-device transfer and two
-        launches per input."""
+        shared partial last block copied). The moves run as one reorder and their copies as one
+        `copy_blocks`: a step reorders most of its inputs, and a copy each costs a host-to-device
+        transfer and two launches per input."""
+        if not moves:
+            return
+        all_rows: list[int] = []
+        all_sources: list[int] = []
+        for rows, sources in moves:  # (the moves' rows are disjoint: one reorder of them all)
+            all_sources.extend(len(all_rows) + s for s in sources)
+            all_rows.extend(rows)
         copies: list[tuple[int, int]] = []
-        for rows, sources in moves:
-            self.rows.reorder(rows, sources, copies)
+        self.rows.reorder(all_rows, all_sources, copies)
         if copies:
-            src, dst = zip(*copies)
-            self.pool.copy_blocks(src, dst)
+            self.pool.copy_blocks(*zip(*copies))
 
     # ---- one decode step (the interface of DecodeRunner.decode and DecodeGraphs.run) ---------
     def prepare_step(self) -> None:

@@ -72,6 +72,20 @@ class BlockManager:
             if count == 1:
                 self._free.append(block_id)
 
+    def shift(self, block_ids: list[int], deltas: list[int]) -> int:
+        """Add `deltas[i]` references to `block_ids[i]` (distinct ids; a beam reorder's net change:
+        `fork` and `free` at once); returns how many blocks this frees."""
+        counts, freed = self._ref_counts, 0
+        for block_id, delta in zip(block_ids, deltas):
+            count = counts[block_id]
+            if count <= 0 or count + delta < 0:
+                raise RuntimeError(f"block {block_id} holds {count} references, cannot take {delta:+d}")
+            counts[block_id] = count + delta
+            if count + delta == 0:
+                self._free.append(block_id)
+                freed += 1
+        return freed
+
     def make_private(self, block_id: int) -> int:
         """Copy-on-write: a block id the caller may write to in place of `block_id`.
 

@@ -164,29 +164,44 @@ class BlockTables:
         are shared by reference count; a shared partial last block is copied now, or, given `copies`,
         its (source, destination) block pair is appended there for the caller to copy with the other
         reorders of the step (`KVPool.copy_blocks` once): a copy's source stays held by the rows
-        that share it, and its destination is a block no row has written."""
+        that share it, and its destination is a block no row has written.
+
+        In numpy for all rows at once (a batch job reorders every beam input's rows each step): the
+        references change by their net count per block, then the rows whose last block is partial
+        and still shared take private copies, all but its last holder (in row order) where the rows
+        hold every reference to it."""
         manager, bs = self.pool.manager, self.block_size
         rows = np.asarray(rows, dtype=np.int64)
-        old_tables, old_lens, old_held = self.table[rows].copy(), self.lens[rows].copy(), self.held[rows].copy()
-        new = [manager.fork(old_tables[s, : old_held[s]].tolist()) for s in sources]
-        for j in range(len(rows)):
-            self._drop(old_tables[j, : old_held[j]].tolist())
-        if manager.num_free < len(rows):
-            self.pool.reserve(len(rows))  # room for the copies below
-        cow_src, cow_dst = [], []
-        for row, src, blocks in zip(rows.tolist(), sources, new):
-            if old_lens[src] % bs and manager.ref_count(blocks[-1]) > 1:
-                private = manager.make_private(blocks[-1])
-                self.num_held += 1
-                cow_src.append(blocks[-1])
-                cow_dst.append(private)
-                blocks[-1] = private
-            self.table[row, : len(blocks)] = blocks
-            self.lens[row], self.held[row] = old_lens[src], len(blocks)
-        if copies is not None:
-            copies.extend(zip(cow_src, cow_dst))
-        else:
-            self.pool.copy_blocks(cow_src, cow_dst)
+        sources = np.asarray(sources, dtype=np.int64)
+        old_tables, old_held = self.table[rows], self.held[rows]  # (fancy indexing: copies)
+        tables, lens, held = old_tables[sources], self.lens[rows][sources], old_held[sources]
+        columns = np.arange(tables.shape[1])
+        gained = tables[columns < held[:, None]]
+        lost = old_tables[columns < old_held[:, None]]
+        ids, inverse = np.unique(np.concatenate([gained, lost]), return_inverse=True)
+        deltas = np.bincount(inverse, weights=np.repeat([1, -1], [len(gained), len(lost)]), minlength=len(ids))
+        moved = np.flatnonzero(deltas)
+        self.num_held -= manager.shift(ids[moved].tolist(), deltas[moved].astype(np.int64).tolist())
+        partial = np.flatnonzero((lens % bs != 0) & (held > 0))
+        if len(partial):
+            last = tables[partial, held[partial] - 1]
+            order = np.argsort(last, kind="stable")  # rows grouped by their last block, in row order
+            grouped = last[order]
+            starts = np.flatnonzero(np.r_[True, grouped[1:] != grouped[:-1]])
+            rank = np.arange(len(order)) - np.repeat(starts, np.diff(np.r_[starts, len(order)]))
+            refs = np.array([manager.ref_count(b) for b in grouped.tolist()], dtype=np.int64)
+            private_rows = partial[order[rank < refs - 1]]  # a block's first ref - 1 holders copy it
+            if len(private_rows):
+                shared = tables[private_rows, held[private_rows] - 1].tolist()
+                private = self._allocate(len(shared))  # (grows the pool if it must)
+                manager.free(shared)  # (each keeps a holder: no block is freed here)
+                tables[private_rows, held[private_rows] - 1] = private
+                pairs = list(zip(shared, private))
+                if copies is not None:
+                    copies.extend(pairs)
+                else:
+                    self.pool.copy_blocks(*zip(*pairs))
+        self.table[rows], self.lens[rows], self.held[rows] = tables, lens, held
 
     def reorder_owned(self, src_rows: np.ndarray, length: int) -> None:
         """Owned mode, all rows at `length` tokens: row r continues from row `src_rows[r]`."""
