@@ -320,8 +320,11 @@ def test_beam_requests_of_any_length_and_admission_share_a_group(monkeypatch, ad
     heuristic's divisor from its own max length); each result is generate()'s on the input alone."""
     stepped = []
     advance = BatchRun._advance_beams
-    monkeypatch.setattr(BatchRun, "_advance_beams",
-                        lambda run, logits: (stepped.append([g.batch for g in run.groups]), advance(run, logits))[1])
+    def spy(run, logits):
+        stepped.append([g.batch for g in run.groups])
+        return advance(run, logits)
+
+    monkeypatch.setattr(BatchRun, "_advance_beams", spy)
     model = patched(seed=5)
     inputs = make_inputs(LENGTHS[:6], seed=4)
     max_new, min_new = [9, 4, 13, 6, 11, 4], [0, 2, 5, 0, 3, 1]
@@ -337,8 +340,11 @@ def test_beam_requests_of_other_eos_ids_step_in_a_group_of_their_own(monkeypatch
     requests with their own EOS ids step in a group per EOS ids; results are generate()'s alone."""
     stepped = []
     advance = BatchRun._advance_beams
-    monkeypatch.setattr(BatchRun, "_advance_beams",
-                        lambda run, logits: (stepped.append(sorted(g.eos_ids for g in run.groups)), advance(run, logits))[1])
+    def spy(run, logits):
+        stepped.append(sorted(g.eos_ids for g in run.groups))
+        return advance(run, logits)
+
+    monkeypatch.setattr(BatchRun, "_advance_beams", spy)
     model = patched(seed=6)
     inputs = make_inputs(LENGTHS[:5], seed=7)
     frequent = _frequent_token(model, inputs)

@@ -158,8 +158,9 @@ class BeamGroup(BeamState):
     HF's beam arithmetic (`decode.beam_graph.advance_candidates`, shared with generate()'s captured
     beam step) with each source's own numbers on the device: its cur_len (`cur`), its max length
     (`limits.max_new`: HF's max-length criterion and forced EOS) and its length-penalty divisors
-    (`factors`, HF's Python values per cur_len: `(cur_len - 1) ** length_penalty`, and under
-    early_stopping="never" with a positive penalty the heuristic's `(max_length - 1) ** ...`).
+    (`factors`, HF's Python values per cur_len: `(cur_len + 1 - prompt_len) ** length_penalty`, and
+    under early_stopping="never" with a positive penalty the heuristic's `(max_length - prompt_len)
+    ** length_penalty`; the prompt is the start token).
 
     max_lengths: each request's max_length (1 + its max_new_tokens); the buffers take the longest.
     limits: `RowLimits` of the batch * num_beams rows (`generated` is set each step)
@@ -253,9 +254,10 @@ class BeamGroup(BeamState):
         width = max(self.max_length, other.max_length)
         # (name, fill, columns, column axis): a source's tokens, its beam indices (one per generated
         # token), its factors per cur_len
-        for name, fill, columns, axis in (("running_sequences", self.fill, width, 2), ("sequences", self.fill, width, 2),
-                                          ("running_beam_indices", -1, width - 1, 2), ("beam_indices", -1, width - 1, 2),
-                                          ("factors", 1.0, width, 1)):
+        padding = (("running_sequences", self.fill, width, 2), ("sequences", self.fill, width, 2),
+                   ("running_beam_indices", -1, width - 1, 2), ("beam_indices", -1, width - 1, 2),
+                   ("factors", 1.0, width, 1))
+        for name, fill, columns, axis in padding:
             setattr(self, name, torch.cat([_widen(getattr(g, name), columns, fill, axis) for g in (self, other)]))
         for name in ("running_beam_scores", "beam_scores", "is_sent_finished", "is_early_stop_heuristic_unsatisfied",
                      "next_token_hits", "cur"):
@@ -283,5 +285,6 @@ def _length_factors(max_length: int, length_penalty: float, early_stopping, mult
     table = np.ones((max_length, 2), dtype=np.float32)
     for cur_len in range(1, max_length):
         best = max_length - 1 if early_stopping == "never" and length_penalty > 0.0 else cur_len
-        table[cur_len] = (division_factor(cur_len**length_penalty, multiply), division_factor(best**length_penalty, multiply))
+        table[cur_len] = (division_factor(cur_len**length_penalty, multiply),
+                          division_factor(best**length_penalty, multiply))
     return table
