@@ -174,3 +174,17 @@ def test_shared_block_freed_only_by_last_holder():
     with pytest.raises(RuntimeError, match=f"double free of block {block}"):
         manager.free([block])
     assert manager.num_free == 4
+
+
+def test_shift_applies_net_reference_changes():
+    """`shift`: a beam reorder's net change per block at once; blocks reaching 0 return to the free
+    list, and a change that would take a free block or go below 0 raises."""
+    manager = BlockManager(6)
+    a, b, c = manager.allocate(3)
+    manager.fork([a, a])
+    assert manager.shift([a, b, c], [-2, +2, -1]) == 1  # c freed
+    assert [manager.ref_count(x) for x in (a, b, c)] == [1, 3, 0] and manager.num_free == 4
+    with pytest.raises(RuntimeError, match=f"block {c} holds 0 references"):
+        manager.shift([c], [+1])
+    with pytest.raises(RuntimeError, match=f"block {a} holds 1 references, cannot take -2"):
+        manager.shift([a], [-2])
