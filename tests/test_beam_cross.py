@@ -96,8 +96,10 @@ def test_random_grouped_calls_match_the_row_kernel(monkeypatch, seed):
     with 2-4 returned sequences. Every decode step is one grouped launch per layer, each row within
     the kernel tests' tolerance of the reference, and each source's sequences are those of the same
     backend with one `paged_decode` program per row (in some order: seed 45 swaps two returned
-    sequences whose fp16 scores tie; the torch backend's fp16 tokens differ from both at near ties
-    in some of these calls: another backend's roundings, not the grouping)."""
+    sequences whose fp16 scores tie). Where a beam search's sequences differ (seed 9: an fp16 near
+    tie taken the other way, as the torch backend's fp16 tokens differ from both in some of these
+    calls: another rounding, not the grouping), each run's beam scores must be as close to the fp64
+    scores of its own sequences as the row kernel's are to theirs (`assert_within_stock_error`)."""
     import random
 
     rng = random.Random(seed)
@@ -114,6 +116,9 @@ def test_random_grouped_calls_match_the_row_kernel(monkeypatch, seed):
         opts = dict(do_sample=True, num_return_sequences=rng.randint(2, 4), top_k=rng.choice([0, 5]))
         rows_per_source = opts["num_return_sequences"]
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps, **opts)
+    beam = "num_beams" in opts
+    if beam:
+        kw.update(return_dict_in_generate=True, output_scores=True)
     hp.patch_model(model, hp.PagedCacheConfig(block_size=rng.choice([1, 4, 16]), backend="triton", cuda_graphs=False))
     torch.manual_seed(seed)
     out = model.generate(**kw)
@@ -127,8 +132,26 @@ def test_random_grouped_calls_match_the_row_kernel(monkeypatch, seed):
     assert launches == []
     # the same sequences per source; two of them may trade places where their fp16 scores tie
     returned = kw.get("num_return_sequences", 1)
-    assert [sorted(rows[i : i + returned].tolist()) for i in range(0, len(rows), returned)] == \
-        [sorted(out[i : i + returned].tolist()) for i in range(0, len(out), returned)]
+    grouped_seqs, row_seqs = (r.sequences if beam else r for r in (out, rows))
+    per_source = [[sorted(t[i : i + returned].tolist()) for i in range(0, len(t), returned)]
+                  for t in (grouped_seqs, row_seqs)]
+    if per_source[0] == per_source[1] or not beam:
+        assert per_source[0] == per_source[1]
+        return
+    # a near tie taken the other way: each run's scores against the fp64 scores of its own sequences
+    model64 = fp64_twin(model)
+    eos = model.generation_config.eos_token_id
+
+    def exact(sequences):  # every step masks EOS (min_new_tokens = max_new_tokens): HF's beam score
+        logits = teacher_forced_logits(model64, sequences, input_ids=ids, attention_mask=mask)
+        logits[..., eos] = float("-inf")
+        picked = logits.log_softmax(-1).gather(-1, sequences[:, 1:, None])[..., 0]
+        return picked.sum(-1) / steps ** opts["length_penalty"]
+
+    row_exact = exact(row_seqs)
+    # (grouped's deviation from its own sequences' fp64 scores, carried onto the row run's reference)
+    assert_within_stock_error(out.sequences_scores - exact(grouped_seqs) + row_exact, rows.sequences_scores,
+                              row_exact, "beam scores")
 
 
 def test_a_batch_beam_job_reads_each_inputs_cross_keys_once(monkeypatch):
