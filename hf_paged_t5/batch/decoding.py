@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from transformers import GenerationConfig, LogitsProcessorList
 
-from ..decode.beam_graph import advance_candidates, division_factor
+from ..decode.beam_graph import advance_candidates, length_factors
 from ..decode.beam_state import BeamState, fill_value
 from ..decode.min_length import forbid_eos, row_eos_mask
 from ..kv.tables import upload
@@ -284,7 +284,5 @@ def _length_factors(max_length: int, length_penalty: float, early_stopping, mult
     the step's finished candidates and for the early-stop heuristic (prompt: the start token)."""
     table = np.ones((max_length, 2), dtype=np.float32)
     for cur_len in range(1, max_length):
-        best = max_length - 1 if early_stopping == "never" and length_penalty > 0.0 else cur_len
-        table[cur_len] = (division_factor(cur_len**length_penalty, multiply),
-                          division_factor(best**length_penalty, multiply))
+        table[cur_len] = length_factors(cur_len, 1, max_length, length_penalty, early_stopping, multiply)
     return table

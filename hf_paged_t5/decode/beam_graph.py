@@ -93,6 +93,20 @@ def division_factor(denominator: float, multiply: bool) -> float:
     return float(np.float32(denominator))
 
 
+def length_factors(cur_len: int, prompt_len: int, max_length: int, length_penalty: float, early_stopping,
+                   multiply: bool) -> tuple[float, float]:
+    """The `division_factor`s of HF's two length-penalty divisions at `cur_len` (before HF's
+    increment): `_update_finished_beams`' `(cur_len + 1 - prompt_len) ** length_penalty` and
+    `_check_early_stop_heuristic`'s best hypothetical length (max_length - prompt_len under
+    early_stopping="never" with a positive penalty, else the length after the increment)."""
+    if early_stopping == "never" and length_penalty > 0.0:
+        best = max_length - prompt_len
+    else:
+        best = cur_len + 1 - prompt_len
+    return (division_factor((cur_len + 1 - prompt_len) ** length_penalty, multiply),
+            division_factor(best**length_penalty, multiply))
+
+
 def scale_by(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
     """HF's division of `x` by a Python float, from `division_factor`'s number on the device."""
     return x * factor if x.device.type == "cuda" else x / factor
@@ -219,22 +233,14 @@ class BeamStep(BeamState):
         self.fused = ops if _fused(ops, beams, self.beams_to_keep, vocab_size) else None
 
     # ---- per step -------------------------------------------------------------------------
-    def _factor(self, denominator: float) -> float:
-        """What `update` multiplies (CUDA, and `beam_update` everywhere) or divides (CPU) by for HF's
-        `x / denominator`."""
-        return division_factor(denominator, multiply=self.device.type == "cuda" or self.fused is not None)
-
     def _numbers(self, cur_len: int) -> tuple[list[int], list[float]]:
         """This step's numbers (HF's Python values for `cur_len`): [cur_len, cur_len - prompt_len,
         at max length, min-length flags...] and [length-penalty factor, heuristic factor]."""
         ints = [cur_len, cur_len - self.prompt_len, int(cur_len + 1 >= self.max_length)]
         ints += [int(p.blocked(cur_len)) for p in self.min_length]
-        if self.early_stopping == "never" and self.length_penalty > 0.0:
-            best = self.max_length - self.prompt_len
-        else:
-            best = cur_len + 1 - self.prompt_len  # cur_len after HF's increment
-        floats = [self._factor((cur_len + 1 - self.prompt_len) ** self.length_penalty),
-                  self._factor(best**self.length_penalty)]
+        multiply = self.device.type == "cuda" or self.fused is not None
+        floats = list(length_factors(cur_len, self.prompt_len, self.max_length, self.length_penalty,
+                                     self.early_stopping, multiply))
         return ints, floats
 
     def set_step(self, cur_len: int) -> None:
