@@ -34,10 +34,17 @@ def store_kv(
 ) -> None:
     """Write tokens' K/V into pool slots, in place.
 
-    key, value: [num_tokens, num_heads, head_dim]
-    key_cache, value_cache: [num_blocks, block_size, num_heads, head_dim]
+    key, value: [num_tokens, num_heads, head_dim], or [layers, num_tokens, num_heads, head_dim]
+    key_cache, value_cache: [num_blocks, block_size, num_heads, head_dim], or [layers, num_blocks,
+        block_size, num_heads, head_dim] for layered K/V
     slot_mapping: [num_tokens] int, each in [0, num_blocks * block_size)
     """
+    if key.dim() == 4:  # several layers of the same tokens: one indexed copy over the slot dimension
+        layers, num_blocks, block_size = key_cache.shape[:3]
+        slots = slot_mapping.long()
+        key_cache.view(layers, num_blocks * block_size, *key_cache.shape[3:])[:, slots] = key.to(key_cache.dtype)
+        value_cache.view(layers, num_blocks * block_size, *value_cache.shape[3:])[:, slots] = value.to(value_cache.dtype)
+        return
     num_blocks, block_size = key_cache.shape[:2]
     slots = slot_mapping.long()
     key_cache.view(num_blocks * block_size, *key_cache.shape[2:])[slots] = key.to(key_cache.dtype)

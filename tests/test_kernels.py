@@ -130,6 +130,32 @@ def test_store_kv_casts_skips_negative_slots_and_takes_strided_input():
     assert int((flat_k != 0).any(-1).any(-1).sum()) == 2
 
 
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv_of_several_layers_matches_the_reference(slot_dtype, dtype):
+    """Layered K/V ([layers, tokens, heads, dim], as one GEMM over several layers' packed cross k/v
+    weights lays it out: strided views) into a span of a pool group ([layers, blocks, block_size,
+    heads, dim] views of [layers, 2, ...]): every layer at its slots, nothing else touched."""
+    layers, num_tokens, num_heads, head_dim, block_size = 3, 13, 5, 24, 4
+    num_blocks = -(-2 * num_tokens // block_size)
+    g = torch.Generator().manual_seed(2)
+    group = torch.randn(layers + 1, 2, num_blocks, block_size, num_heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    y = torch.randn(num_tokens, layers, 2, num_heads, head_dim, generator=g).to(DEVICE)  # fp32: cast on store
+    key, value = y[:, :, 0].transpose(0, 1), y[:, :, 1].transpose(0, 1)
+    slot_mapping = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens].to(slot_dtype).to(DEVICE)
+    want = group.clone()
+    reference.store_kv(key, value, want[1:, 0], want[1:, 1], slot_mapping)
+    for i in range(layers):  # the reference's layered copy is its one-layer copy, layer by layer
+        flat = group[1 + i].view(2, num_blocks * block_size, num_heads, head_dim).clone()
+        flat[0, slot_mapping.long()] = key[i].to(dtype)
+        flat[1, slot_mapping.long()] = value[i].to(dtype)
+        assert torch.equal(want[1 + i].view_as(flat), flat)
+    store_kv(key=key, value=value, key_cache=group[1:, 0], value_cache=group[1:, 1], slot_mapping=slot_mapping)
+    assert torch.equal(group, want)
+    with pytest.raises(ValueError, match="layers"):
+        store_kv(key=key, value=value, key_cache=group[2:, 0], value_cache=group[2:, 1], slot_mapping=slot_mapping)
+
+
 # ----------------------------------------------------------------------------- decode
 
 

@@ -395,8 +395,9 @@ def _store_span(ops: ModuleType, weight: torch.Tensor, tokens: torch.Tensor, spa
         last = min(layers, first + step)
         w = weight[first * per_layer : last * per_layer]
         y = ops.gemv(tokens, w) if ops.gemv_supports(tokens, w) else F.linear(tokens, w)
-        dest = span[first:last].view((last - first) * 2, num_blocks * block_size, heads, head_dim)
-        dest[:, slots] = y.view(-1, (last - first) * 2, heads, head_dim).transpose(0, 1)
+        kv = y.view(-1, last - first, 2, heads, head_dim)  # [tokens, layers, k / v, heads, head_dim]
+        ops.store_kv(key=kv[:, :, 0].transpose(0, 1), value=kv[:, :, 1].transpose(0, 1),
+                     key_cache=span[first:last, 0], value_cache=span[first:last, 1], slot_mapping=slots)
 
 
 def decoder_layers(
