@@ -355,7 +355,7 @@ def store_cross_packed(
     allows: `_slot_dtype`). The tokens and slots move to each layer device once.
 
     Layers whose cross (k, v) weights `packing` laid out back to back and whose K/V share one pool
-    tensor run as one GEMM and one indexed copy per `CROSS_SPAN_BYTES` of output (`_store_span`),
+    tensor run as one GEMM and one `store_kv` launch per `CROSS_SPAN_BYTES` of output (`_store_span`),
     instead of a GEMM and a store launch per layer: a t5-large call's 24 layers spent ~4 ms of host
     time launching them one by one, longer than the GPU took."""
     on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
