@@ -665,6 +665,15 @@ def padded_head_dim(head_dim: int) -> int:
     return block_d(head_dim)
 
 
+def cross_span_layers(tokens: int, layers: int, heads: int, head_dim: int, element_size: int) -> int:
+    """Decoder layers one span of a call's cross K/V store holds (one GEMM, one store), as
+    `stacks._store_span` cuts them: at most `CROSS_SPAN_BYTES` of projected K/V."""
+    # private: `hf_paged_t5.model.stacks.CROSS_SPAN_BYTES`
+    from hf_paged_t5.model.stacks import CROSS_SPAN_BYTES
+
+    return min(layers, max(1, CROSS_SPAN_BYTES // max(1, tokens * 2 * heads * head_dim * element_size)))
+
+
 @contextlib.contextmanager
 def timers(targets: Sequence[tuple], synced: bool = False):
     """Wrap each (owner, attribute, label) of `targets` with a timer while entered; yields

@@ -150,6 +150,7 @@ def test_private_state_reads_resolve():
     assert common.graphs_captured(model) == 0 and common.decode_graphs(model) == {}
     assert common.kv_pool(model) is not None
     assert common.padded_head_dim(24) == 32
+    assert common.cross_span_layers(512, 24, 16, 64, 2) == 24 and common.cross_span_layers(32768, 24, 16, 64, 2) == 1
     eager, graphed = common.batch_encode_paths(model)
     with torch.no_grad():
         assert eager([5, 6, 7]).shape == (3, model.config.d_model) and graphed([5, 6, 7]) is None  # CPU: no graphs
@@ -332,3 +333,16 @@ def test_tune_mixed_decode_shares_a_source_table_across_beams_in_either_layout(t
         tmd.main(["--quick", "--layouts", "slot-major,column-major", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="SOURCESxBEAMSxKEYS"):
         tmd.main(["--quick", "--kinds", "beams", "--beams", "8x4", "--out", str(tmp_path)])
+
+
+def test_bench_cross_store_times_both_stores_of_the_same_bits(tmp_path, capsys):
+    """`--quick` (on CPU the Triton interpreter, which conftest turns on): both stores run, are
+    checked equal, and the JSON holds each one's time and the layers a span holds as
+    `stacks._store_span` cuts them."""
+    import bench_cross_store
+
+    bench_cross_store.main(["--quick", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "cross_store.json").read_text())["rows"]
+    assert [r["case"] for r in rows] == ["tiny 2 x 7"] and rows[0]["layers_per_span"] == 3
+    assert rows[0]["store_kv_us"] > 0 and rows[0]["indexed_copy_us"] > 0
+    assert "cross K/V span store" in capsys.readouterr().out
