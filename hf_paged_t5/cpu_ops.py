@@ -8,6 +8,8 @@ per row; here every call is a few batched tensor ops:
 - `paged_decode` gathers each row's blocks at once ([batch, keys, heads, head_dim], padded to the
   longest row) and runs one `scaled_dot_product_attention` whose additive mask carries the bias
   (gathered from the small table once per call) and the key padding;
+- `grouped_decode` (a beam step's cross-attention, rows of one source consecutive) gathers each
+  source's keys once and attends its rows' queries to them in one SDPA call;
 - `DecodeState` (one per generate() call) keeps each decoder layer's cross-attention K/V gathered
   for the rest of the call (they are written once, before the first step), so a step reads them
   in place as stock HF's cache does, and builds one step's self-attention gather plan and bias
@@ -35,8 +37,8 @@ import torch.nn.functional as F
 
 from .reference import gemv, gemv_supports, greedy_update, rms_norm, store_kv
 
-__all__ = ["DecodeState", "gemv", "gemv_supports", "greedy_update", "local_prefill", "paged_decode", "prefill",
-           "rms_norm", "store_kv"]
+__all__ = ["DecodeState", "gemv", "gemv_supports", "greedy_update", "grouped_decode", "grouped_supports",
+           "local_prefill", "paged_decode", "prefill", "rms_norm", "store_kv"]
 
 # Query rows per SDPA call in `prefill`: bounds the [batch, heads, rows, keys] bias + mask.
 PREFILL_QUERY_CHUNK = 1024
@@ -130,6 +132,44 @@ def paged_decode(
         bias = dense_bias[:, :, None, : rows.max_len].to(dtype)
         mask = bias if mask is None else mask + bias
     return _attend(query, rows.gather(key_cache, dtype), rows.gather(value_cache, dtype), mask, scale)
+
+
+def grouped_supports(query: torch.Tensor, group: int) -> bool:
+    """Whether `grouped_decode` takes these rows: groups of 2 or more, any dtype."""
+    return group > 1
+
+
+def grouped_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    group: int,
+    scale: float = 1.0,
+    pdl: bool = False,
+    tickets: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """`paged_decode` without a bias for rows in consecutive groups of `group` that share keys (a
+    beam search's rows of one source; the last group may be shorter): each group's first row's
+    table and length serve the whole group (a promise, unchecked, as the Triton kernel's), its
+    keys are gathered once and its rows' queries attend to them in one SDPA call. pdl, tickets:
+    the GPU launch's options, unused here.
+
+    query: [batch, num_heads, head_dim]; returns [batch, num_heads, head_dim], query's dtype
+    """
+    batch, num_heads, head_dim = query.shape
+    groups = -(-batch // group)
+    first = torch.arange(groups, device=block_table.device) * group
+    dtype = _compute_dtype(query.dtype)
+    keys = _RowKeys.build(block_table[first], seq_lens.to(block_table.device)[first], key_cache.shape[1], dtype)
+    q = query.to(dtype)
+    if groups * group != batch:  # the short last group: padded with zero queries, dropped after
+        q = torch.cat([q, q.new_zeros(groups * group - batch, num_heads, head_dim)])
+    q = q.view(groups, group, num_heads, head_dim).transpose(1, 2)  # [groups, heads, group, head_dim]
+    out = F.scaled_dot_product_attention(q, keys.gather(key_cache, dtype), keys.gather(value_cache, dtype),
+                                         attn_mask=keys.mask, scale=scale)
+    return out.transpose(1, 2).reshape(groups * group, num_heads, head_dim)[:batch].to(query.dtype)
 
 
 class DecodeState:

@@ -93,6 +93,29 @@ def test_prefill_matches_reference(dtype, causal, bias, lens, monkeypatch):
     assert rel_err(out, ref) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("dtype", list(TOLERANCE))
+@pytest.mark.parametrize("group,rows", [(2, 6), (4, 10), (3, 3)])  # (4, 10): a short last group
+def test_grouped_decode_matches_the_reference_row_by_row(dtype, group, rows):
+    """Rows in consecutive groups sharing their source's table and length (a beam step's
+    cross-attention): each group's keys gathered once, its queries in one SDPA call; every row as
+    the reference computes it alone, and no slot past a source's length (NaN) read."""
+    heads, head_dim, block_size = 3, 12, 3
+    lens = [17, 1, 5, 9][: -(-rows // group)]
+    k, v, table, seq_lens = paged_pool(lens, block_size, heads, head_dim, dtype, seed=rows)
+    source = torch.arange(rows) // group
+    table, seq_lens = table[source], seq_lens[source]
+    q = torch.randn(rows, heads, head_dim, dtype=torch.float64, generator=torch.Generator().manual_seed(group)).to(dtype)
+    out = cpu_ops.grouped_decode(query=q, key_cache=k, value_cache=v, block_table=table, seq_lens=seq_lens,
+                                 group=group, scale=0.7)
+    up = torch.float64 if dtype == torch.float64 else torch.float32
+    ref = reference.paged_decode(query=q.to(up), key_cache=k.to(up), value_cache=v.to(up), block_table=table,
+                                 seq_lens=seq_lens, scale=0.7)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert torch.isfinite(out).all(), "a slot past a source's length (NaN) was read"
+    assert rel_err(out, ref) < TOLERANCE[dtype]
+    assert cpu_ops.grouped_supports(q, group) and not cpu_ops.grouped_supports(q, 1)
+
+
 def test_interface_matches_the_reference():
     """Same functions, same keyword arguments in the same order (the backends are interchangeable)."""
     import inspect
