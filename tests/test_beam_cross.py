@@ -197,3 +197,40 @@ def test_a_batch_beam_job_reads_each_inputs_cross_keys_once(monkeypatch):
     assert_within_stock_error([torch.tensor(r.scores) for r in grouped], [torch.tensor(r.scores) for r in rows],
                               exact, "beam job scores")
     assert model._hf_paged_t5.pool.is_idle()
+
+
+def test_a_cpu_backend_beam_job_reads_each_inputs_cross_keys_once(monkeypatch):
+    """The CPU backend's beam job: every decode step's cross-attention is one `cpu_ops.grouped_decode`
+    call per layer, its groups the job's beams, while inputs join and leave; on a float64 model each
+    input's sequences and scores are those of the same job with the keys gathered per row."""
+    from hf_paged_t5 import cpu_ops
+
+    calls, real = [], cpu_ops.grouped_decode
+
+    def grouped(**kw):
+        calls.append((kw["group"], kw["query"].shape[0]))
+        return real(**kw)
+
+    monkeypatch.setattr(cpu_ops, "grouped_decode", grouped)
+    model = make_model("t5", dtype=torch.float64)
+    hp.patch_model(model, hp.PagedCacheConfig(block_size=4, backend="cpu"))
+    g = torch.Generator().manual_seed(3)
+    lengths, limits = [9, 4, 13, 6, 11], [5, 2, 4, 6, 3]
+    requests = [hp.BatchRequest(torch.randint(2, 384, (n,), generator=g).tolist(), max_new_tokens=m, min_new_tokens=m)
+                for n, m in zip(lengths, limits)]
+
+    def job():
+        gen = hp.BatchGenerator(model, max_batch_rows=9, num_beams=3, num_return_sequences=2)
+        return list(gen.generate(requests))
+
+    grouped_results = job()
+    assert calls and len(calls) % model.config.num_decoder_layers == 0
+    assert {group for group, _ in calls} == {3} and {rows for _, rows in calls} > {9}  # inputs joined and left
+    monkeypatch.setattr(cpu_ops, "grouped_supports", lambda query, group: False)
+    calls.clear()
+    rows = job()
+    assert calls == []
+    assert [r.sequences for r in grouped_results] == [r.sequences for r in rows]
+    for a, b in zip(grouped_results, rows):
+        assert torch.allclose(torch.tensor(a.scores), torch.tensor(b.scores), rtol=1e-12, atol=0)
+    assert model._hf_paged_t5.pool.is_idle()
