@@ -388,7 +388,7 @@ def _store_span(ops: ModuleType, weight: torch.Tensor, tokens: torch.Tensor, spa
                 slots: torch.Tensor) -> None:
     """K/V of consecutive layers at once: weight [layers * 2 * inner, d_model] (each layer's k then
     v rows), span [layers, 2, num_blocks, block_size, heads, head_dim] (`KVPool.layer_span`)."""
-    layers, _, num_blocks, block_size, heads, head_dim = span.shape
+    layers, _, _, _, heads, head_dim = span.shape
     per_layer = 2 * heads * head_dim
     step = max(1, CROSS_SPAN_BYTES // max(1, tokens.shape[0] * per_layer * tokens.element_size()))
     for first in range(0, layers, step):
