@@ -90,18 +90,22 @@ def store_kv(
         raise ValueError("key_cache and value_cache must have the same shape and strides")
     if key_cache.dtype != value_cache.dtype:
         raise TypeError(f"key_cache is {key_cache.dtype} but value_cache is {value_cache.dtype}; build both alike")
-    if not layered:  # one layer: a layer dimension of one
-        key, value, key_cache, value_cache = (t.unsqueeze(0) for t in (key, value, key_cache, value_cache))
-    layers, num_tokens, num_heads, head_dim = key.shape
-    if key_cache.shape[0] != layers:
-        raise ValueError(f"key holds {layers} layers but key_cache {key_cache.shape[0]}")
-    if tuple(key_cache.shape[3:]) != (num_heads, head_dim):
+    # one layer: a layer dimension of one, stride 0 (shapes and strides only: no tensor views made)
+    lead = () if layered else (1,)
+    zero = () if layered else (0,)
+    key_shape, cache_shape = lead + tuple(key.shape), lead + tuple(key_cache.shape)
+    key_strides, value_strides = zero + key.stride(), zero + value.stride()
+    cache_strides = zero + key_cache.stride()
+    layers, num_tokens, num_heads, head_dim = key_shape
+    if cache_shape[0] != layers:
+        raise ValueError(f"key holds {layers} layers but key_cache {cache_shape[0]}")
+    if cache_shape[3:] != (num_heads, head_dim):
         raise ValueError(
-            f"key has [num_heads, head_dim] = {[num_heads, head_dim]} but the cache has {list(key_cache.shape[3:])}"
+            f"key has [num_heads, head_dim] = {[num_heads, head_dim]} but the cache has {list(cache_shape[3:])}"
         )
     if slot_mapping.shape != (num_tokens,):
         raise ValueError(f"slot_mapping must be [num_tokens={num_tokens}], got {tuple(slot_mapping.shape)}")
-    if key.stride(3) != 1 or value.stride(3) != 1 or key_cache.stride(4) != 1:
+    if key_strides[3] != 1 or value_strides[3] != 1 or cache_strides[4] != 1:
         raise ValueError("key, value and the caches need head_dim contiguous (stride 1); pass .contiguous() copies")
     if num_tokens == 0 or layers == 0:
         return
@@ -116,17 +120,10 @@ def store_kv(
         slot_mapping,
         num_heads,
         head_dim,
-        key.stride(0),
-        key.stride(1),
-        key.stride(2),
-        value.stride(0),
-        value.stride(1),
-        value.stride(2),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        key_cache.stride(3),
-        BLOCK_SIZE=key_cache.shape[2],
+        *key_strides[:3],
+        *value_strides[:3],
+        *cache_strides[:4],
+        BLOCK_SIZE=cache_shape[2],
         BLOCK_H=block_h,
         BLOCK_D=block_d,
     )
