@@ -279,6 +279,16 @@ def gemv_supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return False
 
 
+def relu_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """relu(x @ weight.T) (twin of `kernels.relu_linear`). x: [..., K]; weight: [N, K]; returns [..., N]."""
+    return torch.relu(x @ weight.T)
+
+
+def relu_linear_supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The torch backend leaves the feed-forward to the model's own modules."""
+    return False
+
+
 def fused_linear(
     x: torch.Tensor,
     weights,

@@ -9,6 +9,8 @@
 - `rms_norm`: T5's layer norm, optionally fused with the residual add.
 - `gated_gelu`: the gated feed-forward's `gelu_tanh(gate) * linear` (T5 v1.1, mT5, UMT5).
 - `gemv`: x @ weight.T for at most a few rows (batch-1 decode projections).
+- `relu_linear`: relu(x @ weight.T) for more rows, the ReLU in cuBLASLt's GEMM epilogue (not a
+  Triton kernel: T5's non-gated feed-forward without a pointwise launch of its own).
 - `fused_linear`: the same with the layer norm before it and the residual add, activation or
   K/V store after it folded in (a decode step's layer in a few kernels).
 - `greedy_update`: a greedy decode step's token choice and the next step's inputs, one launch.
@@ -35,9 +37,11 @@ from .launch import pdl_available
 from .linear import fused_linear, fused_linear_supports
 from .local import local_prefill
 from .prefill import prefill
+from .relu_linear import relu_linear, relu_linear_supports
 from .rmsnorm import rms_norm
 from .store_kv import store_kv
 
 __all__ = ["beam_update", "beam_update_supports", "beam_workspace", "fused_linear", "fused_linear_supports", "gated_gelu",
            "gemv", "gemv_supports", "greedy_update", "grouped_decode", "grouped_supports", "local_prefill",
-           "paged_decode", "pdl_available", "prefill", "rms_norm", "store_kv"]
+           "paged_decode", "pdl_available", "prefill", "relu_linear", "relu_linear_supports", "rms_norm",
+           "store_kv"]

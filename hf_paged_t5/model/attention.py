@@ -190,9 +190,22 @@ def feed_forward(ops: ModuleType, dense: nn.Module, x: torch.Tensor) -> torch.Te
         return dense(x)
     if hasattr(dense, "wi_0"):
         h = gated_middle(ops, dense, x)
+    elif relu_epilogue(ops, dense, x):
+        h = ops.relu_linear(x, dense.wi.weight)
     else:
         h = dense.act(project(ops, dense.wi, x))
     return project(ops, dense.wo, to_wo_dtype(dense, dense.dropout(h)))
+
+
+def relu_epilogue(ops: ModuleType, dense: nn.Module, x: torch.Tensor) -> bool:
+    """Whether `relu(wi(x))` of HF's non-gated feed-forward runs as one GEMM with the ReLU in its
+    epilogue (the backend's `relu_linear`): a plain `wi` and `nn.ReLU` as they are (no hooks), for
+    operands the backend takes (half precision on CUDA, more rows than its `gemv` serves)."""
+    return (
+        hasattr(ops, "relu_linear_supports") and type(getattr(dense, "act", None)) is nn.ReLU
+        and unhooked(dense.act) and plain_linear(getattr(dense, "wi", None))
+        and not ops.gemv_supports(x, dense.wi.weight) and ops.relu_linear_supports(x, dense.wi.weight)
+    )
 
 
 def gated_middle(ops: ModuleType, dense: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -186,10 +186,13 @@ def _ff_element_size(dense: nn.Module, hidden: torch.Tensor) -> int:
 
 def _dense(ops: ModuleType, dense: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """`dense(x)`: HF's module, or its Linears around one `gated_gelu` kernel (`fused_gated_gelu`;
-    wi_0 and wi_1 as one GEMM where they are packed, `attention.gated_middle`)."""
-    if not attn_ops.fused_gated_gelu(ops, dense, x.dtype):
-        return dense(x)
-    return dense.wo(attn_ops.to_wo_dtype(dense, attn_ops.gated_middle(ops, dense, x)))
+    wi_0 and wi_1 as one GEMM where they are packed, `attention.gated_middle`), or with `wi`'s
+    ReLU in its GEMM's epilogue (`attention.relu_epilogue`)."""
+    if attn_ops.fused_gated_gelu(ops, dense, x.dtype):
+        return dense.wo(attn_ops.to_wo_dtype(dense, attn_ops.gated_middle(ops, dense, x)))
+    if packing.unhooked(dense) and attn_ops.relu_epilogue(ops, dense, x):
+        return dense.wo(attn_ops.to_wo_dtype(dense, dense.dropout(ops.relu_linear(x, dense.wi.weight))))
+    return dense(x)
 
 
 def _chunked_feed_forward(ops: ModuleType, ff: nn.Module, normed: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
