@@ -16,34 +16,27 @@ and one row stays with `gemv` (PyTorch takes the epilogue only for more than one
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ._checks import check_device, check_float
 
-# One zero bias per (features, dtype, device): cuBLASLt's ReLU epilogue comes with a bias add.
-_ZEROS: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
 
-
+@functools.lru_cache(maxsize=None)
 def _zero_bias(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    key = (n, dtype, device)
-    bias = _ZEROS.get(key)
-    if bias is None:
-        bias = _ZEROS[key] = torch.zeros(n, dtype=dtype, device=device)
-    return bias
+    """One zero bias per (features, dtype, device): cuBLASLt's ReLU epilogue comes with a bias add.
+    (Made at a layer's first call, which runs eagerly before any graph of it is captured.)"""
+    return torch.zeros(n, dtype=dtype, device=device)
 
 
 def relu_linear_supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `relu_linear` serves this product: more than one row of fp16/bf16 x on CUDA, a 2-D
-    weight of x's dtype and device with x's feature count, and (inside a CUDA graph capture) a
-    zero bias made before it (`relu_linear` allocates none while a graph is being captured)."""
+    """Whether `relu_linear` serves this product: more than one row of fp16/bf16 x on CUDA and a
+    2-D weight of x's dtype and device with x's feature count."""
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor) or x.dim() < 2 or weight.dim() != 2:
         return False
-    if not (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
-            and weight.device == x.device and weight.shape[1] == x.shape[-1] and x.numel() // max(1, x.shape[-1]) > 1):
-        return False
-    if (weight.shape[0], x.dtype, x.device) not in _ZEROS and torch.cuda.is_current_stream_capturing():
-        return False
-    return True
+    return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
+            and weight.device == x.device and weight.shape[1] == x.shape[-1] and x.numel() // max(1, x.shape[-1]) > 1)
 
 
 def relu_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
