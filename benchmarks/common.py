@@ -560,6 +560,19 @@ def batch_run_phases() -> list[tuple]:
     return [(run.BatchRun, name, name) for name in names] + [(runner.DecodeRunner, "decode", "decode step launch")]
 
 
+def first_job_phases() -> list[tuple]:
+    """(owner, attribute, label) of what a cold BatchGenerator job does before its first result:
+    the KV pool's (re)allocation, the compile-ahead pass, each encoder chunk with its cross K/V
+    store, and the decode step's host work (diag_first_job.py's timeline)."""
+    # private: `hf_paged_t5.kv.pool.KVPool._allocate` and the methods of `hf_paged_t5.batch.run.BatchRun`
+    from hf_paged_t5.batch import run
+    from hf_paged_t5.kv import pool
+
+    return [(pool.KVPool, "_allocate", "KV pool allocate"), (run.BatchRun, "_compile_ahead", "compile-ahead pass"),
+            (run.BatchRun, "_encode_chunk", "encoder chunk + cross store"),
+            (run.BatchRun, "_decode_step", "decode step (host)")]
+
+
 def batch_encode_paths(model) -> tuple[Callable, Callable]:
     """(eager, graphed): the batch engine's two encoder paths for one lone input, a list of token
     ids -> its packed encoder output [n, d_model]: the eager packed forward, and the bucket graph

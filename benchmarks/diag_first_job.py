@@ -1,0 +1,162 @@
+"""Where a cold process's first `BatchGenerator` job spends the seconds before its first result.
+
+    python benchmarks/diag_first_job.py [--shape t5-large] [--num-inputs 2000] [--out DIR]
+
+Runs itself in a fresh process with an empty TRITON_CACHE_DIR, as `bench_cold.py`'s batch job
+does: builds the random-weight model (bf16, not timed), patches it with the defaults, then runs
+`bench_batch.py`'s long-tailed workload through a `BatchGenerator` with its defaults once. It
+records a timeline in seconds from just before the generator is made: the KV pool's
+(re)allocations, each `_compile_ahead` pass, each encoder chunk, the first decode steps, every
+Triton compile in this process (start and end; a binary a compile worker made is a cache hit
+here, milliseconds), every CUDA graph capture, and the first results; and a cProfile of the host
+from the generator's making to the first result (the functions with the most cumulative time).
+Writes DIR/first_job.json (default DIR: benchmarks/results/<date>-<gpu>/, with its env.json) and
+prints the timeline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import subprocess
+import sys
+import tempfile
+import time
+
+RESULT_PREFIX = "first-job: "
+
+
+def _top(profiler, count: int) -> list[dict]:
+    stats = pstats.Stats(profiler)
+    rows = []
+    for (path, line, name), (_, calls, _, cumulative, _) in stats.stats.items():
+        rows.append(dict(function=f"{os.path.basename(path)}:{line}:{name}", calls=calls, cumulative_s=cumulative))
+    return sorted(rows, key=lambda r: -r["cumulative_s"])[:count]
+
+
+def worker(args) -> dict:
+    import torch
+    import triton
+    import triton.compiler
+
+    import bench_batch
+    import common
+    import hf_paged_t5 as hp
+
+    events: list[dict] = []  # what, start, end (perf_counter; made relative below)
+
+    def timed(owner, name: str, label: str, limit: int = 1 << 30):
+        real = getattr(owner, name)
+        seen = [0]
+
+        def wrapper(*a, **kw):
+            start = time.perf_counter()
+            try:
+                return real(*a, **kw)
+            finally:
+                if seen[0] < limit:
+                    events.append(dict(what=label, start=start, end=time.perf_counter()))
+                seen[0] += 1
+
+        setattr(owner, name, wrapper)
+
+    real_compile = triton.compiler.compile
+
+    def timed_compile(src, *a, **kw):
+        start = time.perf_counter()
+        try:
+            return real_compile(src, *a, **kw)
+        finally:
+            fn = getattr(src, "fn", None)
+            events.append(dict(what=f"triton compile {getattr(getattr(fn, 'fn', fn), '__name__', '?')}", start=start,
+                               end=time.perf_counter()))
+
+    triton.compiler.compile = timed_compile
+    triton.compile = timed_compile
+    for owner, name, label in common.first_job_phases():
+        timed(owner, name, label, limit=args.steps if name == "_decode_step" else 1 << 30)
+    begin, end = torch.cuda.CUDAGraph.capture_begin, torch.cuda.CUDAGraph.capture_end
+    captures: list[float] = []
+
+    def capture_begin(self, *a, **kw):
+        captures.append(time.perf_counter())
+        return begin(self, *a, **kw)
+
+    def capture_end(self, *a, **kw):
+        try:
+            return end(self, *a, **kw)
+        finally:
+            events.append(dict(what="graph capture", start=captures[-1], end=time.perf_counter()))
+
+    torch.cuda.CUDAGraph.capture_begin, torch.cuda.CUDAGraph.capture_end = capture_begin, capture_end
+
+    model = common.make_model(args.shape, "sdpa", torch.bfloat16, "cuda")
+    items = bench_batch.workload(args.num_inputs, model.config.vocab_size, seed=1, quick=False)
+    hp.patch_model(model)
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    results: list[float] = []
+    with torch.inference_mode():
+        made = time.perf_counter()
+        profiler.enable()
+        gen = hp.BatchGenerator(model)
+        events.append(dict(what="BatchGenerator()", start=made, end=time.perf_counter()))
+        requests = [hp.BatchRequest(ids, max_new_tokens=n, min_new_tokens=n) for ids, n in items]
+        for _ in gen.as_completed(requests):
+            results.append(time.perf_counter())
+            if len(results) == 1:
+                profiler.disable()
+        torch.cuda.synchronize()
+        done = time.perf_counter()
+    timeline = sorted((dict(what=e["what"], start_s=round(e["start"] - made, 4), end_s=round(e["end"] - made, 4))
+                       for e in events if e["start"] >= made or e["end"] >= made), key=lambda e: e["start_s"])
+    return dict(gpu=torch.cuda.get_device_name(), shape=args.shape, num_inputs=len(items),
+                max_batch_tokens=gen.max_batch_tokens, max_batch_rows=gen.max_batch_rows,
+                job_s=done - made, first_result_s=results[0] - made,
+                results_at_s=[round(t - made, 4) for t in results[:10]],
+                timeline=timeline, host_profile_to_first_result=_top(profiler, args.profile_rows))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="t5-large")
+    ap.add_argument("--num-inputs", type=int, default=2000)
+    ap.add_argument("--steps", type=int, default=5, help="decode steps to put on the timeline")
+    ap.add_argument("--profile-rows", type=int, default=40)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        print(RESULT_PREFIX + json.dumps(worker(args)), flush=True)
+        return
+    import common
+
+    common.require_cuda("diag_first_job.py", "cuda")
+    out = common.start_suite(args.out, "first_job")
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, TRITON_CACHE_DIR=cache)
+        argv = [sys.executable, __file__, "--worker", *sys.argv[1:]] if argv is None else \
+            [sys.executable, __file__, "--worker", *argv]
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    if proc.returncode != 0 or not lines:
+        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
+        raise SystemExit(f"diag_first_job.py: the fresh process failed (exit {proc.returncode})")
+    report = json.loads(lines[-1][len(RESULT_PREFIX):])
+    common.write_json(out / "first_job.json", report)
+    print(f"{report['gpu']}, {report['shape']}: job {report['job_s']:.2f} s, first result after "
+          f"{report['first_result_s']:.2f} s (budget {report['max_batch_tokens']} tokens, {report['max_batch_rows']} rows)")
+    print(f"{'start s':>8} {'end s':>8} {'s':>7}  what")
+    for e in report["timeline"]:
+        if e["start_s"] <= report["first_result_s"] + 0.5:
+            print(f"{e['start_s']:8.3f} {e['end_s']:8.3f} {e['end_s'] - e['start_s']:7.3f}  {e['what']}")
+    print("host, generator made to first result (cumulative s):")
+    for row in report["host_profile_to_first_result"][:25]:
+        print(f"  {row['cumulative_s']:7.3f} {row['calls']:6d}  {row['function']}")
+
+
+if __name__ == "__main__":
+    main()
