@@ -117,46 +117,6 @@ def test_a_worker_compiles_into_the_cache_and_every_other_way_comes_back_here(tm
     assert report["late"] == dict(state="taken", kernel=True)
 
 
-_PASS = _SCRIPT.split("report = {}")[0] + r"""
-import concurrent.futures
-from hf_paged_t5.kernels import ahead
-compile_workers.start()
-deadline = time.time() + 120
-while not all(w.ready for w in compile_workers._Pool.workers) and time.time() < deadline:  # private: ready
-    time.sleep(0.05)
-finalized = []
-cleanup = [lambda _kernel: None] if ahead._FUTURE_CLEANS_UP else []
-key, fn = closure(512)
-hits.clear()
-with ahead._Pass(concurrent.futures.ThreadPoolExecutor(2), ignore_errors=False) as mode:
-    future = mode.submit(key, fn, finalized.append, *cleanup)
-import hashlib
-report = dict(sent=compile_workers.sent(), hits=list(hits), finalized=[k.hash for k in finalized],
-              key_hash=hashlib.sha256(key.encode()).hexdigest(), same=future.result() is finalized[0])
-compile_workers.stop()
-key, fn = closure(256)
-with ahead._Pass(concurrent.futures.ThreadPoolExecutor(2), ignore_errors=False) as mode:
-    alone = mode.submit(key, fn, finalized.append, *cleanup)
-report["alone"] = dict(sent=compile_workers.sent(), compiled=alone.result().hash is not None)
-print(json.dumps(report))
-"""
-
-
-def test_a_passs_compiles_go_to_a_worker_and_come_back_as_cache_hits(tmp_path):
-    """`ahead._Pass` (a compile-ahead pass's mode): a compile on the pass's pool is sent to a free
-    worker, and the pool's thread then finds the worker's binary in Triton's cache under the
-    parent's key (the finalized kernel is the one the pass hands out); with no workers left, the
-    pool's thread compiles it itself."""
-    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "cache"), "HF_PAGED_T5_COMPILE_WORKERS": "1"}
-    env.pop("TRITON_INTERPRET", None)
-    done = subprocess.run([sys.executable, "-c", _PASS], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert report["sent"] == 1 and report["hits"] in ([True], [])  # [] where this Triton has no listener
-    assert report["finalized"] == [report["key_hash"]] and report["same"]
-    assert report["alone"] == dict(sent=1, compiled=True)
-
-
 _IDLE = r"""
 import json, time
 from hf_paged_t5.kernels import compile_workers

@@ -29,7 +29,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import contextvars
-import functools
 import inspect
 import os
 import sys
@@ -151,30 +150,9 @@ def compile_only() -> bool:
     return _COMPILE_ONLY.get()
 
 
-def _via_workers(key: str, compile_fn):
-    """`compile_fn()`, its compile run in a worker process where this process has one free for it
-    (then the call here is Triton's cache hit); else here. A pass's pool threads call this: a
-    compile on a thread holds this interpreter's lock for most of its LLVM lowering, so the pass's
-    compiles on threads slowed each other and the thread that runs the pass's forward."""
-    if not compile_workers.running():
-        return compile_fn()
-    return compile_workers.submit(key, compile_fn).result()  # compiled here if no worker took it
-
-
-if AsyncCompileMode is not None:
-
-    class _Pass(AsyncCompileMode):
-        """Triton's async-compile mode of a pass: each compile on the pass's pool, sent from there
-        to a worker process (`_via_workers`)."""
-
-        def submit(self, key, compile_fn, finalize_fn, *cleanup):
-            return super().submit(key, functools.partial(_via_workers, key, compile_fn), finalize_fn, *cleanup)
-
-
 @contextlib.contextmanager
 def compile_ahead(device: torch.device) -> Iterator[None]:
-    """Within: this thread's launches of this package's kernels compile on a pool (each in a
-    worker process where one is free), none runs."""
+    """Within: this thread's launches of this package's kernels compile on a pool, none runs."""
     _start_triton(device)
     pool = _CompileAndLoad()
     kernels = _kernels()
@@ -185,7 +163,7 @@ def compile_ahead(device: torch.device) -> Iterator[None]:
         _Process.active += 1
     token = _COMPILE_ONLY.set(True)
     try:
-        with _Pass(pool, ignore_errors=True):
+        with AsyncCompileMode(pool, ignore_errors=True):
             yield
     finally:
         _COMPILE_ONLY.reset(token)
