@@ -560,6 +560,42 @@ def batch_run_phases() -> list[tuple]:
     return [(run.BatchRun, name, name) for name in names] + [(runner.DecodeRunner, "decode", "decode step launch")]
 
 
+def hook_compiles_and_captures(on_compile: Callable[[str, float, float], object],
+                               on_capture: Callable[[float, float], object]) -> None:
+    """For the rest of the process (a diagnostic's fresh worker process): every Triton compile calls
+    `on_compile(kernel name, start, end)` and every CUDA graph capture `on_capture(start, end)` as it
+    ends (`time.perf_counter` seconds; compiles on any thread)."""
+    import triton
+    import triton.compiler
+
+    real_compile = triton.compiler.compile
+
+    def timed_compile(src, *a, **kw):
+        start = time.perf_counter()
+        try:
+            return real_compile(src, *a, **kw)
+        finally:
+            fn = getattr(src, "fn", None)
+            on_compile(getattr(getattr(fn, "fn", fn), "__name__", "?"), start, time.perf_counter())
+
+    triton.compiler.compile = timed_compile
+    triton.compile = timed_compile
+    begin, end = torch.cuda.CUDAGraph.capture_begin, torch.cuda.CUDAGraph.capture_end
+    began: list[float] = []
+
+    def capture_begin(self, *a, **kw):
+        began.append(time.perf_counter())
+        return begin(self, *a, **kw)
+
+    def capture_end(self, *a, **kw):
+        try:
+            return end(self, *a, **kw)
+        finally:
+            on_capture(began.pop(), time.perf_counter())
+
+    torch.cuda.CUDAGraph.capture_begin, torch.cuda.CUDAGraph.capture_end = capture_begin, capture_end
+
+
 def first_job_phases() -> list[tuple]:
     """(owner, attribute, label) of what a cold BatchGenerator job does before its first result:
     the KV pool's (re)allocation, the compile-ahead pass, each encoder chunk with its cross K/V

@@ -89,39 +89,15 @@ def worker(args) -> dict:
     compiles: list[dict] = []  # one per compile: kernel, seconds, start
     captures: list[list[float]] = []  # [begin, end] per graph capture
     specs: list[tuple[object, str]] = []  # (JITFunction, specialization data) per compiled kernel
-    real_compile = triton.compiler.compile
-
-    def timed_compile(src, *a, **kw):
-        start = time.perf_counter()
-        try:
-            return real_compile(src, *a, **kw)
-        finally:
-            fn = getattr(src, "fn", None)
-            compiles.append(dict(kernel=getattr(getattr(fn, "fn", fn), "__name__", "?"), start=start,
-                                 seconds=time.perf_counter() - start))
-
-    triton.compiler.compile = timed_compile
-    triton.compile = timed_compile
+    common.hook_compiles_and_captures(
+        lambda kernel, start, end: compiles.append(dict(kernel=kernel, start=start, seconds=end - start)),
+        lambda start, end: captures.append([start, end]))
 
     def record_spec(**kw):  # jit_post_compile_hook: the kernel and its specialization data
         specs.append((getattr(kw.get("fn"), "jit_function", None), kw.get("compile", {}).get("specialization_data")))
         return None
 
     knobs.runtime.jit_post_compile_hook = record_spec
-    begin, end = torch.cuda.CUDAGraph.capture_begin, torch.cuda.CUDAGraph.capture_end
-
-    def capture_begin(self, *a, **kw):
-        captures.append([time.perf_counter(), None])
-        return begin(self, *a, **kw)
-
-    def capture_end(self, *a, **kw):
-        try:
-            return end(self, *a, **kw)
-        finally:
-            captures[-1][1] = time.perf_counter()
-
-    torch.cuda.CUDAGraph.capture_begin, torch.cuda.CUDAGraph.capture_end = capture_begin, capture_end
-
     if args.encoder:
         import bench_encoder
 

@@ -39,8 +39,6 @@ def _top(profiler, count: int) -> list[dict]:
 
 def worker(args) -> dict:
     import torch
-    import triton
-    import triton.compiler
 
     import bench_batch
     import common
@@ -63,35 +61,11 @@ def worker(args) -> dict:
 
         setattr(owner, name, wrapper)
 
-    real_compile = triton.compiler.compile
-
-    def timed_compile(src, *a, **kw):
-        start = time.perf_counter()
-        try:
-            return real_compile(src, *a, **kw)
-        finally:
-            fn = getattr(src, "fn", None)
-            events.append(dict(what=f"triton compile {getattr(getattr(fn, 'fn', fn), '__name__', '?')}", start=start,
-                               end=time.perf_counter()))
-
-    triton.compiler.compile = timed_compile
-    triton.compile = timed_compile
+    common.hook_compiles_and_captures(
+        lambda kernel, start, end: events.append(dict(what=f"triton compile {kernel}", start=start, end=end)),
+        lambda start, end: events.append(dict(what="graph capture", start=start, end=end)))
     for owner, name, label in common.first_job_phases():
         timed(owner, name, label, limit=args.steps if name == "_decode_step" else 1 << 30)
-    begin, end = torch.cuda.CUDAGraph.capture_begin, torch.cuda.CUDAGraph.capture_end
-    captures: list[float] = []
-
-    def capture_begin(self, *a, **kw):
-        captures.append(time.perf_counter())
-        return begin(self, *a, **kw)
-
-    def capture_end(self, *a, **kw):
-        try:
-            return end(self, *a, **kw)
-        finally:
-            events.append(dict(what="graph capture", start=captures[-1], end=time.perf_counter()))
-
-    torch.cuda.CUDAGraph.capture_begin, torch.cuda.CUDAGraph.capture_end = capture_begin, capture_end
 
     model = common.make_model(args.shape, "sdpa", torch.bfloat16, "cuda")
     items = bench_batch.workload(args.num_inputs, model.config.vocab_size, seed=1, quick=False)

@@ -3,8 +3,8 @@
     python benchmarks/diag_relu_epilogue.py [--rows 1,4,16,32,64,128,512,4096] [--out DIR]
 
 `wo(relu(wi(x)))` for 24 layers of distinct bf16 weights (t5-large: d_model 1,024, d_ff 4,096;
-t5-small's widths: 512, 2,048) replayed in one CUDA graph, µs per replay (median of 7 rounds of
-50): `F.linear` then `torch.relu` (what HF runs) against `torch._addmm_activation` with a zero
+t5-small's widths: 512, 2,048) replayed in one CUDA graph, µs per replay (`common.graph_us`: the
+median of 50 replays): `F.linear` then `torch.relu` (what HF runs) against `torch._addmm_activation` with a zero
 bias (cuBLASLt's ReLU epilogue, `kernels.relu_linear`). Also whether the two give the same bits
 on the first layer. Writes DIR/relu_epilogue.json (default DIR: benchmarks/results/<date>-<gpu>/).
 """
@@ -20,32 +20,6 @@ import common  # benchmarks/ is on sys.path (the scripts' import rule)
 
 LAYOUTS = {"t5-large": (1024, 4096), "t5-small widths": (512, 2048)}
 LAYERS = 24
-
-
-def graph_us(fn, replays: int = 50, rounds: int = 7) -> float:
-    """µs per replay of `fn` captured as a CUDA graph: `replays` back to back per round, the median
-    of `rounds` rounds (CUDA events around each round)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(5):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    per_round = []
-    for _ in range(rounds):
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        per_round.append(start.elapsed_time(end) * 1e3 / replays)
-    return common.median(per_round)
 
 
 def main(argv=None) -> None:
@@ -73,7 +47,8 @@ def main(argv=None) -> None:
                     F.linear(torch._addmm_activation(zero, x, wi[i].t()), wo[i])
 
             same = torch.equal(torch.relu(F.linear(x, wi[0])), torch._addmm_activation(zero, x, wi[0].t()))
-            row = dict(layout=layout, rows=rows, plain_us=graph_us(plain), epilogue_us=graph_us(epilogue), same_bits=same)
+            row = dict(layout=layout, rows=rows, plain_us=common.graph_us([plain], replays=50),
+                       epilogue_us=common.graph_us([epilogue], replays=50), same_bits=same)
             row["change"] = row["epilogue_us"] / row["plain_us"] - 1
             rows_out.append(row)
             print(f"{layout:16s} rows {rows:5d}: plain {row['plain_us']:8.1f} µs, epilogue {row['epilogue_us']:8.1f} µs "
