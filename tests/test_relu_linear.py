@@ -78,6 +78,9 @@ def test_feed_forward_routes_the_non_gated_ff_through_relu_linear():
         assert len(calls) == 2
         gated = _dense("t5v1_1")
         assert not attention.relu_epilogue(ops, gated, x)
+        other = torch.nn.Module()  # a module with wi / act / wo but not HF's non-gated FF
+        other.wi, other.act, other.wo = dense.wi, dense.act, dense.wo
+        assert not attention.relu_epilogue(ops, other, x)
         assert not attention.relu_epilogue(kernels, dense, x)  # CPU tensors: the Triton backend declines
 
 

@@ -165,6 +165,8 @@ def project_group(ops: ModuleType, group: tuple[nn.Module, ...], x: torch.Tensor
 _GATED_FF = frozenset({"T5DenseGatedActDense", "MT5DenseGatedActDense", "UMT5DenseGatedActDense",
                        "LongT5DenseGatedActDense"})
 _GELU_TANH = frozenset({"NewGELUActivation", "GELUTanh", "PytorchGELUTanh"})
+# HF's non-gated feed-forward classes: `wo(dropout(act(wi(x))))`, wo's dtype cast between
+_PLAIN_FF = frozenset({"T5DenseActDense", "MT5DenseActDense", "UMT5DenseActDense", "LongT5DenseActDense"})
 
 
 def fused_gated_gelu(ops: ModuleType, dense: nn.Module, dtype: torch.dtype) -> bool:
@@ -202,7 +204,8 @@ def relu_epilogue(ops: ModuleType, dense: nn.Module, x: torch.Tensor) -> bool:
     epilogue (the backend's `relu_linear`): a plain `wi` and `nn.ReLU` as they are (no hooks), for
     operands the backend takes (half precision on CUDA, more rows than its `gemv` serves)."""
     return (
-        hasattr(ops, "relu_linear_supports") and type(getattr(dense, "act", None)) is nn.ReLU
+        hasattr(ops, "relu_linear_supports") and type(dense).__name__ in _PLAIN_FF
+        and type(getattr(dense, "act", None)) is nn.ReLU
         and unhooked(dense.act) and plain_linear(getattr(dense, "wi", None))
         and not ops.gemv_supports(x, dense.wi.weight) and ops.relu_linear_supports(x, dense.wi.weight)
     )
