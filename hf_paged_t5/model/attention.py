@@ -201,10 +201,10 @@ def feed_forward(ops: ModuleType, dense: nn.Module, x: torch.Tensor) -> torch.Te
 
 def relu_epilogue(ops: ModuleType, dense: nn.Module, x: torch.Tensor) -> bool:
     """Whether `relu(wi(x))` of HF's non-gated feed-forward runs as one GEMM with the ReLU in its
-    epilogue (the backend's `relu_linear`): a plain `wi` and `nn.ReLU` as they are (no hooks), for
-    operands the backend takes (half precision on CUDA, more rows than its `gemv` serves)."""
+    epilogue (the backend's `relu_linear`): the module, a plain `wi` and `nn.ReLU` as they are (no
+    hooks), for operands the backend takes (half precision on CUDA, more rows than its `gemv` serves)."""
     return (
-        hasattr(ops, "relu_linear_supports") and type(dense).__name__ in _PLAIN_FF
+        hasattr(ops, "relu_linear_supports") and type(dense).__name__ in _PLAIN_FF and unhooked(dense)
         and type(getattr(dense, "act", None)) is nn.ReLU
         and unhooked(dense.act) and plain_linear(getattr(dense, "wi", None))
         and not ops.gemv_supports(x, dense.wi.weight) and ops.relu_linear_supports(x, dense.wi.weight)

@@ -190,7 +190,7 @@ def _dense(ops: ModuleType, dense: nn.Module, x: torch.Tensor) -> torch.Tensor:
     ReLU in its GEMM's epilogue (`attention.relu_epilogue`)."""
     if attn_ops.fused_gated_gelu(ops, dense, x.dtype):
         return dense.wo(attn_ops.to_wo_dtype(dense, attn_ops.gated_middle(ops, dense, x)))
-    if packing.unhooked(dense) and attn_ops.relu_epilogue(ops, dense, x):
+    if attn_ops.relu_epilogue(ops, dense, x):
         return dense.wo(attn_ops.to_wo_dtype(dense, dense.dropout(ops.relu_linear(x, dense.wi.weight))))
     return dense(x)
 
