@@ -179,3 +179,24 @@ def test_packed_encoder_output_is_the_real_rows(side):
         hp.unpatch_model(model)
     assert packed.shape == (18, model.config.d_model)
     torch.testing.assert_close(packed, padded[mask.bool()], rtol=0, atol=0)
+
+
+def test_first_blocks_only():
+    """`encoder_forward(blocks=k)` (a compile-only pass's early request of one length's kernels) is
+    the encoder of the first k layers and the final norm: the same bits as that stack cut to k."""
+    model = make_model("t5", seed=7)
+    assert model.config.num_layers > 1
+    ids, mask = make_batch([6, 3])
+    runtime = hp.patch_model(model, hp.PagedCacheConfig(backend="torch"))._hf_paged_t5
+    try:
+        tables = runtime.bias_tables(model.encoder, causal=False)
+        with torch.no_grad():
+            first = stacks.encoder_forward(model.encoder, runtime.ops_for, tables, None, mask, input_ids=ids,
+                                           blocks=1)
+            whole = stacks.encoder_forward(model.encoder, runtime.ops_for, tables, None, mask, input_ids=ids)
+            model.encoder.block = model.encoder.block[:1]
+            cut = stacks.encoder_forward(model.encoder, runtime.ops_for, tables, None, mask, input_ids=ids)
+    finally:
+        hp.unpatch_model(model)
+    torch.testing.assert_close(first, cut, rtol=0, atol=0)
+    assert not torch.equal(first, whole)

@@ -253,7 +253,8 @@ class BatchRun:
         (`PagedRuntime.compile_ahead`). The encoder runs once per prefill configuration of inputs up
         to the longest admitted (`attention.prefill_lengths`; a chunk of shorter inputs launches
         another binary than the longest's), the step on static buffers of the graph key the rows
-        admitted give it. Once per number of configurations, so a later admission of longer
+        admitted give it; what each of them compiles is requested first (one layer per
+        configuration, then the step), so the compiles start together. Once per number of configurations, so a later admission of longer
         inputs compiles what they add; the pass's cuBLAS work runs for real."""
         gen, cache = self.gen, self.cache
         model, runtime, device = gen.model, gen.runtime, gen.device
@@ -269,13 +270,23 @@ class BatchRun:
             self_tokens = max(cache.self_width * cache.block_size, max(1 + r.max_new for r in admitted))
             cross_tokens = max(cache.cross_width * cache.block_size, longest)
             key = predicted_key(cache, rows, self_tokens, cross_tokens)
-            tables = runtime.bias_tables(encoder, causal=False)
-            for length in lengths:
+            tables, side = runtime.bias_tables(encoder, causal=False), runtime.side_tables(encoder)
+
+            def encode(length: int, blocks: Optional[int] = None) -> torch.Tensor:
                 ids = torch.full((1, length), gen.pad_id, dtype=torch.long, device=device)
-                packed = encoder_forward(encoder, runtime.ops_for, tables, None, torch.ones(1, length, dtype=torch.bool),
-                                         input_ids=ids, packed=True, side_tables=runtime.side_tables(encoder))
-            store_cross_ahead(model.decoder, runtime.ops_for, pool, packed)
+                return encoder_forward(encoder, runtime.ops_for, tables, None, torch.ones(1, length, dtype=torch.bool),
+                                       input_ids=ids, packed=True, side_tables=side, blocks=blocks)
+
+            # Every compile is requested before the host walks the whole stack: each configuration's
+            # through one layer, then the decode step's, then the full forwards (the kernels only
+            # the later layers reach). A full forward per length first would request the second
+            # configuration's prefill, the longest compile, only a whole stack of host work later.
+            for length in lengths:
+                encode(length, blocks=1)
             runtime.runner.step_ahead(model, cache, device, rows, key)
+            for length in lengths:
+                packed = encode(length)
+            store_cross_ahead(model.decoder, runtime.ops_for, pool, packed)
             # Where the process has compile workers: the step of the fewest rows a graph serves,
             # which a job reaches as its last rows finish and whose decode launches may differ
             # (`kernels.launch.decode_config`: 64 rows over long sources), compiled there while the

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import itertools
 from types import ModuleType
 from typing import Callable, Optional
 
@@ -228,6 +229,7 @@ def encoder_forward(
     band_memos: Optional[list[dict]] = None,
     side_tables: Optional[list[torch.Tensor]] = None,
     packing: Optional[tuple] = None,
+    blocks: Optional[int] = None,
 ) -> torch.Tensor:
     """T5 (or LongT5) encoder over the real tokens only (varlen); padded positions of the output are 0.
 
@@ -242,6 +244,8 @@ def encoder_forward(
     packed: return the real tokens only, [total_tokens, d_model] row by row (no padded copy)
     packing: `pack_tokens` of the call's mask, made before (a captured graph's: nothing is read
         back here, so the forward is graph-capturable); then attention_mask is not read
+    blocks: run only the first `blocks` layers, then the final norm (a compile-only pass that
+        requests one input length's kernels without the host work of every layer); None: all
     returns: last_hidden_state [batch, seq_len, d_model] (or packed, above)
     """
     source = inputs_embeds if inputs_embeds is not None else input_ids
@@ -268,7 +272,7 @@ def encoder_forward(
     # the next layer norm (attn_ops.add_norm), as HF adds them just before it. `out` is
     # dropped once added, so it is not held through the next sub-layer's temporaries.
     out = None
-    for i, block in enumerate(stack.block):
+    for i, block in enumerate(itertools.islice(stack.block, blocks)):
         device = module_device(block)
         ops = ops_for(device)
         sa, ff = block.layer[0], block.layer[-1]
