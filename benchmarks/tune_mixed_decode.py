@@ -22,7 +22,7 @@ a block's keys of one head in one run of block_size * 128 bytes).
 
     python benchmarks/tune_mixed_decode.py [--rows 512,256,64] [--kinds cross,self,uniform,beams]
         [--uniform 40x512,64x512,128x512,64x2048] [--beams 1x4x512,8x4x512] [--orders random,longest-first]
-        [--configs all|few|depths|default] [--layouts slot-major,head-major] [--out DIR] [--quick]
+        [--configs all|few|depths|tiles|default] [--layouts slot-major,head-major] [--out DIR] [--quick]
 
 Writes DIR/mixed-decode.json (default DIR: benchmarks/results/<date>-<gpu>/, with its env.json).
 """
@@ -104,6 +104,13 @@ def configs_for(which: str, default: DecodeConfig) -> dict:
     if which == "default":
         return {"default": default}
     configs = {"default": default, "tile": DecodeConfig(block_n=128, num_warps=4)}
+    if which == "tiles":  # the async-copy loop's tile, warps and depth around the default
+        for block_n, warps, depth in ((32, 1, 2), (32, 2, 2), (64, 2, 1), (64, 2, 2), (64, 4, 1), (64, 4, 2),
+                                      (64, 4, 3), (128, 4, 1), (128, 4, 2), (128, 8, 1), (128, 8, 2), (256, 8, 1),
+                                      (256, 8, 2)):
+            configs[f"async {block_n} keys, {warps} warps, {depth} deep"] = DecodeConfig(
+                block_n=block_n, num_warps=warps, num_stages=depth, prefetch="async")
+        return configs
     for depth in (1, 2, 3):
         configs[f"async {depth} deep"] = DecodeConfig(block_n=128, num_warps=4, num_stages=depth, prefetch="async")
     if which == "depths":
@@ -129,15 +136,16 @@ def main(argv=None) -> None:
                     help="row orders to time (the kernel's grid follows the rows)")
     ap.add_argument("--configs", default="all",
                     help="'all' (default: pipeline depths, splits 2-16 fused or not), 'few' (depths, "
-                         "splits 2 and 4), 'depths' (the default, tile, async 1-3 deep) or 'default' alone")
+                         "splits 2 and 4), 'depths' (the default, tile, async 1-3 deep), 'tiles' (the async "
+                         "loop at 32-256-key tiles, 1-8 warps, 1-3 deep) or 'default' alone")
     ap.add_argument("--layouts", default="slot-major",
                     help="pool memory layouts to time each case over: slot-major (the package's), head-major")
     ap.add_argument("--out", default=None,
                     help="folder for mixed-decode.json (default: benchmarks/results/<date>-<gpu>)")
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU ok)")
     args = ap.parse_args(argv)
-    if args.configs not in ("all", "few", "depths", "default"):
-        raise SystemExit(f"--configs must be all, few, depths or default, got {args.configs!r}")
+    if args.configs not in ("all", "few", "depths", "tiles", "default"):
+        raise SystemExit(f"--configs must be all, few, depths, tiles or default, got {args.configs!r}")
     layouts = args.layouts.split(",")
     if any(layout not in LAYOUTS for layout in layouts):  # "" included
         raise SystemExit(f"--layouts takes a comma-separated list of {', '.join(LAYOUTS)}, got {args.layouts!r}")
