@@ -24,8 +24,10 @@ against the static runs (which must not have either), the like-for-like comparis
     python benchmarks/bench_batch.py --quick --device cpu     # tiny smoke run of the whole script
 
 Writes DIR/batch.json (default DIR: benchmarks/results/<date>-<gpu>/, with its env.json) with
-top-level keys gpu, tokens_per_s (per system), speedup_vs_static_paged, speedup_vs_hf, and prints
-a table.
+top-level keys gpu, tokens_per_s (per system), speedup_vs_static_paged, speedup_vs_hf and job_floor
+(the workload's K/V reads and matrix products, `job_work`, at the GPU's measured read bandwidth and
+bf16 GEMM rate: a bound on any engine's job, its ratio to the static batches, and each
+BatchGenerator job's tokens/s in percent of it), and prints a table.
 """
 
 from __future__ import annotations
@@ -52,6 +54,41 @@ def workload(num: int, vocab: int, seed: int, quick: bool) -> list[tuple[list[in
         new = min(max(round(rng.lognormvariate(0, 0.6) * new_median), new_min), new_max)
         items.append(([rng.randrange(2, vocab) for _ in range(length)], new))
     return items
+
+
+def job_work(config, items, element_size: int = 2) -> dict:
+    """What the workload asks of any engine, counted from the model's shape: the bytes of K/V its
+    decode steps read (each new token reads its input's cross-attention keys and its own earlier
+    tokens' self-attention keys in every decoder layer; t5's start token is the first of those) and
+    the FLOPs of its matrix products (the encoder over every input token, its attention included;
+    the cross K/V projections; the decoder and LM head once per new token)."""
+    inner, d, layers, dec_layers = config.num_heads * config.d_kv, config.d_model, config.num_layers, config.num_decoder_layers
+    ff = (3 if getattr(config, "is_gated_act", False) else 2) * d * config.d_ff
+    keys = sum(len(ids) * n + n * (n + 1) // 2 for ids, n in items)
+    kv_bytes = keys * dec_layers * 2 * inner * element_size
+    encoder = sum(len(ids) * layers * (2 * (4 * d * inner + ff) + 4 * len(ids) * inner) for ids, _ in items)
+    cross_kv = sum(len(ids) for ids, _ in items) * dec_layers * 2 * 2 * d * inner
+    new = sum(n for _, n in items)
+    decoder = new * (dec_layers * 2 * (6 * d * inner + ff) + 2 * d * config.vocab_size)
+    return dict(kv_bytes=kv_bytes, flops=encoder + cross_kv + decoder,
+                flops_by_part=dict(encoder=encoder, cross_kv_projection=cross_kv, decoder_and_lm_head=decoder))
+
+
+def job_floor(config, items, device: str, static_tokens_per_s: float) -> dict:
+    """The job at the GPU's measured rates (a bf16 8192^3 GEMM, a read pass over 1 GiB), K/V reads
+    and matrix products one after another, nothing else: a bound on any engine's job, and what a
+    target over static batches asks of it. On the CPU: the work only."""
+    work = job_work(config, items)
+    if not device.startswith("cuda"):
+        return work
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    gemm_tflops = 2 * 8192**3 / common.kernel_ms(lambda: a @ a) / 1e9
+    read_gbps = common.read_bandwidth(torch.device(device), 1 << 30)
+    seconds = work["kv_bytes"] / read_gbps / 1e9 + work["flops"] / gemm_tflops / 1e12
+    tokens_per_s = sum(n for _, n in items) / seconds
+    return dict(work, read_gbps=read_gbps, gemm_tflops=gemm_tflops, kv_seconds=work["kv_bytes"] / read_gbps / 1e9,
+                gemm_seconds=work["flops"] / gemm_tflops / 1e12, seconds=seconds, tokens_per_s=tokens_per_s,
+                vs_static=tokens_per_s / static_tokens_per_s)
 
 
 def static_batches(items, batch_size: int, seed: int = 0):
@@ -308,7 +345,11 @@ def measure(model, items, args, compiles, deadline: float) -> dict:
     hf = run_static_halving(model, hf_items, hf_size, device, deadline, compiles)
     print(f"  batch {hf_size}: {hf['tokens_per_s']:.0f} tok/s over {hf['inputs']} inputs", flush=True)
 
+    floor = job_floor(model.config, items, device, static["tokens_per_s"])
+    if "tokens_per_s" in floor:  # each BatchGenerator job's tokens/s, in percent of the floor's
+        floor["batch_generator_pct"] = [100 * r["tokens_per_s"] / floor["tokens_per_s"] for r in repeats]
     report = dict(
+        job_floor=floor,
         tokens_per_s=dict(batch_generator=batch_gen["tokens_per_s"], static_paged=static["tokens_per_s"],
                           hf=hf["tokens_per_s"]),
         speedup_vs_static_paged=batch_gen["tokens_per_s"] / static["tokens_per_s"],
@@ -348,6 +389,13 @@ def print_table(report: dict) -> None:
         print(f"defaults: first job {report['first_job_vs_static']:.2f}x static paged, {report['first_job_vs_hf']:.1f}x "
               f"HF (first result after {report['first_result_s']:.2f} s); second job "
               f"{report['second_job_vs_static']:.2f}x static paged, {report['second_job_vs_hf']:.1f}x HF")
+    floor = report.get("job_floor", {})
+    if "seconds" in floor:
+        jobs = ", ".join(f"{pct:.0f}%" for pct in floor["batch_generator_pct"])
+        print(f"floor: K/V reads {floor['kv_bytes'] / 1e12:.2f} TB at {floor['read_gbps']:.0f} GB/s "
+              f"({floor['kv_seconds']:.2f} s) + {floor['flops'] / 1e12:.0f} TFLOP at {floor['gemm_tflops']:.0f} "
+              f"TFLOP/s ({floor['gemm_seconds']:.2f} s) = {floor['seconds']:.2f} s, {floor['tokens_per_s']:.0f} "
+              f"tok/s, {floor['vs_static']:.2f}x static paged; BatchGenerator's jobs at {jobs} of it")
     if "warm_speedup_vs_static_paged" in report:
         print(f"warm (nothing captured or compiled while timed, every system): BatchGenerator "
               f"{report['warm_tokens_per_s']['batch_generator']:.0f} tok/s, "

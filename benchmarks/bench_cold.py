@@ -29,8 +29,10 @@ the cache hits (a binary a compile worker wrote); each process records `compiles
 Prints a table and writes DIR/cold.json (default DIR: benchmarks/results/<date>-<gpu>/, with
 its env.json). Its top-level keys: `first_generate_s` and `hf_first_generate_s` (medians),
 `new_batch_size_s` and `first_beam_call_s` (patched), `first_job_vs_static`, `first_job_vs_hf`,
-`warm_job_vs_static` (the batch job's), `targets` and `targets_met` (true only if every target
-holds in this run; the targets are set for the defaults: t5-large, 1 x 300 tokens, 64 new).
+`warm_job_vs_static` (the batch job's), `floor_vs_static` and `jobs_pct_of_floor` (bench_batch's
+job floor: the workload's K/V reads and matrix products at the GPU's measured rates, against static
+batches, and each job's tokens/s in percent of it), `targets` and `targets_met` (true only if every
+target holds in this run; the targets are set for the defaults: t5-large, 1 x 300 tokens, 64 new).
 """
 
 from __future__ import annotations
@@ -174,9 +176,11 @@ def batch_job(args) -> dict:
         shutil.rmtree(cache, ignore_errors=True)
         shutil.rmtree(folder, ignore_errors=True)
     print(proc.stdout[-1500:], flush=True)
+    floor = batch.get("job_floor", {})
     return dict(first_job_vs_static=batch["first_job_vs_static"], first_job_vs_hf=batch["first_job_vs_hf"],
                 warm_job_vs_static=batch["second_job_vs_static"], warm_job_vs_hf=batch["second_job_vs_hf"],
-                first_job_first_result_s=batch["first_result_s"], batch_job=batch)
+                first_job_first_result_s=batch["first_result_s"], floor_vs_static=floor.get("vs_static"),
+                jobs_pct_of_floor=floor.get("batch_generator_pct"), batch_job=batch)
 
 
 def print_table(rows: list[dict], args) -> None:

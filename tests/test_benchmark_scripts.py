@@ -310,6 +310,37 @@ def test_the_generate_floor_counts_reads_at_the_read_bandwidth():
     assert common.read_bandwidth(torch.device("cpu"), 1 << 20) > 0
 
 
+@pytest.mark.parametrize("family", ["t5", "t5v1_1"])
+def test_the_batch_job_work_counts_every_weight_and_key(family):
+    """bench_batch's job floor: the K/V a decode step reads, counted step by step, and the FLOPs
+    of every linear layer's weights (from the model's parameters, not its config) per token that
+    passes it, plus the encoder's attention products; no K/V and no floor figures off CUDA."""
+    import bench_batch
+
+    from hf_paged_t5 import tiny
+
+    model = tiny.build_model("tiny", family=family)
+    cfg = model.config
+    items = [([5] * 7, 3), ([6] * 2, 1), ([7] * 11, 4)]
+    keys = sum(len(ids) + t + 1 for ids, n in items for t in range(n))  # a step reads its input and itself
+    inner = cfg.num_heads * cfg.d_kv
+
+    def weights(prefix, skip=()):
+        return sum(m.weight.numel() for name, m in model.named_modules()
+                   if name.startswith(prefix) and isinstance(m, torch.nn.Linear) and not any(k in name for k in skip))
+
+    cross_kv = ("EncDecAttention.k", "EncDecAttention.v")
+    tokens = sum(len(ids) for ids, _ in items)
+    encoder = 2 * weights("encoder.block") * tokens + sum(cfg.num_layers * 4 * len(ids) ** 2 * inner for ids, _ in items)
+    decoder = 2 * (weights("decoder.block", cross_kv) + weights("lm_head")) * sum(n for _, n in items)
+    got = bench_batch.job_floor(cfg, items, "cpu", static_tokens_per_s=1.0)
+    assert got["kv_bytes"] == keys * cfg.num_decoder_layers * 2 * inner * 2
+    assert got["flops_by_part"] == dict(encoder=encoder, cross_kv_projection=2 * weights("decoder.block") * tokens
+                                        - 2 * weights("decoder.block", cross_kv) * tokens,
+                                        decoder_and_lm_head=decoder)
+    assert got["flops"] == sum(got["flops_by_part"].values()) and "seconds" not in got
+
+
 def test_tune_mixed_decode_shares_a_source_table_across_beams_in_either_layout(tmp_path):
     """tune_mixed_decode's pools: `beams` rows of a source share one table row (and their keys are
     counted once), a head-major pool holds [block, head, slot, dim] in memory; its --quick run
