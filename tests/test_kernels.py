@@ -383,12 +383,13 @@ def test_decode_config_heuristic_on_an_h200():
     # batch 1's split launch and batch 16's unsplit one differ only in the split count, which
     # the kernel reads at run time: one binary (a new batch size compiles no decode kernel)
     assert dataclasses.replace(decode_config(1, 16, 64, 512, sms), num_splits=1) == decode_config(16, 16, 64, 512, sms)
-    # many rows at d64: the async-copy pipeline 2 deep, a plain loop (1 deep) over <= 256 keys;
+    # many rows at d64: the async-copy pipeline 2 deep, over <= 256 keys on 32-key tiles of one warp;
     # past 1,024 keys only with 8+ programs per SM (64 rows keep the register prefetch)
     assert decode_config(64, 16, 64, 2048, sms) == DecodeConfig(128, 4, 1, 1)
     assert decode_config(512, 16, 64, 2048, sms) == DecodeConfig(128, 4, 2, 1, prefetch="async")
     assert decode_config(64, 16, 64, 512, sms) == DecodeConfig(128, 4, 2, 1, prefetch="async")
-    assert decode_config(512, 16, 64, 208, sms) == DecodeConfig(128, 4, 1, 1, prefetch="async")
+    assert decode_config(512, 16, 64, 208, sms) == DecodeConfig(32, 1, 2, 1, prefetch="async")
+    assert decode_config(64, 16, 64, 256, sms) == DecodeConfig(32, 1, 2, 1, prefetch="async")
     assert decode_config(128, 16, 128, 512, sms) == DecodeConfig(64, 4, 3, 1, prefetch="async")
     assert decode_config(64, 16, 128, 2048, sms) == DecodeConfig(64, 4, 1, 2)
     for head_dim in (64, 128):

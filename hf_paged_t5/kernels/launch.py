@@ -95,8 +95,9 @@ def decode_config(batch: int, num_heads: int, head_dim: int, max_keys: int, num_
       new batch size compiles no decode kernel.
     - Many pairs (4+ programs per SM: a batch-64 decode step, BatchGenerator's hundreds of
       rows): bandwidth; 8K-element tiles (128 keys at d64, 64 at d128) on 4 warps. At d64 the
-      loads go through shared memory ("async"), 2 deep, or as a plain loop over <= 256 keys
-      (the figures are at the rule); at d128 3 deep up to 1024 keys, and 2 splits of 1024 keys
+      loads go through shared memory ("async"), 2 deep (the figures are at the rule); over
+      <= 256 keys 32-key tiles on one warp, 2 deep; at d128 3 deep up to 1024 keys, and 2
+      splits of 1024 keys
       past that (65% vs 62% of copy bandwidth), so a split holds at most 128K K elements.
     - Few rows over long keys (1 x 16384): splits up to _PROGRAMS_PER_SM programs per SM,
       never below _MIN_KEYS_PER_SPLIT keys, with 4K-element tiles (d128 best: 32 keys, 4 warps,
@@ -131,7 +132,15 @@ def decode_config(batch: int, num_heads: int, head_dim: int, max_keys: int, num_
         # table at 512 / 64 rows 76.2 / 12.2 (1 deep) vs 119.1 / 18.6 (3 deep). Past 1,024 keys
         # only with 8+ programs per SM: 64 mixed rows 30.2 (tile) vs 47.7; 64 x 2048 141.2 (tile)
         # vs 142.4.
-        return DecodeConfig(block_n=128, num_warps=4, num_stages=1 if max_keys <= 256 else 2, prefetch="async")
+        if max_keys <= 256:
+            # Short rows (self-attention's 1-200 keys with the bias table, longest first): 32-key
+            # tiles on one warp, 2 deep. H100, 2026-12-06 (`tune_mixed_decode.py --kinds self
+            # --rows 512,320,128 --orders longest-first --configs tiles`, code 6ac445f), per call in
+            # a graph at 512 / 320 / 128 rows: 67.6 / 42.9 / 16.8 µs against 91.7 / 60.8 / 26.8
+            # for 128-key tiles on 4 warps, 1 deep (64-key tiles on 2 warps, 1 deep: 73.6 / 49.3 /
+            # 19.5). The cross-attention mix (20-1,868 keys) keeps 128-key tiles, 2 deep.
+            return DecodeConfig(block_n=32, num_warps=1, num_stages=2, prefetch="async")
+        return DecodeConfig(block_n=128, num_warps=4, num_stages=2, prefetch="async")
     if many_rows and max_keys <= 1024:
         # d128 (not swept): the async-copy pipeline 3 deep, as the d64 sweep of a batch-64/128
         # step found against the register prefetch (benchmarks/tune_kernels.py, H200, 2026-12-03:
