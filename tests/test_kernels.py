@@ -400,6 +400,22 @@ def test_decode_config_heuristic_on_an_h200():
         assert cfg.block_n * 64 <= 8192 and triton.cdiv(keys, cfg.num_splits) >= 64
 
 
+def test_paged_decode_short_rows_default():
+    """The launch `decode_config` gives many rows over <= 256 keys at head_dim 64 (32-key tiles
+    across two 16-slot blocks, one warp, async copies) over rows of 1 to 200 keys with T5's causal
+    table: the reference's attention."""
+    num_heads, head_dim, block_size = 4, 64, 16
+    config = decode_config(512, 16, head_dim, 200, 132)
+    assert (config.block_n, config.num_warps, config.prefetch) == (32, 1, "async")
+    lens = [200, 1, 31, 32, 33, 65, 17, 130]
+    key_cache, value_cache, block_table, seq_lens = make_paged_kv(lens, block_size, num_heads, head_dim, torch.float32)
+    query = torch.randn(len(lens), num_heads, head_dim, device=DEVICE)
+    table = torch.randn(num_heads, 129, device=DEVICE)
+    args = (query, key_cache, value_cache, block_table, seq_lens)
+    out = paged_decode(*args, bias_table=table, max_seq_len=200, config=config)
+    assert rel_err(out, decode_reference(*args, bias_table=table)) < TOLERANCE[torch.float32]
+
+
 def test_paged_decode_max_seq_len_hint():
     lens = [3, 33]
     key_cache, value_cache, block_table, seq_lens = make_paged_kv(lens, 2, 2, 16, torch.float32, extra_cols=20)
@@ -861,6 +877,7 @@ def test_gpu_paged_decode_prefetch_and_fused_combine(head_dim):
             DecodeConfig(64, 4, 1, 32, prefetch="table"),
             DecodeConfig(64, 4, 3, 16, fused_combine=True, prefetch="async"),
             DecodeConfig(128, 8, 2, 1, prefetch="async"),
+            DecodeConfig(32, 1, 2, 1, prefetch="async"),  # many short rows' default
         ):
             out = paged_decode(*args, bias_table=table, config=config)
             assert rel_err(out, ref) < TOLERANCE[dtype], config
