@@ -95,10 +95,10 @@ def decode_config(batch: int, num_heads: int, head_dim: int, max_keys: int, num_
       new batch size compiles no decode kernel.
     - Many pairs (4+ programs per SM: a batch-64 decode step, BatchGenerator's hundreds of
       rows): bandwidth; 8K-element tiles (128 keys at d64, 64 at d128) on 4 warps. At d64 the
-      loads go through shared memory ("async"), 2 deep (the figures are at the rule); over
-      <= 256 keys 32-key tiles on one warp, 2 deep; at d128 3 deep up to 1024 keys, and 2
-      splits of 1024 keys
-      past that (65% vs 62% of copy bandwidth), so a split holds at most 128K K elements.
+      loads go through shared memory ("async"), 2 deep, and over <= 256 keys on 32-key tiles
+      of one warp (the figures are at the rule); at d128 3 deep up to 1024 keys, and 2 splits
+      of 1024 keys past that (65% vs 62% of copy bandwidth), so a split holds at most 128K K
+      elements.
     - Few rows over long keys (1 x 16384): splits up to _PROGRAMS_PER_SM programs per SM,
       never below _MIN_KEYS_PER_SPLIT keys, with 4K-element tiles (d128 best: 32 keys, 4 warps,
       32 splits); at d64 twice those splits on one-warp 32-key tiles, pipelined ("async").
@@ -124,9 +124,9 @@ def decode_config(batch: int, num_heads: int, head_dim: int, max_keys: int, num_
     many_rows = splits == 1 and programs >= _PROGRAMS_PER_SM * num_sms
     if many_rows and padded_d <= 64 and (max_keys <= 1024 or programs >= 2 * _PROGRAMS_PER_SM * num_sms):
         # H200 (benchmarks/tune_mixed_decode.py --configs depths, 2026-12-03, code 4d94b74), many
-        # rows at d64: 128-key tiles on 4 warps through Triton's async-copy pipeline, 2 deep (1
-        # deep, a plain loop, over <= 256 keys), against 3 deep or the register prefetch ("tile"),
-        # per call in a graph: 40 / 64 / 128 x 512 cross 26.6 / 41.7 / 75.9 µs vs 33.1 / 45.2 /
+        # rows at d64: 128-key tiles on 4 warps through Triton's async-copy pipeline, 2 deep (over
+        # <= 256 keys that sweep chose 1 deep; see below), against 3 deep or the register
+        # prefetch ("tile"), per call in a graph: 40 / 64 / 128 x 512 cross 26.6 / 41.7 / 75.9 µs vs 33.1 / 45.2 /
         # 80.7 (3 deep); BatchGenerator's mixed rows (20-1,868 keys, longest first) at 512 / 256
         # rows 164.5 / 85.8 vs 195.5 / 99.5 (tile); self-attention's 1-200-key mix with the bias
         # table at 512 / 64 rows 76.2 / 12.2 (1 deep) vs 119.1 / 18.6 (3 deep). Past 1,024 keys
