@@ -360,6 +360,12 @@ def test_tune_mixed_decode_shares_a_source_table_across_beams_in_either_layout(t
     # the beams case also times the grouped kernel (a source's keys read once for its beams)
     assert {r["config"] for r in rows if r["kind"] == "beams"} == {"default", "grouped default"}
     assert {r["config"] for r in rows if r["kind"] == "uniform"} == {"default"}
+    # --configs tiles: the default and the async loop's tile / warp / depth grid, each checked
+    tmd.main(["--quick", "--configs", "tiles", "--kinds", "self", "--rows", "3", "--orders", "random",
+              "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "mixed-decode.json").read_text())["rows"]
+    assert len(rows) == 15 and {r["knobs"]["prefetch"] for r in rows[2:]} == {"async"}
+    assert {r["knobs"]["block_n"] for r in rows} >= {32, 64, 128, 256} and max(r["rel_err"] for r in rows) < 1e-5
     with pytest.raises(SystemExit, match="--layouts"):
         tmd.main(["--quick", "--layouts", "slot-major,column-major", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="SOURCESxBEAMSxKEYS"):
