@@ -506,6 +506,13 @@ PREFILL_SHAPES = [
     dict(name="4x512", batch=4, length=512, head_dim=64),
     dict(name="4x77", batch=4, length=77, head_dim=64),
 ]
+# Run only when named in --shapes: lengths between 1K and 4K, where one configuration serves
+# every input of a long-tailed batch job
+EXTRA_PREFILL_SHAPES = [
+    dict(name="8x1024", batch=8, length=1024, head_dim=64),
+    dict(name="2x1536", batch=2, length=1536, head_dim=64),
+    dict(name="1x4096", batch=1, length=4096, head_dim=64),
+]
 QUICK_PREFILL_SHAPES = [dict(name="2x40", batch=2, length=40, head_dim=16)]
 
 
@@ -584,7 +591,8 @@ def main(argv=None) -> None:
     parser.add_argument("--budget", type=float, default=140.0, help="seconds for the sweeps (baselines run anyway)")
     parser.add_argument("--only", choices=("decode", "prefill"), default=None)
     parser.add_argument("--quick", action="store_true", help="tiny shapes, to check the script (CPU ok)")
-    parser.add_argument("--shapes", default=None, help="comma-separated shape names to run (default: all)")
+    parser.add_argument("--shapes", default=None,
+                        help="comma-separated shape names to run (default: all; prefill also 8x1024, 2x1536, 1x4096)")
     parser.add_argument(
         "--jobs", type=int, default=min(8, max(1, (os.cpu_count() or 2) - 2)),
         help="compile worker processes (0: compile in this process, one config at a time)",
@@ -603,7 +611,7 @@ def main(argv=None) -> None:
     if args.shapes:
         wanted = set(args.shapes.split(","))
         decode_shapes = [s for s in decode_shapes if s["name"] in wanted]
-        prefill_shapes = [s for s in prefill_shapes if s["name"] in wanted]
+        prefill_shapes = [s for s in prefill_shapes + EXTRA_PREFILL_SHAPES if s["name"] in wanted]
     # Decode gets ~50% of the budget, prefill the rest (its kernels are bigger to compile).
     decode_clock = Clock(args.budget * (0.5 if args.only is None else 1.0))
     result = {
