@@ -210,8 +210,8 @@ class PrefillConfig:
         _check_tiles(self, ("block_m", "block_n"))
 
 
-# The sequence lengths past which `prefill_config` picks another configuration (head_dim <= 64).
-PREFILL_LENGTH_STEPS = (1024, 4096)
+# The sequence length past which `prefill_config` picks another configuration (head_dim <= 64).
+PREFILL_LENGTH_STEPS = (4096,)
 
 
 def prefill_lengths(head_dim: int, dtype: torch.dtype, longest: int) -> list[int]:
@@ -229,13 +229,15 @@ def prefill_config(head_dim: int, dtype: torch.dtype, max_seqlen: int) -> Prefil
     """Default knobs on a GPU, from the H200 sweep (bf16, 16 heads x 64, bidirectional table).
 
     head_dim <= 64, constant-bias ranges outside the distance band and prebuilt band tiles
-    inside it: 64 x 32 tiles on 4 warps, 3 stages, up to 1024 tokens; 128 x 32 on 8 warps to
-    4096; past that 64 x 64 tiles with the widened table (`toeplitz`), where the band is a
-    sliver. H200, 2026-11-29 (`benchmarks/tune_kernels.py`, results/2026-11-29-h200/tune-prefill.log),
-    16 heads, table to max_distance 128: 16 x 512 0.082 ms, 32 x 512 0.151, 4 x 2048 0.248,
-    1 x 8192 0.802 (SDPA with the materialized bias: 0.090, 0.168, 0.284, 1.12; plain 64 x 64
-    tiles with the gathered bias: 0.200, 0.388, 0.303, 0.802). Larger heads:
-    128 x 32 tiles on 8 warps, 3 stages.
+    inside it: 64 x 32 tiles on 4 warps, 3 stages, up to 4096 tokens; past that 64 x 64 tiles
+    with the widened table (`toeplitz`), where the band is a sliver. H200, 2026-11-29
+    (`benchmarks/tune_kernels.py`, results/2026-11-29-h200/tune-prefill.log), 16 heads, table to
+    max_distance 128: 16 x 512 0.082 ms, 32 x 512 0.151, 1 x 8192 0.802 (SDPA with the
+    materialized bias: 0.090, 0.168, 1.12; plain 64 x 64 tiles with the gathered bias: 0.200,
+    0.388, 0.802). One configuration from 1 to 4096 tokens: a batch job of inputs up to 4096
+    tokens (or a process's calls) compiles one prefill binary, the longest compile of a cold
+    job (1.2-1.6 s), not two (`docs/performance.md`, "One prefill binary up to 4,096 tokens").
+    Larger heads: 128 x 32 tiles on 8 warps, 3 stages.
     """
     if dtype == torch.float32:
         # IEEE fp32 dots run on FMA units with operands in registers: smaller tiles, one loop.
@@ -243,8 +245,6 @@ def prefill_config(head_dim: int, dtype: torch.dtype, max_seqlen: int) -> Prefil
     if head_dim <= 64:
         if max_seqlen <= PREFILL_LENGTH_STEPS[0]:
             return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=3, band_tiles=True)
-        if max_seqlen <= PREFILL_LENGTH_STEPS[1]:
-            return PrefillConfig(block_m=128, block_n=32, num_warps=8, num_stages=3, band_tiles=True)
         return PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=2, toeplitz=True)
     if head_dim <= 128:
         return PrefillConfig(block_m=128, block_n=32, num_warps=8, num_stages=3)
