@@ -236,7 +236,11 @@ def prefill_config(head_dim: int, dtype: torch.dtype, max_seqlen: int) -> Prefil
     materialized bias: 0.090, 0.168, 1.12; plain 64 x 64 tiles with the gathered bias: 0.200,
     0.388, 0.802). One configuration from 1 to 4096 tokens: a batch job of inputs up to 4096
     tokens (or a process's calls) compiles one prefill binary, the longest compile of a cold
-    job (1.2-1.6 s), not two (`docs/performance.md`, "One prefill binary up to 4,096 tokens").
+    job (1.5-2.2 s), not two. H200, 2026-12-06 (`tune_kernels.py --only prefill --shapes
+    8x1024,2x1536,4x2048,1x4096`, results/2026-12-06-h200/one-prefill/): 0.135 / 0.132 / 0.235 /
+    0.226 ms against 0.141 / 0.086 / 0.246 / 0.238 for 128 x 32 tiles on 8 warps (in a CUDA
+    graph 2 x 1536: 0.076 against the sweep's best, 0.081); a cold default batch job's pass
+    0.44-0.70 s shorter (`docs/performance.md`, "One prefill binary up to 4,096 tokens").
     Larger heads: 128 x 32 tiles on 8 warps, 3 stages.
     """
     if dtype == torch.float32:
