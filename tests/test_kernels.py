@@ -573,9 +573,9 @@ def test_prefill_bucket_layout_gives_the_lone_rows(n):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_prefill_band_tiles(block_m, block_n, dtype):
     """Prebuilt band tiles in every tile range, a ragged tail tile left of, in and right of the
-    band (lengths vs max_distance 7 and 20). Where they apply (block_m a multiple of block_n)
-    the bias values are the gather's, so the output equals the gathering kernel's bit for bit;
-    elsewhere the flag is ignored."""
+    band (lengths vs max_distance 7 and 20), split into three loops or in one (`one_loop`). Where
+    they apply (block_m a multiple of block_n) the bias values are the gather's, so the output
+    equals the gathering kernel's bit for bit; elsewhere the flags are ignored."""
     num_heads, head_dim = 2, 16
     lens = [1, block_n - 1, block_n + 1, 2 * block_m + 3, 3 * block_m + block_n + 5, 100]
     query, key, value, cu_seqlens = packed(lens, num_heads, head_dim, dtype, seed=7)
@@ -587,7 +587,9 @@ def test_prefill_band_tiles(block_m, block_n, dtype):
         out = prefill(**args, config=dataclasses.replace(gather, band_tiles=True))
         ref = prefill_reference(query, key, value, cu_seqlens, max(lens), scale=0.3, bias_table=table)
         assert rel_err(out, ref) < TOLERANCE[dtype]
-        assert torch.equal(out, prefill(**args, config=gather))
+        want = prefill(**args, config=gather)
+        assert torch.equal(out, want)
+        assert torch.equal(prefill(**args, config=dataclasses.replace(gather, band_tiles=True, one_loop=True)), want)
 
 
 @pytest.mark.parametrize("max_distance, block_m, block_n", [(7, 16, 16), (128, 64, 64), (128, 128, 32), (0, 32, 16)])
@@ -856,7 +858,8 @@ def test_gpu_prefill_toeplitz_configs(head_dim, causal):
     default = prefill_config(head_dim, dtype, max(lens))
     for config in (dataclasses.replace(default, toeplitz=True), PrefillConfig(128, 64, 8, 2, toeplitz=True),
                    dataclasses.replace(default, band_tiles=True), PrefillConfig(128, 32, 8, 3, band_tiles=True),
-                   PrefillConfig(64, 64, 4, 2, band_tiles=True, toeplitz=True)):
+                   PrefillConfig(64, 64, 4, 2, band_tiles=True, toeplitz=True),
+                   dataclasses.replace(default, band_tiles=True, one_loop=True)):
         out = prefill(*args, causal=causal, bias_table=table, config=config)
         assert rel_err(out, ref) < TOLERANCE[dtype], config
 

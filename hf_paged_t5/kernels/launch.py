@@ -195,6 +195,10 @@ class PrefillConfig:
         ~(2 * max_distance / block_n + 2) tiles, no O(L) term) so a band tile loads its bias
         like a dense tile, coalesced, instead of gathering per element; wins over `toeplitz`
         where it applies
+    one_loop: with band_tiles, the two constant tiles either side of the band are prebuilt too,
+        and every whole key tile loads its bias tile (the offset clamped into the set) in one
+        loop: two copies of the tile step in the binary instead of six, so it compiles faster,
+        at the cost of a bias tile load (from L2) where the split adds one scalar
     """
 
     block_m: int
@@ -205,6 +209,7 @@ class PrefillConfig:
     band_split: bool = True
     toeplitz: bool = False
     band_tiles: bool = False
+    one_loop: bool = False
 
     def __post_init__(self) -> None:
         _check_tiles(self, ("block_m", "block_n"))

@@ -225,6 +225,7 @@ def _prefill_kernel(
     BAND_SPLIT: tl.constexpr,
     TOEPLITZ: tl.constexpr,
     BAND_TILES: tl.constexpr,
+    ONE_LOOP: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
     q_start = tl.program_id(0) * BLOCK_M
@@ -276,7 +277,18 @@ def _prefill_kernel(
         full_end = (seq_len // BLOCK_N) * BLOCK_N
         if CAUSAL:
             full_end = tl.minimum(full_end, (q_start // BLOCK_N) * BLOCK_N)
-        if BIAS_MODE == 1 and not CAUSAL and BAND_SPLIT:
+        if BAND_TILES and ONE_LOOP:
+            # Every whole tile loads its prebuilt bias tile, the offset clamped into the set
+            # (whose first and last tiles are the constant ones either side of the band): one
+            # copy of the tile step where the split below has three.
+            for k_start in tl.range(0, full_end, BLOCK_N, num_stages=NUM_STAGES):
+                band_index = tl.minimum(tl.maximum(k_start - q_start - band_first, 0) // BLOCK_N, band_count - 1)
+                acc, l_i, m_i = _attend_tile(
+                    acc, l_i, m_i, q, k_base, v_base, k_start, 0.0, *tile_args, *bias_args,
+                    band_head + band_index * (BLOCK_M * BLOCK_N),
+                    CAUSAL, 4, False, TOEPLITZ, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_D, INPUT_PRECISION,
+                )  # fmt: skip
+        elif BIAS_MODE == 1 and not CAUSAL and BAND_SPLIT:
             # Far from the diagonal every distance clamps to the table's first (keys before
             # the queries) or last entry: only the ~2 * max_distance keys around it gather.
             # A tile is left of that band when k_start + BLOCK_N - 1 - q_start <= -max_distance,
@@ -314,7 +326,15 @@ def _prefill_kernel(
                 )  # fmt: skip
         tail_start = full_end
     # The ragged end (the last partial tile; with CAUSAL the diagonal), or every key.
-    if BAND_TILES:
+    if BAND_TILES and ONE_LOOP:
+        for k_start in range(tail_start, kv_end, BLOCK_N):  # at most one tile
+            band_index = tl.minimum(tl.maximum(k_start - q_start - band_first, 0) // BLOCK_N, band_count - 1)
+            acc, l_i, m_i = _attend_tile(
+                acc, l_i, m_i, q, k_base, v_base, k_start, 0.0, *tile_args, *bias_args,
+                band_head + band_index * (BLOCK_M * BLOCK_N),
+                CAUSAL, 4, True, TOEPLITZ, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_D, INPUT_PRECISION,
+            )  # fmt: skip
+    elif BAND_TILES:
         # At most one tile (tail_start is the last whole tile's end): left of, in or right of the band.
         for k_start in range(tail_start, kv_end, BLOCK_N):
             offset = k_start - q_start
@@ -468,6 +488,8 @@ def prefill(
     band, band_first, band_count = bias, 0, 0  # unused placeholders without band tiles
     if band_tiles:
         band_first, band_count = band_range(max_distance, config.block_m, config.block_n)
+        if config.one_loop:  # the constant tiles either side of the band join the set
+            band_first, band_count = band_first - config.block_n, band_count + 2
         band = _cached_band_tiles(bias_table, band_memo, max_distance, band_first, band_count, config.block_m, config.block_n)
     # fp32 callers expect fp32 matmuls (HF parity); TF32 would cost ~3 decimal digits.
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
@@ -481,7 +503,7 @@ def prefill(
         CAUSAL=bool(causal), BIAS_MODE=bias_mode, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_D=block_d(head_dim), EVEN_D=block_d(head_dim) == head_dim, NUM_STAGES=config.num_stages,
         TILE_RANGES=config.tile_ranges, BAND_SPLIT=config.band_split, TOEPLITZ=toeplitz, BAND_TILES=band_tiles,
-        INPUT_PRECISION=precision,
+        ONE_LOOP=band_tiles and config.one_loop, INPUT_PRECISION=precision,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out
