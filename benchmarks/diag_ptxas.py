@@ -7,7 +7,13 @@ whether the programmatic-dependent-launch instructions are there. Each row is on
 configuration the package picks (`kernels.linear`, `kernels.gemv`, `kernels.decode`,
 `kernels.rmsnorm`) at the t5-large / flan-t5-xl decode shapes.
 
-    python benchmarks/diag_ptxas.py [--arch 90]
+    python benchmarks/diag_ptxas.py [--arch 90] [--prefill]
+
+`--prefill` reports the encoder's prefill kernel instead (bf16, 64-wide heads, T5's bidirectional
+table): the default configuration with its band split into three loops, the same with one loop
+(`PrefillConfig.one_loop`), 128 x 32 tiles on 8 warps, and the gathered bias without the split.
+Every row also gives the seconds its compile took here (`TRITON_ALWAYS_COMPILE`: no cache hits):
+the prefill binary is the longest compile of a cold process's first call.
 
 To read what the GPU machine's Triton makes (another version than this machine's), install that
 version's wheel into a folder of its own and put it first on the path, e.g.
@@ -22,6 +28,7 @@ import importlib
 import os
 import subprocess
 import tempfile
+import time
 
 import common  # benchmarks/ is on sys.path (the scripts' import rule)
 
@@ -114,22 +121,50 @@ def cases() -> list[tuple]:
     return out
 
 
+def prefill_cases() -> list[tuple]:
+    """The encoder's prefill launches (bf16, head_dim 64, bidirectional table), as `cases`."""
+    from hf_paged_t5.kernels.prefill import PrefillConfig
+
+    prefill = importlib.import_module("hf_paged_t5.kernels.prefill")
+    types = dict(scale="fp32", cu_seqlens_ptr="*i32", wide_ptr="*fp32")
+    # the table [heads, 2 * 128 + 1] has rows of 257 (not 16-divisible); a key stride of 1
+    unaligned = frozenset({"stride_bias_head", "stride_bias_key"})
+    out = []
+    for label, config in (
+        ("prefill 64x32, band tiles in three loops (default)", PrefillConfig(64, 32, 4, 3, band_tiles=True)),
+        ("prefill 64x32, band tiles in one loop", PrefillConfig(64, 32, 4, 3, band_tiles=True, one_loop=True)),
+        ("prefill 128x32, band tiles in three loops", PrefillConfig(128, 32, 8, 3, band_tiles=True)),
+        ("prefill 64x32, gathered bias, no band split", PrefillConfig(64, 32, 4, 3, band_split=False)),
+    ):
+        band_tiles = config.band_tiles and config.tile_ranges and config.band_split
+        const = dict(CAUSAL=False, BIAS_MODE=1, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=64,
+                     EVEN_D=True, NUM_STAGES=config.num_stages, TILE_RANGES=config.tile_ranges,
+                     BAND_SPLIT=config.band_split, TOEPLITZ=False, BAND_TILES=band_tiles,
+                     ONE_LOOP=band_tiles and config.one_loop, INPUT_PRECISION="tf32")
+        out.append((label, prefill._prefill_kernel, const, types, config.num_warps, False, unaligned,
+                    config.num_stages))
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", type=int, default=90, help="compute capability to compile for (90: Hopper)")
+    ap.add_argument("--prefill", action="store_true", help="the encoder's prefill kernel instead of the step's")
     args = ap.parse_args(argv)
+    os.environ["TRITON_ALWAYS_COMPILE"] = "1"  # each row's compile timed in full, no cache hit
     rows = []
-    for label, kernel, const, types, warps, pdl, unaligned, stages in cases():
+    for label, kernel, const, types, warps, pdl, unaligned, stages in (prefill_cases() if args.prefill else cases()):
+        start = time.perf_counter()
         try:
-            rows.append(dict(kernel=label, warps=warps,
-                             **compile_report(kernel, const, types, warps, args.arch, pdl, unaligned, stages)))
+            report = compile_report(kernel, const, types, warps, args.arch, pdl, unaligned, stages)
+            rows.append(dict(kernel=label, warps=warps, compile_s=round(time.perf_counter() - start, 2), **report))
         except Exception as exc:  # a configuration that does not compile is reported, not fatal
             rows.append(dict(kernel=label, warps=warps, error=f"{type(exc).__name__}: {str(exc)[-300:]}"))
     common.print_table(
-        ["kernel", "warps", "registers", "stack", "spill loads", "spill stores", "PDL instr.", "error"],
+        ["kernel", "warps", "registers", "stack", "spill loads", "spill stores", "PDL instr.", "compile s", "error"],
         ([r["kernel"], r["warps"], r.get("registers"), r.get("stack"), r.get("spill_loads"), r.get("spill_stores"),
-          r.get("pdl_instructions"), r.get("error", "")] for r in rows),
-        title=f"sm_{args.arch}: the decode step's kernels as the package launches them")
+          r.get("pdl_instructions"), r.get("compile_s"), r.get("error", "")] for r in rows),
+        title=f"sm_{args.arch}: the {'prefill' if args.prefill else 'decode step'}'s kernels as the package launches them")
 
 
 if __name__ == "__main__":

@@ -407,6 +407,10 @@ PREFILL_FIRST_PASS = [
     PrefillConfig(128, 64, 4, 2, band_tiles=True),
     PrefillConfig(128, 128, 8, 2, band_tiles=True),
     PrefillConfig(64, 64, 4, 2, band_tiles=True, toeplitz=True),
+    # One loop over every whole tile, the constant tiles prebuilt too (half the compile time)
+    PrefillConfig(64, 32, 4, 2, band_tiles=True, one_loop=True),
+    PrefillConfig(64, 32, 4, 3, band_tiles=True, one_loop=True),
+    PrefillConfig(128, 32, 8, 3, band_tiles=True, one_loop=True),
 ]
 QUICK_PREFILL = [
     PrefillConfig(16, 16, 4, 1),
