@@ -12,7 +12,8 @@ configuration the package picks (`kernels.linear`, `kernels.gemv`, `kernels.deco
 `--prefill` reports the encoder's prefill kernel instead (bf16, 64-wide heads, T5's bidirectional
 table): the default configuration with its band split into three loops, the same with one loop
 (`PrefillConfig.one_loop`), 128 x 32 tiles on 8 warps, and the gathered bias without the split.
-Every row also gives the seconds its compile took here (`TRITON_ALWAYS_COMPILE`: no cache hits):
+Every row also gives the seconds its compile took here (`TRITON_ALWAYS_COMPILE`: no cache hits;
+the median of `--repeats`, after one untimed compile that pays the process's one-time start-up):
 the prefill binary is the longest compile of a cold process's first call.
 
 To read what the GPU machine's Triton makes (another version than this machine's), install that
@@ -150,14 +151,23 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", type=int, default=90, help="compute capability to compile for (90: Hopper)")
     ap.add_argument("--prefill", action="store_true", help="the encoder's prefill kernel instead of the step's")
+    ap.add_argument("--repeats", type=int, default=1, help="compiles per row (the median's seconds are reported)")
     args = ap.parse_args(argv)
     os.environ["TRITON_ALWAYS_COMPILE"] = "1"  # each row's compile timed in full, no cache hit
+    todo = prefill_cases() if args.prefill else cases()
+    try:  # Triton's one-time start-up (its backends, ptxas's version) is not the first row's
+        compile_report(*todo[0][1:4], todo[0][4], args.arch, *todo[0][5:])
+    except Exception:
+        pass  # the row itself reports it
     rows = []
-    for label, kernel, const, types, warps, pdl, unaligned, stages in (prefill_cases() if args.prefill else cases()):
-        start = time.perf_counter()
+    for label, kernel, const, types, warps, pdl, unaligned, stages in todo:
         try:
-            report = compile_report(kernel, const, types, warps, args.arch, pdl, unaligned, stages)
-            rows.append(dict(kernel=label, warps=warps, compile_s=round(time.perf_counter() - start, 2), **report))
+            seconds = []
+            for _ in range(args.repeats):
+                start = time.perf_counter()
+                report = compile_report(kernel, const, types, warps, args.arch, pdl, unaligned, stages)
+                seconds.append(time.perf_counter() - start)
+            rows.append(dict(kernel=label, warps=warps, compile_s=round(common.median(seconds), 2), **report))
         except Exception as exc:  # a configuration that does not compile is reported, not fatal
             rows.append(dict(kernel=label, warps=warps, error=f"{type(exc).__name__}: {str(exc)[-300:]}"))
     common.print_table(
