@@ -417,6 +417,7 @@ QUICK_PREFILL = [
     PrefillConfig(32, 16, 4, 1, band_split=False),
     PrefillConfig(16, 32, 4, 2, toeplitz=True),
     PrefillConfig(32, 16, 4, 1, band_tiles=True),
+    PrefillConfig(32, 16, 4, 1, band_tiles=True, one_loop=True),
 ]
 
 
