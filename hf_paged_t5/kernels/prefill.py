@@ -80,6 +80,14 @@ def _band_tiles_kernel(
 
 
 @triton.jit
+def _clamped_band_tile(band_head, offset, band_first, band_count, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The prebuilt bias tile of a key tile at `offset` = k_start - q_start, clamped into the set
+    (`PrefillConfig.one_loop`: its first and last tiles are the constant ones either side of the band)."""
+    index = tl.minimum(tl.maximum(offset - band_first, 0) // BLOCK_N, band_count - 1)
+    return band_head + index * (BLOCK_M * BLOCK_N)
+
+
+@triton.jit
 def _attend_tile(
     acc,
     l_i,
@@ -282,10 +290,9 @@ def _prefill_kernel(
             # (whose first and last tiles are the constant ones either side of the band): one
             # copy of the tile step where the split below has three.
             for k_start in tl.range(0, full_end, BLOCK_N, num_stages=NUM_STAGES):
-                band_index = tl.minimum(tl.maximum(k_start - q_start - band_first, 0) // BLOCK_N, band_count - 1)
                 acc, l_i, m_i = _attend_tile(
                     acc, l_i, m_i, q, k_base, v_base, k_start, 0.0, *tile_args, *bias_args,
-                    band_head + band_index * (BLOCK_M * BLOCK_N),
+                    _clamped_band_tile(band_head, k_start - q_start, band_first, band_count, BLOCK_M, BLOCK_N),
                     CAUSAL, 4, False, TOEPLITZ, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_D, INPUT_PRECISION,
                 )  # fmt: skip
         elif BIAS_MODE == 1 and not CAUSAL and BAND_SPLIT:
@@ -328,10 +335,9 @@ def _prefill_kernel(
     # The ragged end (the last partial tile; with CAUSAL the diagonal), or every key.
     if BAND_TILES and ONE_LOOP:
         for k_start in range(tail_start, kv_end, BLOCK_N):  # at most one tile
-            band_index = tl.minimum(tl.maximum(k_start - q_start - band_first, 0) // BLOCK_N, band_count - 1)
             acc, l_i, m_i = _attend_tile(
                 acc, l_i, m_i, q, k_base, v_base, k_start, 0.0, *tile_args, *bias_args,
-                band_head + band_index * (BLOCK_M * BLOCK_N),
+                _clamped_band_tile(band_head, k_start - q_start, band_first, band_count, BLOCK_M, BLOCK_N),
                 CAUSAL, 4, True, TOEPLITZ, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_D, INPUT_PRECISION,
             )  # fmt: skip
     elif BAND_TILES:
