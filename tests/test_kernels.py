@@ -592,6 +592,24 @@ def test_prefill_band_tiles(block_m, block_n, dtype):
         assert torch.equal(prefill(**args, config=dataclasses.replace(gather, band_tiles=True, one_loop=True)), want)
 
 
+@pytest.mark.parametrize("head_dim, max_distance", [(24, 5), (16, 0), (16, 40)])
+def test_prefill_one_loop_at_awkward_sizes(head_dim, max_distance):
+    """`one_loop` with a head_dim that is not a power of two (masked dims), a table of one entry
+    per side (max_distance 0: every tile constant) and a band wider than every sequence: the
+    gathering kernel's bits, within the reference's tolerance."""
+    num_heads, dtype = 3, torch.float16
+    lens = [1, 15, 16, 17, 70, 33]
+    query, key, value, cu_seqlens = packed(lens, num_heads, head_dim, dtype, seed=11)
+    table = torch.randn(num_heads, 2 * max_distance + 1, device=DEVICE).to(dtype)
+    args = dict(query=query, key=key, value=value, cu_seqlens=cu_seqlens, max_seqlen=max(lens), scale=0.25,
+                bias_table=table)
+    gather = PrefillConfig(32, 16, 4, 2)
+    out = prefill(**args, config=dataclasses.replace(gather, band_tiles=True, one_loop=True))
+    assert torch.equal(out, prefill(**args, config=gather))
+    ref = prefill_reference(query, key, value, cu_seqlens, max(lens), scale=0.25, bias_table=table)
+    assert rel_err(out, ref) < TOLERANCE[dtype]
+
+
 @pytest.mark.parametrize("max_distance, block_m, block_n", [(7, 16, 16), (128, 64, 64), (128, 128, 32), (0, 32, 16)])
 def test_prefill_band_tiles_layout(max_distance, block_m, block_n):
     """[h, i, r, c] is head h's bias at distance first + i * block_n + c - r (clamped), and the tiles
