@@ -192,13 +192,15 @@ class PrefillConfig:
     band_tiles: with band_split and the bidirectional table (block_m a multiple of block_n),
         build every bias tile the band can hold first (one small launch; a tile's bias depends
         only on k_start - q_start: [num_heads, tiles, block_m, block_n] in the table's dtype,
-        ~(2 * max_distance / block_n + 2) tiles, no O(L) term) so a band tile loads its bias
-        like a dense tile, coalesced, instead of gathering per element; wins over `toeplitz`
-        where it applies
-    one_loop: with band_tiles, the two constant tiles either side of the band are prebuilt too,
-        and every whole key tile loads its bias tile (the offset clamped into the set) in one
-        loop: two copies of the tile step in the binary instead of six, so it compiles faster,
-        at the cost of a bias tile load (from L2) where the split adds one scalar
+        ~(2 * max_distance / block_n + 4) tiles with the constant one either side, no O(L)
+        term) so a band tile loads its bias like a dense tile, coalesced, instead of gathering
+        per element; the ragged end loads its tile from the set too, wherever it falls (one
+        masked copy of the tile step: a quarter less to compile); wins over `toeplitz` where
+        it applies
+    one_loop: with band_tiles, every whole key tile loads its bias tile (the offset clamped
+        into the set) in one loop: two copies of the tile step in the binary instead of four, so
+        it compiles faster, at the cost of a bias tile load (from L2) where the split adds one
+        scalar (13-18% slower at 1,024-4,096 tokens on an H100)
     """
 
     block_m: int

@@ -13,8 +13,10 @@ next three), so a gathering tile loads its bias at k - q as 16-byte vectors with
 no scaling: a Toeplitz tile whose offsets are the same in every tile. With
 `PrefillConfig.band_tiles` (bidirectional table) it instead builds every bias tile the band
 can hold (`_band_tiles_kernel`: a tile's bias depends only on k_start - q_start, so there are
-~2 * max_distance / block_n + 2 of them per head), and a band tile loads its bias as one
-dense, coalesced tile. Launch knobs are a `PrefillConfig`, picked by `prefill_config`.
+~2 * max_distance / block_n + 2 of them per head, and one constant tile either side), and a
+band tile loads its bias as one dense, coalesced tile; the ragged end, wherever it falls, loads
+its tile from that set (one masked copy of the tile step instead of one per place). Launch
+knobs are a `PrefillConfig`, picked by `prefill_config`.
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ def _band_tiles_kernel(
 @triton.jit
 def _clamped_band_tile(band_head, offset, band_first, band_count, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The prebuilt bias tile of a key tile at `offset` = k_start - q_start, clamped into the set
-    (`PrefillConfig.one_loop`: its first and last tiles are the constant ones either side of the band)."""
+    (its first and last tiles are the constant ones either side of the band)."""
     index = tl.minimum(tl.maximum(offset - band_first, 0) // BLOCK_N, band_count - 1)
     return band_head + index * (BLOCK_M * BLOCK_N)
 
@@ -333,33 +335,17 @@ def _prefill_kernel(
                 )  # fmt: skip
         tail_start = full_end
     # The ragged end (the last partial tile; with CAUSAL the diagonal), or every key.
-    if BAND_TILES and ONE_LOOP:
-        for k_start in range(tail_start, kv_end, BLOCK_N):  # at most one tile
+    if BAND_TILES:
+        # At most one tile (tail_start is the last whole tile's end), left of, in or right of the
+        # band: its prebuilt bias tile, the offset clamped into the set (whose first and last
+        # tiles are the constant ones either side of the band), so the binary holds one masked
+        # copy of the tile step, not three.
+        for k_start in range(tail_start, kv_end, BLOCK_N):
             acc, l_i, m_i = _attend_tile(
                 acc, l_i, m_i, q, k_base, v_base, k_start, 0.0, *tile_args, *bias_args,
                 _clamped_band_tile(band_head, k_start - q_start, band_first, band_count, BLOCK_M, BLOCK_N),
                 CAUSAL, 4, True, TOEPLITZ, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_D, INPUT_PRECISION,
             )  # fmt: skip
-    elif BAND_TILES:
-        # At most one tile (tail_start is the last whole tile's end): left of, in or right of the band.
-        for k_start in range(tail_start, kv_end, BLOCK_N):
-            offset = k_start - q_start
-            if offset < band_first:
-                acc, l_i, m_i = _attend_tile(
-                    acc, l_i, m_i, q, k_base, v_base, k_start, left_bias, *tile_args, *bias_args, band_head,
-                    CAUSAL, 3, True, TOEPLITZ, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_D, INPUT_PRECISION,
-                )  # fmt: skip
-            elif offset >= band_first + band_count * BLOCK_N:
-                acc, l_i, m_i = _attend_tile(
-                    acc, l_i, m_i, q, k_base, v_base, k_start, right_bias, *tile_args, *bias_args, band_head,
-                    CAUSAL, 3, True, TOEPLITZ, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_D, INPUT_PRECISION,
-                )  # fmt: skip
-            else:
-                band_tile = band_head + ((offset - band_first) // BLOCK_N) * (BLOCK_M * BLOCK_N)
-                acc, l_i, m_i = _attend_tile(
-                    acc, l_i, m_i, q, k_base, v_base, k_start, 0.0, *tile_args, *bias_args, band_tile,
-                    CAUSAL, 4, True, TOEPLITZ, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_D, INPUT_PRECISION,
-                )  # fmt: skip
     else:
         for k_start in tl.range(tail_start, kv_end, BLOCK_N, num_stages=NUM_STAGES):
             acc, l_i, m_i = _attend_tile(
@@ -494,8 +480,7 @@ def prefill(
     band, band_first, band_count = bias, 0, 0  # unused placeholders without band tiles
     if band_tiles:
         band_first, band_count = band_range(max_distance, config.block_m, config.block_n)
-        if config.one_loop:  # the constant tiles either side of the band join the set
-            band_first, band_count = band_first - config.block_n, band_count + 2
+        band_first, band_count = band_first - config.block_n, band_count + 2  # and the constant tile either side
         band = _cached_band_tiles(bias_table, band_memo, max_distance, band_first, band_count, config.block_m, config.block_n)
     # fp32 callers expect fp32 matmuls (HF parity); TF32 would cost ~3 decimal digits.
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
