@@ -37,3 +37,22 @@ def test_tables_equal_hf_bias_past_max_distance(family, buckets, max_distance):
             assert torch.equal(expand(table, length, True)[:, keep], hf[:, keep])
         else:
             assert torch.equal(expand(table, length, False), hf)
+
+
+@pytest.mark.parametrize("family, distinct", [("t5", 1), ("umt5", 3)])
+def test_cache_builds_each_layer_modules_table_once(family, distinct):
+    """T5's layers share the first layer's bias module: `BiasTableCache.get` builds its table once
+    for the whole stack (and one per layer where each has its own, UMT5), every layer's entry the
+    one HF would use."""
+    model = make_model(family, num_layers=3, num_decoder_layers=3)
+    built = []
+    real = bias_mod.bidirectional_bias_table
+    cache = bias_mod.BiasTableCache(lambda: None)
+    try:
+        bias_mod.bidirectional_bias_table = lambda m: built.append(m) or real(m)
+        tables = cache.get(model.encoder, causal=False)
+    finally:
+        bias_mod.bidirectional_bias_table = real
+    assert len(built) == distinct and len({id(t) for t in tables}) == distinct
+    for table, module in zip(tables, bias_mod.layer_bias_modules(model.encoder)):
+        assert torch.equal(table, real(module))

@@ -204,8 +204,12 @@ class BiasTableCache:
         by_module: dict[int, torch.Tensor] = {}
         # Normal tensors even inside torch.inference_mode: with a version counter, the prefill
         # kernel keeps what it derives from a table (its band tiles, in the layer's memo).
+        # (T5's layers share the first layer's module: its table is built once, not once per layer)
         with torch.inference_mode(False):
-            tables = [by_module.setdefault(id(m), build(m)) for m in modules]
+            for m in modules:
+                if id(m) not in by_module:
+                    by_module[id(m)] = build(m)
+        tables = [by_module[id(m)] for m in modules]
         memo_of: dict[int, dict] = {}
         memos = [memo_of.setdefault(id(m), {}) for m in modules]
         self._stacks[key] = _StackTables(_stamp(weights), _flat_copy(weights), tables, weights, memos)
