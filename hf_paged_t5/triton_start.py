@@ -1,13 +1,14 @@
 """Triton's one-time start-up of a process, begun on a thread as soon as it can be useful.
 
 Before its first compile in a process, Triton hashes its own sources and libraries for the cache
-key (0.8 s on an H200 machine) and builds its CUDA driver module with the C compiler (0.55 s with
-an empty cache). `start()` does both on a daemon thread when torch is already imported and sees a
-GPU (`torch.cuda.is_available()`, which starts CUDA's driver but makes no context), so they
-overlap what a user does next (loading the checkpoint, moving it to the GPU); the same thread
-launches the compile worker processes (`kernels/compile_workers.py`) first. `import hf_paged_t5`
-calls it, and so does `patch_model`. A process that imports hf_paged_t5 before torch (the CLI),
-runs without a GPU or under TRITON_INTERPRET=1 starts nothing at import.
+key (0.8 s on an H200 machine), builds its CUDA driver module with the C compiler (0.55 s with
+an empty cache) and imports its code generator. `start()` does these on a daemon thread when
+torch is already imported and sees a GPU (`torch.cuda.is_available()`, which starts CUDA's
+driver but makes no context), so they overlap what a user does next (loading the checkpoint,
+moving it to the GPU); the same thread launches the compile worker processes
+(`kernels/compile_workers.py`) first. `import hf_paged_t5` calls it, and so does `patch_model`.
+A process that imports hf_paged_t5 before torch (the CLI), runs without a GPU or under
+TRITON_INTERPRET=1 starts nothing at import.
 `HF_PAGED_T5_EARLY_TRITON=0` turns it off. `wait()` returns once it is done (the first compile
 ahead, `kernels/ahead.py`, is entered after it: two threads would hash twice).
 """
@@ -41,6 +42,10 @@ def _work() -> None:
 
         triton_key()  # lru-cached for the process
         triton.runtime.driver.active  # builds and loads the driver module (no CUDA context is made)
+        # The first compile's own import (Triton's code generator, which imports its Gluon
+        # frontend): 0.11 s of a cold batch job's compile-ahead pass on an H100 where the
+        # installed Triton's bytecode is not cached, holding the import lock other compiles wait on.
+        import triton.compiler.code_generator  # noqa: F401
     except Exception:  # noqa: BLE001 - start-up work only: the first compile does it again and raises
         return
 
