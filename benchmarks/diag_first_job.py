@@ -9,8 +9,9 @@ records a timeline in seconds from just before the generator is made: the KV poo
 (re)allocations, each `_compile_ahead` pass, each encoder chunk, the first decode steps, every
 Triton compile in this process (start and end; a binary a compile worker made is a cache hit
 here, milliseconds), every CUDA graph capture, and the first results; and a cProfile of the host
-from the generator's making to the first result (the functions with the most cumulative time).
-Writes DIR/first_job.json (default DIR: benchmarks/results/<date>-<gpu>/, with its env.json) and
+from the generator's making to the first result (the functions with the most cumulative time),
+or with `--profile-pass` of the first compile-ahead pass alone (Python 3.12's cProfile records
+every thread: the pass's compile threads too). Writes DIR/first_job.json (default DIR: benchmarks/results/<date>-<gpu>/, with its env.json) and
 prints the timeline.
 """
 
@@ -64,24 +65,27 @@ def worker(args) -> dict:
     common.hook_compiles_and_captures(
         lambda kernel, start, end: events.append(dict(what=f"triton compile {kernel}", start=start, end=end)),
         lambda start, end: events.append(dict(what="graph capture", start=start, end=end)))
+    profiler = cProfile.Profile()
     for owner, name, label in common.first_job_phases():
+        if args.profile_pass and name == "_compile_ahead":
+            _profile_first_call(owner, name, profiler)
         timed(owner, name, label, limit=args.steps if name == "_decode_step" else 1 << 30)
 
     model = common.make_model(args.shape, "sdpa", torch.bfloat16, "cuda")
     items = bench_batch.workload(args.num_inputs, model.config.vocab_size, seed=1, quick=False)
     hp.patch_model(model)
     torch.cuda.synchronize()
-    profiler = cProfile.Profile()
     results: list[float] = []
     with torch.inference_mode():
         made = time.perf_counter()
-        profiler.enable()
+        if not args.profile_pass:
+            profiler.enable()
         gen = hp.BatchGenerator(model)
         events.append(dict(what="BatchGenerator()", start=made, end=time.perf_counter()))
         requests = [hp.BatchRequest(ids, max_new_tokens=n, min_new_tokens=n) for ids, n in items]
         for _ in gen.as_completed(requests):
             results.append(time.perf_counter())
-            if len(results) == 1:
+            if len(results) == 1 and not args.profile_pass:
                 profiler.disable()
         torch.cuda.synchronize()
         done = time.perf_counter()
@@ -91,7 +95,25 @@ def worker(args) -> dict:
                 max_batch_tokens=gen.max_batch_tokens, max_batch_rows=gen.max_batch_rows,
                 job_s=done - made, first_result_s=results[0] - made,
                 results_at_s=[round(t - made, 4) for t in results[:10]],
-                timeline=timeline, host_profile_to_first_result=_top(profiler, args.profile_rows))
+                timeline=timeline, profile_span="the first compile-ahead pass" if args.profile_pass else
+                "generator made to first result", host_profile_to_first_result=_top(profiler, args.profile_rows))
+
+
+def _profile_first_call(owner, name: str, profiler) -> None:
+    """`profiler` on for the first call of `owner.name` only."""
+    real, seen = getattr(owner, name), []
+
+    def wrapper(*a, **kw):
+        if seen:
+            return real(*a, **kw)
+        seen.append(True)
+        profiler.enable()
+        try:
+            return real(*a, **kw)
+        finally:
+            profiler.disable()
+
+    setattr(owner, name, wrapper)
 
 
 def main(argv=None) -> None:
@@ -100,6 +122,8 @@ def main(argv=None) -> None:
     ap.add_argument("--num-inputs", type=int, default=2000)
     ap.add_argument("--steps", type=int, default=5, help="decode steps to put on the timeline")
     ap.add_argument("--profile-rows", type=int, default=40)
+    ap.add_argument("--profile-pass", action="store_true",
+                    help="profile the first compile-ahead pass alone, not the host up to the first result")
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -127,7 +151,7 @@ def main(argv=None) -> None:
     for e in report["timeline"]:
         if e["start_s"] <= report["first_result_s"] + 0.5:
             print(f"{e['start_s']:8.3f} {e['end_s']:8.3f} {e['end_s'] - e['start_s']:7.3f}  {e['what']}")
-    print("host, generator made to first result (cumulative s):")
+    print(f"host, {report['profile_span']} (cumulative s):")
     for row in report["host_profile_to_first_result"][:25]:
         print(f"  {row['cumulative_s']:7.3f} {row['calls']:6d}  {row['function']}")
 
