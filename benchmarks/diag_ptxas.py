@@ -12,8 +12,9 @@ configuration the package picks (`kernels.linear`, `kernels.gemv`, `kernels.deco
 `--prefill` reports the encoder's prefill kernel instead (bf16, 64-wide heads, T5's bidirectional
 table): the default configuration with its band split into three loops, the same with one loop
 (`PrefillConfig.one_loop`), 128 x 32 tiles on 8 warps, and the gathered bias without the split.
-Every row also gives the seconds its compile took here (`TRITON_ALWAYS_COMPILE`: no cache hits;
-the median of `--repeats`, after one untimed compile that pays the process's one-time start-up):
+Every row also gives the seconds `triton.compile` took here (`TRITON_ALWAYS_COMPILE`: no cache
+hits; not the `cuobjdump` reads after it; the median of `--repeats`, after one untimed compile
+that pays the process's one-time start-up):
 the prefill binary is the longest compile of a cold process's first call.
 
 To read what the GPU machine's Triton makes (another version than this machine's), install that
@@ -55,8 +56,10 @@ def compile_report(kernel, constexprs: dict, types: dict, num_warps: int, arch: 
              if signature[n].startswith("*") or (signature[n] == "i32" and n not in plain)}
     source = ASTSource(fn=kernel, signature=signature,
                        constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
+    start = time.perf_counter()
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
                               options=dict(num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl))
+    compile_s = time.perf_counter() - start  # the compile alone, not the cuobjdump reads below
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
@@ -69,7 +72,7 @@ def compile_report(kernel, constexprs: dict, types: dict, num_warps: int, arch: 
                   if ":" in item and item.split(":")[1].isdigit())
     return dict(registers=int(fields.get("REG", -1)), stack=int(fields.get("STACK", -1)),
                 spill_loads=sass.count("LDL"), spill_stores=sass.count("STL"),
-                pdl_instructions=compiled.asm["ptx"].count("griddepcontrol"))
+                pdl_instructions=compiled.asm["ptx"].count("griddepcontrol"), compile_s=compile_s)
 
 
 def cases() -> list[tuple]:
@@ -162,12 +165,10 @@ def main(argv=None) -> None:
     rows = []
     for label, kernel, const, types, warps, pdl, unaligned, stages in todo:
         try:
-            seconds = []
-            for _ in range(args.repeats):
-                start = time.perf_counter()
-                report = compile_report(kernel, const, types, warps, args.arch, pdl, unaligned, stages)
-                seconds.append(time.perf_counter() - start)
-            rows.append(dict(kernel=label, warps=warps, compile_s=round(common.median(seconds), 2), **report))
+            reports = [compile_report(kernel, const, types, warps, args.arch, pdl, unaligned, stages)
+                       for _ in range(max(args.repeats, 1))]
+            report = dict(reports[-1], compile_s=round(common.median([r["compile_s"] for r in reports]), 2))
+            rows.append(dict(kernel=label, warps=warps, **report))
         except Exception as exc:  # a configuration that does not compile is reported, not fatal
             rows.append(dict(kernel=label, warps=warps, error=f"{type(exc).__name__}: {str(exc)[-300:]}"))
     common.print_table(
