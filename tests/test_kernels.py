@@ -572,8 +572,9 @@ def test_prefill_bucket_layout_gives_the_lone_rows(n):
 @pytest.mark.parametrize("block_m, block_n", [(16, 16), (32, 16), (64, 16), (16, 32), (32, 32)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_prefill_band_tiles(block_m, block_n, dtype):
-    """Prebuilt band tiles in every tile range, a ragged tail tile left of, in and right of the
-    band (lengths vs max_distance 7 and 20), split into three loops or in one (`one_loop`). Where
+    """Prebuilt band tiles in every tile range, a ragged tail tile in and right of the band
+    (lengths vs max_distance 7 and 20; left of it only at max_distance 0, in the test below),
+    split into three loops or in one (`one_loop`). Where
     they apply (block_m a multiple of block_n) the bias values are the gather's, so the output
     equals the gathering kernel's bit for bit; elsewhere the flags are ignored."""
     num_heads, head_dim = 2, 16
@@ -594,9 +595,10 @@ def test_prefill_band_tiles(block_m, block_n, dtype):
 
 @pytest.mark.parametrize("head_dim, max_distance", [(24, 5), (16, 0), (16, 40)])
 def test_prefill_one_loop_at_awkward_sizes(head_dim, max_distance):
-    """`one_loop` with a head_dim that is not a power of two (masked dims), a table of one entry
-    per side (max_distance 0: every tile constant) and a band wider than every sequence: the
-    gathering kernel's bits, within the reference's tolerance."""
+    """Band tiles, split into three loops and in one (`one_loop`), with a head_dim that is not a
+    power of two (masked dims), a table of one entry per side (max_distance 0: every tile
+    constant, a ragged tail left of the band) and a band wider than every sequence: the gathering
+    kernel's bits, within the reference's tolerance."""
     num_heads, dtype = 3, torch.float16
     lens = [1, 15, 16, 17, 70, 33]
     query, key, value, cu_seqlens = packed(lens, num_heads, head_dim, dtype, seed=11)
@@ -604,10 +606,12 @@ def test_prefill_one_loop_at_awkward_sizes(head_dim, max_distance):
     args = dict(query=query, key=key, value=value, cu_seqlens=cu_seqlens, max_seqlen=max(lens), scale=0.25,
                 bias_table=table)
     gather = PrefillConfig(32, 16, 4, 2)
-    out = prefill(**args, config=dataclasses.replace(gather, band_tiles=True, one_loop=True))
-    assert torch.equal(out, prefill(**args, config=gather))
+    want = prefill(**args, config=gather)
     ref = prefill_reference(query, key, value, cu_seqlens, max(lens), scale=0.25, bias_table=table)
-    assert rel_err(out, ref) < TOLERANCE[dtype]
+    assert rel_err(want, ref) < TOLERANCE[dtype]
+    for one_loop in (False, True):
+        out = prefill(**args, config=dataclasses.replace(gather, band_tiles=True, one_loop=one_loop))
+        assert torch.equal(out, want), one_loop
 
 
 @pytest.mark.parametrize("max_distance, block_m, block_n", [(7, 16, 16), (128, 64, 64), (128, 128, 32), (0, 32, 16)])
