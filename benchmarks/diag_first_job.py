@@ -11,8 +11,8 @@ Triton compile in this process (start and end; a binary a compile worker made is
 here, milliseconds), every CUDA graph capture, and the first results; and a cProfile of the host
 from the generator's making to the first result (the functions with the most cumulative time),
 or with `--profile-pass` of the first compile-ahead pass alone (Python 3.12's cProfile records
-every thread: the pass's compile threads too). Writes DIR/first_job.json (default DIR: benchmarks/results/<date>-<gpu>/, with its env.json) and
-prints the timeline.
+every thread: the pass's compile threads too). Writes DIR/first_job.json (default DIR:
+benchmarks/results/<date>-<gpu>/, with its env.json) and prints the timeline.
 """
 
 from __future__ import annotations
