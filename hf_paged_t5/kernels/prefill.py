@@ -312,7 +312,8 @@ def _prefill_kernel(
                 )  # fmt: skip
             for k_start in tl.range(left_end, right_start, BLOCK_N, num_stages=NUM_STAGES):
                 if BAND_TILES:
-                    band_tile = band_head + ((k_start - q_start - band_first) // BLOCK_N) * (BLOCK_M * BLOCK_N)
+                    offset = k_start - q_start
+                    band_tile = _clamped_band_tile(band_head, offset, band_first, band_count, BLOCK_M, BLOCK_N)
                     acc, l_i, m_i = _attend_tile(
                         acc, l_i, m_i, q, k_base, v_base, k_start, 0.0, *tile_args, *bias_args, band_tile,
                         CAUSAL, 4, False, TOEPLITZ, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_D, INPUT_PRECISION,
