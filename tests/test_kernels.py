@@ -1192,3 +1192,99 @@ def test_grouped_decode_matches_the_reference_per_row(group, rows_cut, head_dim,
                        reference.paged_decode(query, key_cache, value_cache, block_table, seq_lens, 0.7))
     with pytest.raises(ValueError, match="group"):
         grouped_decode(query, key_cache, value_cache, block_table, seq_lens, 17)
+
+
+_NO_LIBDEVICE = r"""
+import re
+import triton
+import triton.backends.nvidia.compiler as nvidia
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import importlib
+decode, prefill, rmsnorm = (importlib.import_module(f"hf_paged_t5.kernels.{m}") for m in ("decode", "prefill", "rmsnorm"))
+
+links = []
+real_link = nvidia.llvm.link_extern_libs
+
+
+def link(module, paths):
+    links.append(sorted(set(re.findall(r"declare [^@]*@(__nv_\w+)", str(module)))))
+    real_link(module, paths)
+
+
+nvidia.llvm.link_extern_libs = link
+
+
+def compile_for_sm90(kernel, constexprs, types, warps, stages):
+    names = kernel.arg_names
+    signature = {n: "constexpr" if n in constexprs else types.get(n, "*bf16" if n.endswith("_ptr") else "i32")
+                 for n in names}
+    source = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+
+
+cases = [
+    ("rms_norm", "rsqrt.approx.ftz.f32", rmsnorm._rms_norm_kernel,
+     dict(HAS_RESIDUAL=True, HALF_WEIGHT=True, BLOCK=1024, PDL=True), dict(eps="fp32"), 4, 3),
+    ("paged_decode", "ex2.approx.ftz.f32", decode._paged_decode_kernel,
+     dict(BIAS_MODE=1, BLOCK_SIZE=16, BLOCK_N=128, BLOCK_D=64, MERGE_CHUNK=16, FUSED_COMBINE=True, PREFETCH=0,
+          NUM_STAGES=1, PDL=True, READY=1),
+     dict(scale="fp32", block_table_ptr="*i32", seq_lens_ptr="*i32", bias_ptr="*fp32", part_ptr="*fp32",
+          ticket_ptr="*i32"), 4, 1),
+    ("prefill", "ex2.approx.ftz.f32", prefill._prefill_kernel,
+     dict(CAUSAL=False, BIAS_MODE=1, BLOCK_M=64, BLOCK_N=32, BLOCK_D=64, EVEN_D=True, NUM_STAGES=3, TILE_RANGES=True,
+          BAND_SPLIT=True, TOEPLITZ=False, BAND_TILES=True, ONE_LOOP=False, INPUT_PRECISION="tf32"),
+     dict(scale="fp32", cu_seqlens_ptr="*i32", wide_ptr="*fp32"), 4, 3),
+]
+for name, instruction, kernel, constexprs, types, warps, stages in cases:
+    links.clear()
+    compiled = compile_for_sm90(kernel, constexprs, types, warps, stages)
+    print(name, "links", links, "has", instruction in compiled.asm["ptx"])
+"""
+
+
+def test_kernels_link_no_libdevice(tmp_path):
+    """`kernels.fast_math`: the prefill, decode-attention and RMSNorm kernels compiled for sm_90
+    (this machine's Triton and ptxas, no GPU) call no libdevice function, so their compiles skip
+    linking the library's bitcode, and their PTX holds the instruction Triton's `tl.exp2` /
+    `tl.math.rsqrt` become (`ex2.approx.ftz.f32`, `rsqrt.approx.ftz.f32`). Either kernel calling
+    Triton's own function again fails it."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    done = subprocess.run([sys.executable, "-c", _NO_LIBDEVICE], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines == [f"{name} links [] has True" for name in ("rms_norm", "paged_decode", "prefill")], done.stdout
+
+
+@gpu_test
+def test_gpu_fast_math_matches_triton():
+    """`fast_math.exp2` / `fast_math.rsqrt` give the bits of Triton's `tl.exp2` / `tl.math.rsqrt`
+    over float32's whole range: zeros, subnormals (flushed by both), the exp2 overflow and
+    underflow edges, infinities, NaN and 2^20 random values of every exponent."""
+    import triton.language as tl
+
+    from hf_paged_t5.kernels import fast_math
+
+    @triton.jit
+    def both(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + i, mask=i < n)
+        tl.store(out_ptr + i, fast_math.exp2(x), mask=i < n)
+        tl.store(out_ptr + n + i, tl.exp2(x), mask=i < n)
+        tl.store(out_ptr + 2 * n + i, fast_math.rsqrt(x), mask=i < n)
+        tl.store(out_ptr + 3 * n + i, tl.math.rsqrt(x), mask=i < n)
+
+    special = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1e-39, 1.17e-38, 1.0, -1.0, 127.99, 128.0, 128.5,
+                            -125.9, -126.0, -149.0, -150.5, 3.4e38, float("inf"), -float("inf"), float("nan")])
+    bits = torch.randint(0, 2**31 - 1, (1 << 20,), dtype=torch.int32).view(torch.float32)  # every exponent
+    x = torch.cat([special, bits, -bits]).to(DEVICE)
+    n = x.numel()
+    out = torch.empty(4 * n, device=DEVICE)
+    both[(triton.cdiv(n, 1024),)](x, out, n, BLOCK=1024)
+    ours_exp2, exp2, ours_rsqrt, rsqrt = out.view(4, n).view(torch.int32)
+    assert torch.equal(ours_exp2, exp2)
+    assert torch.equal(ours_rsqrt, rsqrt)

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import fast_math
 from ._checks import block_d, broadcast_strides, check_decode_args, interpreting, pdl_options
 from .launch import _PREFETCH, DecodeConfig, _num_sms, decode_config, grouped_config
 
@@ -111,8 +112,8 @@ def _merge_splits(
         # Split 0 always holds key 0 (seq_len >= 1), so the first chunk's max is finite (and the
         # running state's weight, exp2(-inf), is 0); empty splits and chunks get weight 0.
         m_new = tl.maximum(m_run, tl.max(m, axis=0))
-        alpha = tl.exp2(m_run - m_new)
-        weight = tl.exp2(m - m_new)  # [MERGE_CHUNK]
+        alpha = fast_math.exp2(m_run - m_new)
+        weight = fast_math.exp2(m - m_new)  # [MERGE_CHUNK]
         acc_run = acc_run * alpha + tl.sum(weight[:, None] * acc, axis=0)
         l_run = l_run * alpha + tl.sum(weight * l, axis=0)
         m_run = m_new
@@ -166,8 +167,8 @@ def _attend_keys(acc, l_i, m_i, q, k, v, bias, tile_start, end, BIAS_MODE: tl.co
     s = tl.where(key_mask, s, float("-inf"))
     # Every tile holds at least one live key, so m_new is finite and no NaN appears.
     m_new = tl.maximum(m_i, tl.max(s, axis=0))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new)
+    alpha = fast_math.exp2(m_i - m_new)
+    p = fast_math.exp2(s - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=0)
     acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
     return acc, l_i, m_new
@@ -545,8 +546,8 @@ def _grouped_decode_kernel(
         s = tl.where(key_mask[None, :], s, float("-inf"))
         # Every tile holds a live key, so m_new is finite for every member row.
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        alpha = fast_math.exp2(m_i - m_new)
+        p = fast_math.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         p = p.to(v.dtype)  # rounded as the tensor cores take it
         if DOT_F32:

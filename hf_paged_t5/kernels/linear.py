@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import fast_math
 from ._checks import check_device, check_float, interpreting, pdl_options
 from .gemv import MAX_ROWS, gemv_config
 
@@ -143,7 +144,7 @@ def _fused_linear_kernel(
                 k = k0 + offs_k
                 xf = tl.load(x_rows + k[None, :], mask=mask_m[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
                 sum_sq += tl.sum(xf * xf, axis=1)
-        inv_rms = tl.math.rsqrt(sum_sq / K + eps)
+        inv_rms = fast_math.rsqrt(sum_sq / K + eps)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

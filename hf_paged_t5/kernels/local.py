@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import fast_math
 from ._checks import block_d, check_local_args, interpreting
 from .launch import LocalConfig, local_config
 
@@ -29,8 +30,8 @@ def _online_step(acc, l_i, m_i, s, v, INPUT_PRECISION: tl.constexpr):
     exponentials are taken against 0 so that no -inf - -inf (NaN) arises."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
+    alpha = fast_math.exp2(m_i - m_safe)
+    p = fast_math.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
     return acc, l_i, m_new

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from ._checks import block_d, broadcast_strides, check_prefill_args, interpreting
+from . import fast_math
 from .launch import PrefillConfig, prefill_config
 
 # BIAS_MODE values.
@@ -188,8 +189,8 @@ def _attend_tile(
         s = tl.where(live, s, float("-inf"))
     # Every row meets a live key in its first tile (key 0), so m_new is finite from then on.
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    alpha = fast_math.exp2(m_i - m_new)
+    p = fast_math.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
     return acc, l_i, m_new

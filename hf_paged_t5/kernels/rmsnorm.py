@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import fast_math
 from ._checks import check_device, check_float, pdl_options
 
 
@@ -42,7 +43,7 @@ def _rms_norm_kernel(
         tl.store(sum_ptr + row * stride_sum_row + cols, x, mask=mask)
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / d_model
-    normed = xf * tl.math.rsqrt(var + eps)
+    normed = xf * fast_math.rsqrt(var + eps)
     if HALF_WEIGHT:
         normed = normed.to(weight_ptr.dtype.element_ty)
     out = w.to(tl.float32) * normed.to(tl.float32)
