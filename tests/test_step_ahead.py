@@ -146,3 +146,49 @@ def test_a_cold_generate_compiles_every_kernel_in_its_encoders_pass(tmp_path):
     assert all(name.startswith("hf_paged_t5-compile") for name in report["first_threads"]), report
     assert report["passes"] and report["passes"][0] == len(report["first_threads"]), report
     assert report["later"] == [] and report["equal"], report
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("blocks", [None, 1, 2])
+def test_a_step_walk_of_the_first_blocks_layers(monkeypatch, fused, blocks):
+    """`decoder_layers(blocks=k)` (op by op, and the fused layer's) walks the first k decoder layers
+    and then the final norm, as a batch job's compile pass asks (`BatchRun._compile_ahead`: one
+    layer requests each kernel of the step before the host walks the whole stack); None walks all."""
+    from types import SimpleNamespace
+
+    from hf_paged_t5.model import fused_layer, stacks
+
+    model = make_model("t5", num_decoder_layers=3)
+    decoder = model.decoder
+    walked, normed = [], []
+    pool = SimpleNamespace(key_caches=[0, 1, 2], value_caches=[0, 1, 2])
+    ids = torch.zeros(2, 1, dtype=torch.long)
+    if fused:
+        def layer(ops, block, hidden, key_cache, *rest):
+            walked.append(key_cache)
+            return hidden
+
+        def rms_norm(hidden, weight, eps, pdl):
+            normed.append(weight is decoder.final_layer_norm.weight)
+            return (hidden,)
+
+        monkeypatch.setattr(fused_layer, "_layer", layer)
+        ops = SimpleNamespace(pdl_available=lambda device: False, rms_norm=rms_norm)
+        fused_layer.decoder_layers(decoder, ops, [None] * 3, pool, None, ids, blocks)
+    else:
+        def add_norm(ops, norm, hidden, out):
+            normed.append(norm is decoder.final_layer_norm)
+            return hidden, hidden
+
+        def self_attention(ops, attention, normed_, kc, vc, meta, table, state):
+            walked.append(kc)
+            return normed_
+
+        monkeypatch.setattr(stacks.attn_ops, "add_norm", add_norm)
+        monkeypatch.setattr(stacks.attn_ops, "decoder_self_attention", self_attention)
+        monkeypatch.setattr(stacks.attn_ops, "cross_attention", lambda ops, attention, x, *rest: x)
+        monkeypatch.setattr(stacks.attn_ops, "feed_forward", lambda ops, dense, x: x)
+        stacks.decoder_layers(decoder, lambda device: None, [torch.zeros(1)] * 3, pool, lambda device: None, ids,
+                              blocks=blocks)
+    assert walked == [0, 1, 2][:blocks]
+    assert normed[-1] and sum(normed) == 1  # the final norm, once, last

@@ -253,8 +253,8 @@ class BatchRun:
         (`PagedRuntime.compile_ahead`). The encoder runs once per prefill configuration of inputs up
         to the longest admitted (`attention.prefill_lengths`; a chunk of shorter inputs launches
         another binary than the longest's), the step on static buffers of the graph key the rows
-        admitted give it; what each of them compiles is requested first (one layer per
-        configuration, then the step), so the compiles start together. Once per number of
+        admitted give it; what each of them compiles is requested first (one encoder layer per
+        configuration, then one decoder layer of the step), so the compiles start together. Once per number of
         configurations, so a later admission of longer inputs compiles what they add; the pass's
         cuBLAS work runs for real."""
         gen, cache = self.gen, self.cache
@@ -278,12 +278,15 @@ class BatchRun:
                 return encoder_forward(encoder, runtime.ops_for, tables, None, torch.ones(1, length, dtype=torch.bool),
                                        input_ids=ids, packed=True, side_tables=side, blocks=blocks)
 
-            # Every compile is requested before the host walks the whole stack: each configuration's
-            # through one layer, then the decode step's, then the full forwards (the kernels only
-            # the later layers reach). A full forward per length first would request the second
-            # configuration's prefill, the longest compile, only a whole stack of host work later.
+            # Every compile is requested before the host walks a whole stack: each configuration's
+            # through one encoder layer, then the decode step's through one decoder layer (its final
+            # norm and LM head after it), then the full step and forwards (the kernels only the
+            # later layers reach). A full walk first would request the next binaries, the decode
+            # attention's (the pass's last to finish once the prefill binary shortened), only a
+            # whole stack of host work later.
             for length in lengths:
                 encode(length, blocks=1)
+            runtime.runner.step_ahead(model, cache, device, rows, key, blocks=1)
             runtime.runner.step_ahead(model, cache, device, rows, key)
             for length in lengths:
                 packed = encode(length)

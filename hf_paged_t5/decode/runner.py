@@ -10,6 +10,7 @@ replayed CUDA graph where the call's plan allows it, eagerly otherwise.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import weakref
 from typing import Callable, Optional
@@ -76,15 +77,17 @@ class DecodeRunner:
             plan = self._plans[cache] = self._build_plan(model, cache, device, rows)
         return plan
 
-    def step_ahead(self, model: nn.Module, cache, device: torch.device, rows: int, key: tuple) -> None:
+    def step_ahead(self, model: nn.Module, cache, device: torch.device, rows: int, key: tuple,
+                   blocks: Optional[int] = None) -> None:
         """The first decode step of a call or job about to start (its plan for `rows` rows, a
         static step of graph key `key`, the one its first step will have: `graphs.predicted_key`)
         run once, for a compile-only pass (`kernels/ahead.py`) that also holds its encoder's
-        launches: both passes' kernels then compile at once. Where the plan replays no graph,
-        nothing."""
+        launches: both passes' kernels then compile at once. `blocks`: its first `blocks` decoder
+        layers only, then the final norm and the LM head (each kernel the step launches, requested
+        without the host work of every layer). Where the plan replays no graph, nothing."""
         plan = self.plan(model, cache, device, rows)
         if plan.use_graph:
-            self.graphs.run_ahead(plan.step, cache.pool, key, device)
+            self.graphs.run_ahead(functools.partial(plan.step, blocks=blocks), cache.pool, key, device)
 
     def forget(self, cache) -> None:
         """Drop the cache's plan: its next step builds one again (e.g. its row count moved past
@@ -134,9 +137,9 @@ class DecodeRunner:
         # (a call, or a batch job): hooks or dropout changed in the middle of a call are not seen.
         fused_served = {} if config.fused_decode else None
 
-        def step(input_ids, meta_for):
+        def step(input_ids, meta_for, blocks=None):
             hidden = decoder_layers(model.decoder, ops_for, tables, pool, meta_for, input_ids, state,
-                                    fused_served=fused_served)
+                                    fused_served=fused_served, blocks=blocks)
             if scale is not None:
                 hidden = hidden * scale
             head_device = module_device(model.lm_head)

@@ -29,7 +29,9 @@ tensor (`attention.clamp_fp16`), and float32 keeps cuBLAS so its tokens stay HF'
 
 from __future__ import annotations
 
+import itertools
 from types import ModuleType
+from typing import Optional
 
 import torch
 from torch import nn
@@ -119,15 +121,16 @@ def decoder_layers(
     pool: KVPool,
     meta: StepMetadata,
     input_ids: torch.Tensor,
+    blocks: Optional[int] = None,
 ) -> torch.Tensor:
     """`stacks.decoder_layers` for a step that `serves` accepts; no host sync (graph capturable).
 
-    input_ids: [rows, 1]; returns [rows, 1, d_model]
+    input_ids: [rows, 1]; returns [rows, 1, d_model]; blocks: the first `blocks` layers only (None: all)
     """
     device = decoder.embed_tokens.weight.device
     pdl = ops.pdl_available(device)
     hidden = decoder.dropout(decoder.embed_tokens(input_ids)).reshape(input_ids.shape[0], -1)  # [rows, d_model]
-    for i, block in enumerate(decoder.block):
+    for i, block in enumerate(itertools.islice(decoder.block, blocks)):
         hidden = _layer(ops, block, hidden, pool.key_caches[i], pool.value_caches[i], meta, bias_tables[i], pdl)
     norm = decoder.final_layer_norm
     hidden = ops.rms_norm(hidden=hidden, weight=norm.weight, eps=norm.variance_epsilon, pdl=pdl)[0]

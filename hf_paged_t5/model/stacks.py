@@ -416,6 +416,7 @@ def decoder_layers(
     input_ids: torch.Tensor,
     state=None,
     fused_served: Optional[dict] = None,
+    blocks: Optional[int] = None,
 ) -> torch.Tensor:
     """The decoder stack over prepared step metadata; no host sync (CUDA-graph capturable).
 
@@ -424,6 +425,7 @@ def decoder_layers(
     fused_served: run the step as `fused_layer.decoder_layers` where that serves it (None: never); the
         dict keeps `fused_layer.serves`' verdict per input shape (its checks walk every layer's
         modules, milliseconds of host time: a plan's dict asks once per call)
+    blocks: run only the first `blocks` layers, then the final norm (as `encoder_forward`'s); None: all
     """
     if fused_served is not None and state is None:
         device = module_device(decoder.embed_tokens)
@@ -432,10 +434,10 @@ def decoder_layers(
         if served is None:
             served = fused_served[input_ids.shape] = fused_layer.serves(decoder, ops, pool, input_ids)
         if served:
-            return fused_layer.decoder_layers(decoder, ops, bias_tables, pool, meta_for(device), input_ids)
+            return fused_layer.decoder_layers(decoder, ops, bias_tables, pool, meta_for(device), input_ids, blocks)
     hidden = decoder.dropout(decoder.embed_tokens(input_ids))
     out = None  # pending sub-layer output, added inside the next layer norm (see encoder_forward)
-    for i, block in enumerate(decoder.block):
+    for i, block in enumerate(itertools.islice(decoder.block, blocks)):
         device = module_device(block)
         meta, ops = meta_for(device), ops_for(device)
         kc, vc = pool.key_caches[i], pool.value_caches[i]
