@@ -1,6 +1,6 @@
 """Where a cold process's first `BatchGenerator` job spends the seconds before its first result.
 
-    python benchmarks/diag_first_job.py [--shape t5-large] [--num-inputs 2000] [--out DIR]
+    python benchmarks/diag_first_job.py [--shape t5-large] [--num-inputs 2000] [--again] [--out DIR]
 
 Runs itself in a fresh process with an empty TRITON_CACHE_DIR, as `bench_cold.py`'s batch job
 does: builds the random-weight model (bf16, not timed), patches it with the defaults, then runs
@@ -11,7 +11,9 @@ Triton compile in this process (start and end; a binary a compile worker made is
 here, milliseconds), every CUDA graph capture, and the first results; and a cProfile of the host
 from the generator's making to the first result (the functions with the most cumulative time),
 or with `--profile-pass` of the first compile-ahead pass alone (Python 3.12's cProfile records
-every thread: the pass's compile threads too). Writes DIR/first_job.json (default DIR:
+every thread: the pass's compile threads too). `--again` runs the same job a second time in the
+process (a new generator, the kernels and graphs the first one left): the cold job's extra
+seconds over it are what a cold process pays. Writes DIR/first_job.json (default DIR:
 benchmarks/results/<date>-<gpu>/, with its env.json) and prints the timeline.
 """
 
@@ -69,7 +71,7 @@ def worker(args) -> dict:
     for owner, name, label in common.first_job_phases():
         if args.profile_pass and name == "_compile_ahead":
             _profile_first_call(owner, name, profiler)
-        timed(owner, name, label, limit=args.steps if name == "_decode_step" else 1 << 30)
+        timed(owner, name, label, limit=args.steps if name in ("_decode_step", "encoder_forward") else 1 << 30)
 
     model = common.make_model(args.shape, "sdpa", torch.bfloat16, "cuda")
     items = bench_batch.workload(args.num_inputs, model.config.vocab_size, seed=1, quick=False)
@@ -89,11 +91,23 @@ def worker(args) -> dict:
                 profiler.disable()
         torch.cuda.synchronize()
         done = time.perf_counter()
+        again = None
+        if args.again:  # the same job once more in this process: what the cold one paid beyond it
+            start, first = time.perf_counter(), None
+            gen2 = hp.BatchGenerator(model)
+            requests = [hp.BatchRequest(ids, max_new_tokens=n, min_new_tokens=n) for ids, n in items]
+            for _ in gen2.as_completed(requests):
+                first = first or time.perf_counter()
+            torch.cuda.synchronize()
+            kinds = [e["what"] for e in events if e["start"] >= start]
+            again = dict(job_s=time.perf_counter() - start, first_result_s=first - start,
+                         compiles=sum(k.startswith("triton compile") for k in kinds),
+                         captures=kinds.count("graph capture"))
     timeline = sorted((dict(what=e["what"], start_s=round(e["start"] - made, 4), end_s=round(e["end"] - made, 4))
-                       for e in events if e["start"] >= made or e["end"] >= made), key=lambda e: e["start_s"])
+                       for e in events if made <= e["end"] <= done), key=lambda e: e["start_s"])
     return dict(gpu=torch.cuda.get_device_name(), shape=args.shape, num_inputs=len(items),
                 max_batch_tokens=gen.max_batch_tokens, max_batch_rows=gen.max_batch_rows,
-                job_s=done - made, first_result_s=results[0] - made,
+                job_s=done - made, first_result_s=results[0] - made, again=again,
                 results_at_s=[round(t - made, 4) for t in results[:10]],
                 timeline=timeline, profile_span="the first compile-ahead pass" if args.profile_pass else
                 "generator made to first result", host_profile_to_first_result=_top(profiler, args.profile_rows))
@@ -124,6 +138,8 @@ def main(argv=None) -> None:
     ap.add_argument("--profile-rows", type=int, default=40)
     ap.add_argument("--profile-pass", action="store_true",
                     help="profile the first compile-ahead pass alone, not the host up to the first result")
+    ap.add_argument("--again", action="store_true",
+                    help="run the same job a second time in the process (a new generator) and report it")
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -147,6 +163,11 @@ def main(argv=None) -> None:
     common.write_json(out / "first_job.json", report)
     print(f"{report['gpu']}, {report['shape']}: job {report['job_s']:.2f} s, first result after "
           f"{report['first_result_s']:.2f} s (budget {report['max_batch_tokens']} tokens, {report['max_batch_rows']} rows)")
+    if report.get("again"):
+        a = report["again"]
+        print(f"the same job again in that process: {a['job_s']:.2f} s, first result after {a['first_result_s']:.2f} s "
+              f"({a['compiles']} compiles, {a['captures']} graph captures); the cold job's extra "
+              f"{report['job_s'] - a['job_s']:.2f} s")
     print(f"{'start s':>8} {'end s':>8} {'s':>7}  what")
     for e in report["timeline"]:
         if e["start_s"] <= report["first_result_s"] + 0.5:
