@@ -177,3 +177,53 @@ def test_overrides_stay_while_any_pass_runs(kernel):
     release.set()
     thread.join(10)
     assert "run" not in jit.__dict__
+
+
+def _closure(src):
+    """A compile closure over `src`, as Triton's JIT hands one to an async-compile mode."""
+    def async_compile():
+        return src
+    return async_compile
+
+
+def test_a_launcher_is_built_beside_its_compile_from_the_signature_the_load_uses(monkeypatch):
+    """Where Triton's NVIDIA driver builds a C launcher per kernel signature (`make_launcher`,
+    Triton 3.6), `_launcher_build` makes the source its binary's load makes (`CudaLauncher`:
+    constants keyed by argument index, the signature as compiled, no descriptor metadata) and
+    builds it into Triton's cache as the load would; kernels with tensor-descriptor arguments,
+    another driver and closures without a source get none."""
+    import importlib
+    import sys
+    import types
+
+    from triton.compiler import ASTSource
+
+    made, built = [], []
+    driver = types.ModuleType("triton.backends.nvidia.driver")
+
+    def make_launcher(constants, signature, tensordesc_meta):
+        made.append((constants, signature, tensordesc_meta))
+        return f"launcher {sorted(constants.items())} {sorted(signature.items())}"
+
+    driver.make_launcher = make_launcher
+    driver.compile_module_from_src = lambda **kw: built.append(kw)
+    driver.library_dirs = lambda: ["/cuda/lib"]
+    driver.include_dirs, driver.libraries = ["/triton/include"], ["libcuda.so.1"]
+    monkeypatch.setitem(sys.modules, "triton.backends.nvidia.driver", driver)
+
+    kernel = importlib.import_module("hf_paged_t5.kernels.gated_gelu")._gated_gelu_kernel
+    names = kernel.arg_names
+    signature = {n: "*bf16" for n in names[:3]} | {n: "i32" for n in names[3:7]} | {n: "constexpr" for n in names[7:]}
+    src = ASTSource(kernel, signature, {names[7]: 0.5, (8,): 512})
+    source, build = ahead._launcher_build(_closure(src))
+    assert made == [({(7,): 0.5, (8,): 512}, signature, None)]
+    assert source == make_launcher({(7,): 0.5, (8,): 512}, signature, None)
+    build()
+    assert built == [dict(src=source, name="__triton_launcher", library_dirs=["/cuda/lib"],
+                          include_dirs=["/triton/include"], libraries=["libcuda.so.1"])]
+
+    with_descriptor = ASTSource(kernel, {**signature, names[0]: "tensordesc<bf16[64, 64]>"}, {})
+    assert ahead._launcher_build(_closure(with_descriptor)) is None
+    assert ahead._launcher_build(lambda: None) is None  # no source in the closure
+    del driver.make_launcher  # Triton 3.9: one generic launcher
+    assert ahead._launcher_build(_closure(src)) is None

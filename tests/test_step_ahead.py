@@ -105,12 +105,19 @@ import hf_paged_t5 as hp
 from hf_paged_t5 import tiny
 from hf_paged_t5.kernels import ahead
 
-threads, passes = [], []
+threads, passes, launchers = [], [], []
 real = triton.compiler.compile
 def compile(*a, **kw):
     threads.append(threading.current_thread().name)
     return real(*a, **kw)
 triton.compiler.compile = compile
+import triton.runtime.build as build
+real_build = build._build
+def built(name, *a, **kw):
+    if name == "__triton_launcher":
+        launchers.append(threading.current_thread().name)
+    return real_build(name, *a, **kw)
+build._build = built
 real_pass = ahead.compile_ahead
 @contextlib.contextmanager
 def counted_pass(device):
@@ -127,10 +134,12 @@ models = [build(), build()]
 ids = torch.randint(2, 1000, (1, 77), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
 cold = hp.patch_model(models[0])
 first = cold.generate(input_ids=ids, max_new_tokens=8, min_new_tokens=8)
-first_threads, first_passes = list(threads), list(passes)
+first_threads, first_passes, first_launchers = list(threads), list(passes), list(launchers)
+import triton.backends.nvidia.driver as driver
 warm = hp.patch_model(models[1])
 again = warm.generate(input_ids=ids, max_new_tokens=8, min_new_tokens=8)
 print(json.dumps(dict(first_threads=first_threads, passes=first_passes, later=threads[len(first_threads):],
+                      launchers=first_launchers, c_launchers=hasattr(driver, "make_launcher"),
                       equal=bool(torch.equal(first, again)))))
 """
 
@@ -140,8 +149,13 @@ print(json.dumps(dict(first_threads=first_threads, passes=first_passes, later=th
 def test_a_cold_generate_compiles_every_kernel_in_its_encoders_pass(tmp_path):
     """A fresh process with an empty Triton cache: the first generate() compiles every kernel on
     the pool, all of them in its encoder's pass (the decode step's own pass, at its capture, finds
-    them compiled), and gives the tokens a second model gets once the kernels are compiled."""
+    them compiled), and gives the tokens a second model gets once the kernels are compiled.
+    Where Triton builds a C launcher per kernel signature, each was built on the pass's launcher
+    threads, beside its compile (`ahead._launcher_build`), none at the binary's load after it."""
     report = run_cold(_COLD_GENERATE, tmp_path)
+    if report["c_launchers"]:
+        assert report["launchers"], report
+        assert all(name.startswith("hf_paged_t5-launcher") for name in report["launchers"]), report
     assert report["first_threads"], "the cold call compiled nothing: the Triton cache was not empty"
     assert all(name.startswith("hf_paged_t5-compile") for name in report["first_threads"]), report
     assert report["passes"] and report["passes"][0] == len(report["first_threads"]), report

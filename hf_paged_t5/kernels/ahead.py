@@ -104,25 +104,76 @@ def _run(self, *args, grid, warmup, **kwargs):
 
 
 class _CompileAndLoad(concurrent.futures.ThreadPoolExecutor):
-    """A pool whose compiles also build the kernel's launcher (a C compile) and load its binary,
-    on the device that was current where the launch was (a layer of a device map makes its own
-    device current around its launches: `model.attention.OnDevice`)."""
+    """A pool whose compiles also build the kernel's launcher and load its binary, on the device
+    that was current where the launch was (a layer of a device map makes its own device current
+    around its launches: `model.attention.OnDevice`). Where Triton's launcher is a C module of
+    the kernel's signature (Triton 3.6 and older on NVIDIA: a C compile of ~0.2-0.3 s when the
+    binary loads, after its compile), that module is built on a thread of its own from the
+    moment the compile is asked for (`_launcher_build`), and the load waits for it: a kernel is
+    ready after the longer of the two, not after both."""
 
     def __init__(self) -> None:
         super().__init__(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="hf_paged_t5-compile")
+        self._launchers = concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1),
+                                                                thread_name_prefix="hf_paged_t5-launcher")
+        self._launcher_builds: dict[str, concurrent.futures.Future] = {}  # launcher source -> its build
 
     def submit(self, fn, /, *args, **kwargs):
         device = torch.cuda.current_device()  # the launching thread's: Triton keyed the compile on it
+        source, build = _launcher_build(fn) or (None, None)
+        launcher = None
+        if build is not None:
+            launcher = self._launcher_builds.get(source)
+            if launcher is None:
+                launcher = self._launcher_builds[source] = self._launchers.submit(build)
 
         def compile_and_load():
             with torch.cuda.device(device):
                 kernel = fn(*args, **kwargs)
+                if launcher is not None:
+                    launcher.exception()  # wait; a build that failed leaves the load to build (and raise)
                 init = getattr(kernel, "_init_handles", None)
                 if init is not None:
                     init()
             return kernel
 
         return super().submit(compile_and_load)
+
+    def shutdown(self, wait: bool = True, **kwargs) -> None:
+        super().shutdown(wait, **kwargs)
+        self._launchers.shutdown(wait)
+
+
+def _launcher_build(compile_fn) -> Optional[tuple]:
+    """(source, build) for the launcher of Triton's compile closure `compile_fn` where this Triton
+    builds a C launcher per kernel signature (its NVIDIA driver's `make_launcher`, 3.6 and older):
+    `build()` compiles it into Triton's cache, where the binary's load (`CudaLauncher`) finds it.
+    The source is the one that load makes: it depends on the kernel's signature and constants
+    alone (and on tensor descriptors' metadata, known only after the compile: kernels with
+    descriptor arguments get None). None for another driver or closure (Triton 3.9 launches every
+    kernel through one generic launcher)."""
+    driver = sys.modules.get("triton.backends.nvidia.driver")
+    make = getattr(driver, "make_launcher", None)
+    if make is None:
+        return None
+    try:
+        if list(inspect.signature(make).parameters) != ["constants", "signature", "tensordesc_meta"]:
+            return None
+        src = inspect.getclosurevars(compile_fn).nonlocals["src"]
+        names = src.fn.arg_names
+        signature = dict(src.signature)
+        if any(isinstance(kind, str) and kind.startswith("tensordesc") for kind in signature.values()):
+            return None
+        constants = {((names.index(k),) if isinstance(k, str) else k): v for k, v in src.constants.items()}
+        source = make(constants, signature, None)
+    except Exception:  # noqa: BLE001 - another Triton's closure: its load builds the launcher
+        return None
+
+    def build() -> None:
+        driver.compile_module_from_src(src=source, name="__triton_launcher", library_dirs=driver.library_dirs(),
+                                       include_dirs=driver.include_dirs, libraries=driver.libraries)
+
+    return source, build
 
 
 def _start_triton(device: torch.device) -> None:
