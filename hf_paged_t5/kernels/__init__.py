@@ -24,6 +24,9 @@ widths) are excluded from Triton's specialization (`do_not_specialize`): Triton 
 a kernel again for each new combination of "equals 1" / "divisible by 16" among them, and each
 compile stalls the caller for 0.4-1 s (H200): a batch job whose row counts and lengths keep
 moving would keep compiling. These arguments are loop bounds and masks, where the hint buys nothing.
+
+The kernels write `exp2` and `rsqrt` as `fast_math`'s, the instructions Triton's own become
+without libdevice: a compile that calls no libdevice function skips linking its bitcode.
 """
 
 from .beam import beam_update
