@@ -254,9 +254,9 @@ class BatchRun:
         to the longest admitted (`attention.prefill_lengths`; a chunk of shorter inputs launches
         another binary than the longest's), the step on static buffers of the graph key the rows
         admitted give it; what each of them compiles is requested first (one encoder layer per
-        configuration, then one decoder layer of the step), so the compiles start together. Once per number of
-        configurations, so a later admission of longer inputs compiles what they add; the pass's
-        cuBLAS work runs for real."""
+        configuration, then one decoder layer of the step), so the compiles start together. Once
+        per number of configurations, so a later admission of longer inputs compiles what they
+        add; the pass's cuBLAS work runs for real."""
         gen, cache = self.gen, self.cache
         model, runtime, device = gen.model, gen.runtime, gen.device
         if attention_ops.compile_ahead_for(device, runtime.config.resolve_backend(device)) is None:

@@ -107,7 +107,7 @@ class _CompileAndLoad(concurrent.futures.ThreadPoolExecutor):
     """A pool whose compiles also build the kernel's launcher and load its binary, on the device
     that was current where the launch was (a layer of a device map makes its own device current
     around its launches: `model.attention.OnDevice`). Where Triton's launcher is a C module of
-    the kernel's signature (Triton 3.6 and older on NVIDIA: a C compile of ~0.2-0.3 s when the
+    the kernel's signature (Triton 3.6 on NVIDIA: a C compile of ~0.2-0.3 s when the
     binary loads, after its compile), that module is built on a thread of its own from the
     moment the compile is asked for (`_launcher_build`), and the load waits for it: a kernel is
     ready after the longer of the two, not after both."""
@@ -146,7 +146,7 @@ class _CompileAndLoad(concurrent.futures.ThreadPoolExecutor):
 
 def _launcher_build(compile_fn) -> Optional[tuple]:
     """(source, build) for the launcher of Triton's compile closure `compile_fn` where this Triton
-    builds a C launcher per kernel signature (its NVIDIA driver's `make_launcher`, 3.6 and older):
+    builds a C launcher per kernel signature (its NVIDIA driver's `make_launcher`, as in 3.6):
     `build()` compiles it into Triton's cache, where the binary's load (`CudaLauncher`) finds it.
     The source is the one that load makes: it depends on the kernel's signature and constants
     alone (and on tensor descriptors' metadata, known only after the compile: kernels with

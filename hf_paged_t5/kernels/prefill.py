@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import block_d, broadcast_strides, check_prefill_args, interpreting
 from . import fast_math
+from ._checks import block_d, broadcast_strides, check_prefill_args, interpreting
 from .launch import PrefillConfig, prefill_config
 
 # BIAS_MODE values.
