@@ -188,7 +188,8 @@ def _closure(src):
 
 def test_a_launcher_is_built_beside_its_compile_from_the_signature_the_load_uses(monkeypatch):
     """Where Triton's NVIDIA driver builds a C launcher per kernel signature (`make_launcher`,
-    Triton 3.6), `_launcher_build` makes the source its binary's load makes (`CudaLauncher`:
+    Triton 3.6), `_launcher_build` (the pool's; `compile_workers.launcher_build` of a compile
+    closure's source, which the workers use too) makes the source its binary's load makes (`CudaLauncher`:
     constants keyed by argument index, the signature as compiled, no descriptor metadata) and
     builds it into Triton's cache as the load would; kernels with tensor-descriptor arguments,
     another driver and closures without a source get none."""

@@ -133,6 +133,40 @@ print(json.dumps(dict(started=started, count=len(workers), running=compile_worke
 """
 
 
+def test_a_worker_builds_the_launcher_beside_its_compile(monkeypatch):
+    """A worker's compile (`_compile`) starts the kernel's C launcher build on a thread of its own
+    before it compiles (the compile here waits until that build has begun: it fails if the build
+    came after it) and returns once both are done; a build that fails is dropped (the binary's load
+    builds it again). Without a launcher to build (Triton 3.9) the compile runs alone."""
+    import threading
+
+    import triton.compiler
+
+    events, began = [], threading.Event()
+
+    def build():
+        events.append(("build", threading.current_thread() is not threading.main_thread()))
+        began.set()
+        if fail:
+            raise RuntimeError("no C compiler")
+
+    def compile(src, target, options, _env_vars):
+        if expect_build:
+            assert began.wait(10)
+        events.append(("compile", src.fn.__name__))
+        return type("Kernel", (), {"hash": "h", "src": src, "metadata": None})()
+
+    monkeypatch.setattr(triton.compiler, "compile", compile)
+    spec = dict(module="hf_paged_t5.kernels.gated_gelu", name="_gated_gelu_kernel", attrs={}, target=("cuda", 90, 32),
+                options={}, env_vars={}, constants={}, signature={})
+    for expect_build, fail in ((True, False), (True, True), (False, False)):
+        events.clear()
+        began.clear()
+        monkeypatch.setattr(compile_workers, "launcher_build", lambda src: ("source", build) if expect_build else None)
+        assert compile_workers._compile(spec) == "h"
+        assert events == ([("build", True)] if expect_build else []) + [("compile", "_gated_gelu_kernel")], events
+
+
 def test_an_idle_worker_exits_and_is_reaped(tmp_path):
     env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "cache"), "HF_PAGED_T5_COMPILE_WORKERS": "2"}
     done = subprocess.run([sys.executable, "-c", _IDLE], env=env, capture_output=True, text=True, timeout=300)

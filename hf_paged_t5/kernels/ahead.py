@@ -145,35 +145,13 @@ class _CompileAndLoad(concurrent.futures.ThreadPoolExecutor):
 
 
 def _launcher_build(compile_fn) -> Optional[tuple]:
-    """(source, build) for the launcher of Triton's compile closure `compile_fn` where this Triton
-    builds a C launcher per kernel signature (its NVIDIA driver's `make_launcher`, as in 3.6):
-    `build()` compiles it into Triton's cache, where the binary's load (`CudaLauncher`) finds it.
-    The source is the one that load makes: it depends on the kernel's signature and constants
-    alone (and on tensor descriptors' metadata, known only after the compile: kernels with
-    descriptor arguments get None). None for another driver or closure (Triton 3.9 launches every
-    kernel through one generic launcher)."""
-    driver = sys.modules.get("triton.backends.nvidia.driver")
-    make = getattr(driver, "make_launcher", None)
-    if make is None:
-        return None
+    """`compile_workers.launcher_build` of the source Triton's compile closure `compile_fn` compiles
+    (None for a closure without one)."""
     try:
-        if list(inspect.signature(make).parameters) != ["constants", "signature", "tensordesc_meta"]:
-            return None
         src = inspect.getclosurevars(compile_fn).nonlocals["src"]
-        names = src.fn.arg_names
-        signature = dict(src.signature)
-        if any(isinstance(kind, str) and kind.startswith("tensordesc") for kind in signature.values()):
-            return None
-        constants = {((names.index(k),) if isinstance(k, str) else k): v for k, v in src.constants.items()}
-        source = make(constants, signature, None)
     except Exception:  # noqa: BLE001 - another Triton's closure: its load builds the launcher
         return None
-
-    def build() -> None:
-        driver.compile_module_from_src(src=source, name="__triton_launcher", library_dirs=driver.library_dirs(),
-                                       include_dirs=driver.include_dirs, libraries=driver.libraries)
-
-    return source, build
+    return compile_workers.launcher_build(src)
 
 
 def _start_triton(device: torch.device) -> None:

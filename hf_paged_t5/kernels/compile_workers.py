@@ -11,7 +11,8 @@ CPU cores, divided among torchrun's `LOCAL_WORLD_SIZE` processes, at most 8, non
 import where torch is imported and sees a GPU, so the workers' own start-up (importing torch,
 Triton and this package's kernel modules, not the package: ~2 s) overlaps loading the model.
 A worker runs at a lower priority, compiles what it is sent with the sender's target, options and
-cache-invalidating environment, also builds the kernel's C launcher into the cache, and exits when
+cache-invalidating environment, also builds the kernel's C launcher into the cache (beside the
+compile, where Triton builds one per signature: `launcher_build`), and exits when
 its input closes, or after `IDLE_S` seconds without work (its exit reaped by the parent).
 
 `submit(key, compile_fn)` sends the compile that `compile_fn` (Triton's own closure over its
@@ -307,15 +308,54 @@ def submit(key: str, compile_fn: Callable) -> concurrent.futures.Future:
     return future
 
 
+def launcher_build(src) -> Optional[tuple[str, Callable[[], None]]]:
+    """(source, build) for the launcher of Triton source `src` (an `ASTSource`) where this Triton
+    builds a C launcher per kernel signature (its NVIDIA driver's `make_launcher`, as in 3.6: a
+    `gcc` run of ~0.2-0.3 s when the binary loads): `build()` compiles it into Triton's cache,
+    where the binary's load (`CudaLauncher`) finds it. The source is the one that load makes: it
+    depends on the kernel's signature and constants alone (and on tensor descriptors' metadata,
+    known only after the compile: kernels with descriptor arguments get None), so it can be built
+    beside the compile instead of after it. None for another driver (Triton 3.9 launches every
+    kernel through one generic launcher)."""
+    try:
+        driver = importlib.import_module("triton.backends.nvidia.driver")
+        make = getattr(driver, "make_launcher", None)
+        if make is None or list(inspect.signature(make).parameters) != ["constants", "signature", "tensordesc_meta"]:
+            return None
+        names = src.fn.arg_names
+        signature = dict(src.signature)
+        if any(isinstance(kind, str) and kind.startswith("tensordesc") for kind in signature.values()):
+            return None
+        constants = {((names.index(k),) if isinstance(k, str) else k): v for k, v in src.constants.items()}
+        source = make(constants, signature, None)
+    except Exception:  # noqa: BLE001 - another Triton: the binary's load builds its launcher
+        return None
+
+    def build() -> None:
+        driver.compile_module_from_src(src=source, name="__triton_launcher", library_dirs=driver.library_dirs(),
+                                       include_dirs=driver.include_dirs, libraries=driver.libraries)
+
+    return source, build
+
+
 # ---- a worker's side --------------------------------------------------------------------------
 def _compile(spec: dict) -> str:
-    """Compile one spec into Triton's cache; returns its cache hash."""
+    """Compile one spec into Triton's cache, its C launcher built beside it (`launcher_build`);
+    returns its cache hash."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
     fn = getattr(importlib.import_module(spec["module"]), spec["name"])
     src = ASTSource(fn, spec["signature"], spec["constants"], spec["attrs"])
-    kernel = compile(src, target=GPUTarget(*spec["target"]), options=spec["options"], _env_vars=spec["env_vars"])
+    _, build = launcher_build(src) or (None, None)
+    beside = threading.Thread(target=_quietly, args=(build,), daemon=True) if build is not None else None
+    if beside is not None:
+        beside.start()
+    try:
+        kernel = compile(src, target=GPUTarget(*spec["target"]), options=spec["options"], _env_vars=spec["env_vars"])
+    finally:
+        if beside is not None:
+            beside.join()
     try:  # the C launcher, into the cache too (it needs the CUDA driver library, not a GPU context)
         from triton.runtime import driver
 
@@ -323,6 +363,14 @@ def _compile(spec: dict) -> str:
     except Exception:  # noqa: BLE001 - the parent builds it at its first launch instead
         pass
     return kernel.hash
+
+
+def _quietly(build: Callable[[], None]) -> None:
+    """`build()`, its failure dropped: the launcher is built again where it is loaded, and fails there."""
+    try:
+        build()
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def serve(package_root: str, package: str, idle_s: float = IDLE_S) -> None:
