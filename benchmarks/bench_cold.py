@@ -78,13 +78,16 @@ def worker(args) -> dict:
     model = tiny.build_model(args.shape, dtype=dtype, device=device)
     common.sync(device)
     rows = {}
+    stalls = common.CallingThreadStalls() if device.type == "cuda" else None
     with common.TritonCompiles() as compiles, common.FallbackLog() as fallbacks:
         def measure(label, fn):
             compiled, hits, captured = compiles.count, compiles.cache_hits, common.graphs_captured(model)
+            before = dict(stalls.seconds) if stalls is not None else {}
             seconds, result = common.timed(fn, device)
             rows[label] = dict(seconds=seconds, triton_compiles=compiles.count - compiled,
                                triton_cache_hits=compiles.cache_hits - hits,
-                               graphs_captured=common.graphs_captured(model) - captured)
+                               graphs_captured=common.graphs_captured(model) - captured,
+                               stalls_s={k: v - before[k] for k, v in stalls.seconds.items()} if stalls else {})
             return result
 
         if args.worker == "patched":
@@ -140,6 +143,8 @@ def summarize(runs: dict[str, list[dict]], args) -> list[dict]:
         row["triton_compiles"] = max(r["triton_compiles"] for r in patched)
         row["triton_cache_hits"] = max(r.get("triton_cache_hits", 0) for r in patched)
         row["graphs_captured"] = max(r["graphs_captured"] for r in patched)
+        stalls = [r.get("stalls_s") or {} for r in patched]
+        row["patched_stalls_s"] = {k: common.median(s.get(k, 0.0) for s in stalls) for k in stalls[0]} if stalls else {}
         stock, paged = row["stock_s"], row["patched_s"]
         row["patched_over_stock"] = paged / stock if stock else None
         rows.append(row)
@@ -186,10 +191,11 @@ def batch_job(args) -> dict:
 def print_table(rows: list[dict], args) -> None:
     common.print_table(
         ["call", "stock HF s", "patched s", "patched / stock", "Triton compiles", "of them cache hits",
-         "graphs captured"],
+         "graphs captured", "its thread in compiles / loads / captures, s"],
         ([r["call"], common.fmt(r["stock_s"], ".3f"), common.fmt(r["patched_s"], ".3f"),
           common.fmt(r["patched_over_stock"], ".2f"), r["triton_compiles"], r["triton_cache_hits"],
-          r["graphs_captured"]] for r in rows),
+          r["graphs_captured"], " / ".join(f"{r['patched_stalls_s'][k]:.3f}" for k in ("compile", "load", "capture"))
+          if r.get("patched_stalls_s") else "-"] for r in rows),
         title=f"{args.shape} layout on {args.device}, {args.src_len}-token inputs, {args.new_tokens} new tokens; "
               f"medians of {args.repeats} fresh processes each, Triton cache empty")
     first = [r for r in rows if r["call"].startswith("first") and r["patched_over_stock"] is not None]

@@ -395,6 +395,41 @@ class TritonCompiles:
                 self._knobs.compilation.listener = self._listener
 
 
+class CallingThreadStalls:
+    """Seconds the thread that makes it (a fresh benchmark process's main thread) spends, from then
+    on, inside Triton compiles on that thread (one outside a compile-ahead pass, or the cache read of
+    a binary a compile worker made; not a pass's wait for its pool), loading compiled binaries there
+    (`CompiledKernel._init_handles`: the launcher, its C build where Triton makes one, the module
+    load) and in CUDA graph captures: `seconds` {compile, load, capture}. Patches Triton and torch
+    for the rest of the process (`hook_compiles_and_captures`)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        from triton.compiler.compiler import CompiledKernel
+
+        self.seconds = dict(compile=0.0, load=0.0, capture=0.0)
+        thread = threading.current_thread()
+
+        def adder(key: str):
+            def add(*args) -> None:
+                if threading.current_thread() is thread:
+                    self.seconds[key] += args[-1] - args[-2]
+            return add
+
+        hook_compiles_and_captures(adder("compile"), adder("capture"))
+        real_init, add_load = CompiledKernel._init_handles, adder("load")
+
+        def init_handles(kernel, *a, **kw):
+            start = time.perf_counter()
+            try:
+                return real_init(kernel, *a, **kw)
+            finally:
+                add_load(start, time.perf_counter())
+
+        CompiledKernel._init_handles = init_handles
+
+
 class FallbackLog(logging.Handler):
     """Collects hf_paged_t5's "running ... on stock HF: reason" warnings while installed."""
 

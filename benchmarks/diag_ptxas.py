@@ -14,7 +14,7 @@ table): the default configuration with its band split into three loops, the same
 (`PrefillConfig.one_loop`), 128 x 32 tiles on 8 warps, and the gathered bias without the split.
 Every row also gives the seconds `triton.compile` took here (`TRITON_ALWAYS_COMPILE`: no cache
 hits; not the `cuobjdump` reads after it; the median of `--repeats`, after one untimed compile
-that pays the process's one-time start-up):
+that pays the process's one-time start-up) and whether the compile linked libdevice's bitcode:
 the prefill binary is the longest compile of a cold process's first call.
 
 To read what the GPU machine's Triton makes (another version than this machine's), install that
@@ -56,10 +56,18 @@ def compile_report(kernel, constexprs: dict, types: dict, num_warps: int, arch: 
              if signature[n].startswith("*") or (signature[n] == "i32" and n not in plain)}
     source = ASTSource(fn=kernel, signature=signature,
                        constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
-    start = time.perf_counter()
-    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                              options=dict(num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl))
-    compile_s = time.perf_counter() - start  # the compile alone, not the cuobjdump reads below
+    links = []  # libdevice links of this compile (`kernels.fast_math`: the package's kernels need none)
+    import triton.backends.nvidia.compiler as nvidia
+
+    real_link = nvidia.llvm.link_extern_libs
+    nvidia.llvm.link_extern_libs = lambda module, paths: (links.append(paths), real_link(module, paths))
+    try:
+        start = time.perf_counter()
+        compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                                  options=dict(num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl))
+        compile_s = time.perf_counter() - start  # the compile alone, not the cuobjdump reads below
+    finally:
+        nvidia.llvm.link_extern_libs = real_link
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
@@ -72,7 +80,8 @@ def compile_report(kernel, constexprs: dict, types: dict, num_warps: int, arch: 
                   if ":" in item and item.split(":")[1].isdigit())
     return dict(registers=int(fields.get("REG", -1)), stack=int(fields.get("STACK", -1)),
                 spill_loads=sass.count("LDL"), spill_stores=sass.count("STL"),
-                pdl_instructions=compiled.asm["ptx"].count("griddepcontrol"), compile_s=compile_s)
+                pdl_instructions=compiled.asm["ptx"].count("griddepcontrol"), compile_s=compile_s,
+                libdevice=bool(links))
 
 
 def cases() -> list[tuple]:
@@ -172,9 +181,10 @@ def main(argv=None) -> None:
         except Exception as exc:  # a configuration that does not compile is reported, not fatal
             rows.append(dict(kernel=label, warps=warps, error=f"{type(exc).__name__}: {str(exc)[-300:]}"))
     common.print_table(
-        ["kernel", "warps", "registers", "stack", "spill loads", "spill stores", "PDL instr.", "compile s", "error"],
+        ["kernel", "warps", "registers", "stack", "spill loads", "spill stores", "PDL instr.", "compile s", "libdevice",
+         "error"],
         ([r["kernel"], r["warps"], r.get("registers"), r.get("stack"), r.get("spill_loads"), r.get("spill_stores"),
-          r.get("pdl_instructions"), r.get("compile_s"), r.get("error", "")] for r in rows),
+          r.get("pdl_instructions"), r.get("compile_s"), r.get("libdevice"), r.get("error", "")] for r in rows),
         title=f"sm_{args.arch}: the {'prefill' if args.prefill else 'decode step'}'s kernels as the package launches them")
 
 

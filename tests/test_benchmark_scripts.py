@@ -383,3 +383,48 @@ def test_bench_cross_store_times_both_stores_of_the_same_bits(tmp_path, capsys):
     assert [r["case"] for r in rows] == ["tiny 2 x 7"] and rows[0]["layers_per_span"] == 3
     assert rows[0]["store_kv_us"] > 0 and rows[0]["indexed_copy_us"] > 0
     assert "cross K/V span store" in capsys.readouterr().out
+
+
+_STALLS = r"""
+import threading, time, json
+import common
+from triton.compiler.compiler import CompiledKernel
+calls = []
+CompiledKernel._init_handles = lambda self: (time.sleep(0.05), calls.append(threading.current_thread().name))
+stalls = common.CallingThreadStalls()
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import importlib
+kernel = importlib.import_module("hf_paged_t5.kernels.rmsnorm")._rms_norm_kernel
+names = kernel.arg_names
+const = dict(HAS_RESIDUAL=False, HALF_WEIGHT=True, BLOCK=256, PDL=False)
+signature = {n: "constexpr" if n in const else ("*bf16" if n.endswith("_ptr") else "fp32" if n == "eps" else "i32")
+             for n in names}
+src = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(k),): v for k, v in const.items()})
+def compile_and_load():
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    kernel._init_handles()
+other = threading.Thread(target=compile_and_load)
+other.start(); other.join()
+after_other = dict(stalls.seconds)
+compile_and_load()
+print(json.dumps(dict(after_other=after_other, after_main=stalls.seconds)))
+"""
+
+
+def test_calling_thread_stalls_count_that_threads_compiles_and_loads(tmp_path):
+    """`common.CallingThreadStalls` (bench_cold.py's per-call split): a compile and a binary load on
+    another thread add nothing; the same on the thread that made it add their seconds."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    env["PYTHONPATH"] = os.pathsep.join([str(BENCH), str(BENCH.parent)])
+    env["TRITON_ALWAYS_COMPILE"] = "1"  # the second compile compiles too (not a cache hit)
+    done = subprocess.run([sys.executable, "-c", _STALLS], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["after_other"] == dict(compile=0.0, load=0.0, capture=0.0)
+    assert report["after_main"]["compile"] > 0.01 and report["after_main"]["load"] >= 0.05
+    assert report["after_main"]["capture"] == 0.0
