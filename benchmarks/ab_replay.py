@@ -30,7 +30,6 @@ import argparse
 import hashlib
 import importlib
 import json
-import time
 
 import torch
 
