@@ -206,3 +206,29 @@ def test_a_step_walk_of_the_first_blocks_layers(monkeypatch, fused, blocks):
                               blocks=blocks)
     assert walked == [0, 1, 2][:blocks]
     assert normed[-1] and sum(normed) == 1  # the final norm, once, last
+
+
+def test_run_ahead_walks_the_first_blocks_then_the_whole_step_on_one_set_of_buffers():
+    """`DecodeGraphs.run_ahead(first_blocks=k)` (a batch job's pass: `step_ahead(first_blocks=1)`)
+    calls the step with `blocks=k` and then whole, both on the same static ids and metadata; without
+    it, once whole; a key that already has a graph, not at all."""
+    from hf_paged_t5.decode.graphs import DecodeGraphs
+
+    config = hp.PagedCacheConfig(block_size=4, num_blocks=8, backend="torch")
+    pool = KVPool(config, [LayerSpec(torch.device("cpu"), torch.float32, num_heads=2, head_dim=8)])
+    calls = []
+
+    def step(input_ids, meta_for, **kw):
+        calls.append((input_ids, meta_for(None), kw))
+
+    graphs = DecodeGraphs()
+    graphs.run_ahead(step, pool, (2, 1, 1, 1), torch.device("cpu"), first_blocks=1)
+    assert [kw for _, _, kw in calls] == [dict(blocks=1), {}]
+    assert calls[0][0] is calls[1][0] and calls[0][1] is calls[1][1]
+    calls.clear()
+    graphs.run_ahead(step, pool, (2, 1, 1, 1), torch.device("cpu"))
+    assert [kw for _, _, kw in calls] == [{}]
+    calls.clear()
+    graphs._graphs[(2, 1, 1, 1)] = object()
+    graphs.run_ahead(step, pool, (2, 1, 1, 1), torch.device("cpu"), first_blocks=1)
+    assert calls == []

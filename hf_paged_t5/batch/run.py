@@ -286,8 +286,7 @@ class BatchRun:
             # whole stack of host work later.
             for length in lengths:
                 encode(length, blocks=1)
-            runtime.runner.step_ahead(model, cache, device, rows, key, blocks=1)
-            runtime.runner.step_ahead(model, cache, device, rows, key)
+            runtime.runner.step_ahead(model, cache, device, rows, key, first_blocks=1)
             for length in lengths:
                 packed = encode(length)
             store_cross_ahead(model.decoder, runtime.ops_for, pool, packed)

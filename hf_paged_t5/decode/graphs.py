@@ -196,13 +196,18 @@ class DecodeGraphs:
             static.meta.self_block_table[:rows, : device_table.shape[1]].copy_(device_table)
         return static
 
-    def run_ahead(self, step_fn, pool: KVPool, key: tuple, device: torch.device) -> None:
+    def run_ahead(self, step_fn, pool: KVPool, key: tuple, device: torch.device,
+                  first_blocks: Optional[int] = None) -> None:
         """`step_fn` once on new static buffers of graph key `key` (`predicted_key`), where no
-        graph of that key exists: inside a compile-only pass its kernels compile; nothing is kept."""
+        graph of that key exists: inside a compile-only pass its kernels compile; nothing is kept.
+        `first_blocks`: `step_fn(..., blocks=first_blocks)` first, on the same buffers."""
         if key in self._graphs:
             return
         static = self._buffers(pool, key, device)
-        step_fn(static.input_ids, lambda _device: static.meta)
+        meta_for = lambda _device: static.meta  # noqa: E731
+        if first_blocks is not None:
+            step_fn(static.input_ids, meta_for, blocks=first_blocks)
+        step_fn(static.input_ids, meta_for)
 
     @staticmethod
     def replay(static: _StaticStep, step_fn) -> None:

@@ -10,7 +10,6 @@ replayed CUDA graph where the call's plan allows it, eagerly otherwise.
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 import weakref
 from typing import Callable, Optional
@@ -78,16 +77,17 @@ class DecodeRunner:
         return plan
 
     def step_ahead(self, model: nn.Module, cache, device: torch.device, rows: int, key: tuple,
-                   blocks: Optional[int] = None) -> None:
+                   first_blocks: Optional[int] = None) -> None:
         """The first decode step of a call or job about to start (its plan for `rows` rows, a
         static step of graph key `key`, the one its first step will have: `graphs.predicted_key`)
         run once, for a compile-only pass (`kernels/ahead.py`) that also holds its encoder's
-        launches: both passes' kernels then compile at once. `blocks`: its first `blocks` decoder
-        layers only, then the final norm and the LM head (each kernel the step launches, requested
-        without the host work of every layer). Where the plan replays no graph, nothing."""
+        launches: both passes' kernels then compile at once. `first_blocks`: the step walked
+        through its first `first_blocks` decoder layers (then the final norm and the LM head)
+        before the whole step, on the same buffers: each kernel the step launches is requested
+        without the host work of every layer. Where the plan replays no graph, nothing."""
         plan = self.plan(model, cache, device, rows)
         if plan.use_graph:
-            self.graphs.run_ahead(functools.partial(plan.step, blocks=blocks), cache.pool, key, device)
+            self.graphs.run_ahead(plan.step, cache.pool, key, device, first_blocks)
 
     def forget(self, cache) -> None:
         """Drop the cache's plan: its next step builds one again (e.g. its row count moved past
