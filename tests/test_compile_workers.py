@@ -293,3 +293,82 @@ def test_a_cold_batch_job_sends_its_last_rows_step_to_the_workers(tmp_path):
     assert report["sent"] > 0, report
     assert report["later"] and all(report["later"]), report  # the 64-row graph's loads: cache hits
     assert report["equal"] == [True, True], report
+
+
+def test_free_counts_ready_idle_workers_less_the_queue(monkeypatch):
+    """`free()`: workers started up with no job, less the jobs queued for them; none in a forked child."""
+    class Worker:
+        def __init__(self, ready, job):
+            self.ready, self.job = ready, job
+
+    monkeypatch.setattr(compile_workers._Pool, "pid", os.getpid())
+    monkeypatch.setattr(compile_workers._Pool, "workers", [Worker(True, None), Worker(True, None),
+                                                           Worker(False, None), Worker(True, object())])
+    monkeypatch.setattr(compile_workers._Pool, "queue", compile_workers.collections.deque())
+    assert compile_workers.free() == 2
+    compile_workers._Pool.queue.append(object())
+    assert compile_workers.free() == 1
+    compile_workers._Pool.queue.extend([object(), object()])
+    assert compile_workers.free() == 0
+    monkeypatch.setattr(compile_workers._Pool, "pid", os.getpid() + 1)
+    assert compile_workers.free() == 0
+
+
+def test_a_passs_compiles_go_to_free_workers_and_the_rest_to_its_pool(monkeypatch):
+    """Inside a pass, `compile_in_workers` sends each new compile to the workers while one is free
+    and to the pass's own mode (its pool, which the pass waits for) once none is; a compile either
+    already holds is not asked for again, and `compile_elsewhere` inside it still queues for the
+    workers (a later call's binaries: the pass must not wait for them)."""
+    import concurrent.futures
+
+    from hf_paged_t5.kernels import ahead
+
+    if ahead.AsyncCompileMode is None:
+        pytest.skip("this Triton has no async-compile mode")
+
+    class Pool:  # the pass's own mode
+        def __init__(self):
+            self.future_kernels = {"held": "the pool's"}
+
+        def submit(self, key, compile_fn, finalize_fn, *cleanup):
+            self.future_kernels[key] = f"pool {key}"
+            return self.future_kernels[key]
+
+    free, sent = [2], []
+
+    def submit(key, compile_fn):
+        sent.append(key)
+        free[0] = max(0, free[0] - 1)
+        return concurrent.futures.Future()
+
+    monkeypatch.setattr(compile_workers, "free", lambda: free[0])
+    monkeypatch.setattr(compile_workers, "submit", submit)
+    monkeypatch.setattr(ahead, "elsewhere_available", lambda: True)
+    kernel_cache = {}
+
+    def finalizer(key):
+        def finalize_compile(kernel):
+            kernel_cache[key] = kernel
+        return finalize_compile
+
+    def ask(key):
+        return ahead._active_mode.get().submit(key, lambda: None, finalizer(key), lambda kernel: None)
+
+    with ahead.compile_in_workers() as sending:  # outside a pass: nothing changes
+        assert sending is False and ahead._active_mode.get() is None
+    pool = Pool()
+    only, mode = ahead._COMPILE_ONLY.set(True), ahead._active_mode.set(pool)
+    try:
+        with ahead.compile_in_workers() as sending:
+            assert sending
+            first, second = ask("a"), ask("b")
+            assert sent == ["a", "b"] and kernel_cache == {"a": first, "b": second}
+            assert ask("c") == "pool c" and ask("a") is first and ask("held") == "the pool's"
+            with ahead.compile_elsewhere():
+                ask("d")  # no worker free, queued for them all the same
+                assert ask("b") is second and ask("c") == "pool c"
+            assert sent == ["a", "b", "d"] and set(pool.future_kernels) == {"held", "c"}
+        assert ahead._active_mode.get() is pool
+    finally:
+        ahead._active_mode.reset(mode)
+        ahead._COMPILE_ONLY.reset(only)

@@ -249,8 +249,10 @@ class BatchRun:
 
     def _compile_ahead(self, admitted: list[Request], pool: KVPool) -> None:
         """A cold process: before an admission's first chunk, the kernels of its encoder chunks,
-        cross K/V stores and next decode step compile at once on a pool, none run
-        (`PagedRuntime.compile_ahead`). The encoder runs once per prefill configuration of inputs up
+        cross K/V stores and next decode step compile at once, none run
+        (`PagedRuntime.compile_ahead`): in the compile worker processes where they are free, else on
+        the pass's pool, whose compiles alone the pass waits for (the first launch of a worker's
+        binary waits for that one). The encoder runs once per prefill configuration of inputs up
         to the longest admitted (`attention.prefill_lengths`; a chunk of shorter inputs launches
         another binary than the longest's), the step on static buffers of the graph key the rows
         admitted give it; what each of them compiles is requested first (one encoder layer per
@@ -284,12 +286,15 @@ class BatchRun:
             # later layers reach). A full walk first would request the next binaries, the decode
             # attention's (the pass's last to finish once the prefill binary shortened), only a
             # whole stack of host work later.
-            for length in lengths:
-                encode(length, blocks=1)
-            runtime.runner.step_ahead(model, cache, device, rows, key, first_blocks=1)
-            for length in lengths:
-                packed = encode(length)
-            store_cross_ahead(model.decoder, runtime.ops_for, pool, packed)
+            # The compiles go to the compile workers where one is free (`compile_in_workers`): on
+            # the pass's threads they would run one after another under the interpreter's lock.
+            with attention_ops.compile_in_workers(device):
+                for length in lengths:
+                    encode(length, blocks=1)
+                runtime.runner.step_ahead(model, cache, device, rows, key, first_blocks=1)
+                for length in lengths:
+                    packed = encode(length)
+                store_cross_ahead(model.decoder, runtime.ops_for, pool, packed)
             # Where the process has compile workers: the step of the fewest rows a graph serves,
             # which a job reaches as its last rows finish and whose decode launches may differ
             # (`kernels.launch.decode_config`: 64 rows over long sources), compiled there while the

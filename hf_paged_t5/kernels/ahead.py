@@ -13,6 +13,12 @@ first compile, Triton's source hash runs on a thread while this one builds the d
 starts CUDA's and cuBLAS's handles with one small GEMM (quick where `triton_start` began them
 early; its caller waits for that thread first).
 
+`compile_in_workers()`, inside a pass: its launches compile in the worker processes where one is
+free, else on the pool, and leaving the pass waits only for the pool's (the first real launch of a
+worker's binary waits for that one). On the pool's threads a pass's compiles run largely one after
+another (a Triton compile holds the interpreter's lock for most of its time) and slow the walk
+that asks for them; in the workers they run side by side. A batch job's pass runs inside it.
+
 `compile_elsewhere()`, inside a pass: launches whose binaries a later call may need (another row
 count's) compile in the worker processes (`compile_workers`), not on the pool; leaving the pass
 does not wait for them. Each one's future goes into the kernel's cache at once (Triton 3.6 puts a
@@ -210,14 +216,28 @@ if AsyncCompileMode is not None:
 
     class _Elsewhere(AsyncCompileMode):
         """Triton's async-compile mode with its compiles sent to the worker processes; a compile
-        the pass's own mode (`outer`) already runs is that one's."""
+        an enclosing mode (`outer`, and its own outer) already runs is that one's. `spill`: a
+        compile that finds no worker free goes to `outer` instead (the pass's pool), not to the
+        workers' queue."""
 
-        def __init__(self, outer) -> None:
+        def __init__(self, outer, spill: bool = False) -> None:
             super().__init__(None)
-            self.outer = outer
+            self.outer, self.spill = outer, spill
+
+        def known(self, key):
+            """The future of `key` this mode or an enclosing one holds (None: none)."""
+            mode = self
+            while mode is not None:
+                kernel = getattr(mode, "future_kernels", {}).get(key)
+                if kernel is not None:
+                    return kernel
+                mode = getattr(mode, "outer", None)
+            return None
 
         def submit(self, key, compile_fn, finalize_fn, cleanup_fn=None):
-            kernel = self.future_kernels.get(key) or getattr(self.outer, "future_kernels", {}).get(key)
+            kernel = self.known(key)
+            if kernel is None and self.spill and compile_workers.free() < 1:
+                return self.outer.submit(key, compile_fn, finalize_fn, *(() if cleanup_fn is None else (cleanup_fn,)))
             if kernel is None:
                 future = compile_workers.submit(key, compile_fn)
                 kernel = (FutureKernel(finalize_fn, cleanup_fn or (lambda _kernel: None), future)
@@ -241,6 +261,24 @@ def _into_kernel_cache(kernel, finalize_fn) -> None:
 def elsewhere_available() -> bool:
     """Whether `compile_elsewhere` sends compiles anywhere (this process has compile workers)."""
     return AsyncCompileMode is not None and compile_workers.running()
+
+
+@contextlib.contextmanager
+def compile_in_workers() -> Iterator[bool]:
+    """Inside a pass (`compile_ahead`): this thread's launches compile in a worker process where one
+    is free when the launch asks, else on the pass's pool; leaving the pass waits only for the
+    pool's (a launch that needs a worker's binary waits for it, as after `compile_elsewhere`). A
+    Triton compile holds the interpreter's lock for most of its time, so a pass's compiles on the
+    pool's threads run one after another and slow the walk that asks for them; in the workers
+    they run side by side. Yields whether any worker can take them (as `compile_elsewhere`)."""
+    if not _COMPILE_ONLY.get() or not elsewhere_available():
+        yield False
+        return
+    token = _active_mode.set(_Elsewhere(_active_mode.get(), spill=True))
+    try:
+        yield True
+    finally:
+        _active_mode.reset(token)
 
 
 @contextlib.contextmanager

@@ -179,6 +179,16 @@ def pending() -> int:
         return len(_Pool.queue) + sum(worker.job is not None for worker in _Pool.workers)
 
 
+def free() -> int:
+    """Workers of this process ready for a compile now: started up, with none running or queued for
+    them (0 without workers, or while they start)."""
+    with _Pool.lock:
+        if _Pool.pid != os.getpid():
+            return 0
+        idle = sum(worker.ready and worker.job is None for worker in _Pool.workers)
+        return max(0, idle - len(_Pool.queue))
+
+
 def sent() -> int:
     """Compiles this process has sent to its workers so far."""
     with _Pool.lock:

@@ -63,6 +63,20 @@ def compile_elsewhere(device: torch.device) -> Iterator[bool]:
         yield sending
 
 
+@contextlib.contextmanager
+def compile_in_workers(device: torch.device) -> Iterator[bool]:
+    """`kernels.ahead.compile_in_workers` on a CUDA device (inside a compile-only pass, launches
+    compile in a free compile worker process, else on the pass's pool; yields whether workers can
+    take them); elsewhere it yields False."""
+    if device.type != "cuda" or f"{__package__.rsplit('.', 1)[0]}.kernels.ahead" not in sys.modules:
+        yield False
+        return
+    from ..kernels import ahead
+
+    with ahead.compile_in_workers() as sending:
+        yield sending
+
+
 def kernel_binaries() -> int:
     """`kernels.ahead.binaries()`: the package's Triton binaries loaded in this process; 0 where its
     Triton kernels were never imported (the CPU backend)."""
