@@ -51,30 +51,28 @@ def compile_ahead_for(device: torch.device, backend: str):
 
 
 @contextlib.contextmanager
-def compile_elsewhere(device: torch.device) -> Iterator[bool]:
-    """`kernels.ahead.compile_elsewhere` on a CUDA device (inside a compile-only pass, launches
-    compile in the compile worker processes; yields whether they do); elsewhere it yields False."""
+def _in_ahead(device: torch.device, name: str) -> Iterator[bool]:
+    """`kernels.ahead.<name>()` on a CUDA device where the kernels are imported; else yields False."""
     if device.type != "cuda" or f"{__package__.rsplit('.', 1)[0]}.kernels.ahead" not in sys.modules:
         yield False
         return
     from ..kernels import ahead
 
-    with ahead.compile_elsewhere() as sending:
+    with getattr(ahead, name)() as sending:
         yield sending
 
 
-@contextlib.contextmanager
-def compile_in_workers(device: torch.device) -> Iterator[bool]:
+def compile_elsewhere(device: torch.device) -> contextlib.AbstractContextManager:
+    """`kernels.ahead.compile_elsewhere` on a CUDA device (inside a compile-only pass, launches
+    compile in the compile worker processes; yields whether they do); elsewhere it yields False."""
+    return _in_ahead(device, "compile_elsewhere")
+
+
+def compile_in_workers(device: torch.device) -> contextlib.AbstractContextManager:
     """`kernels.ahead.compile_in_workers` on a CUDA device (inside a compile-only pass, launches
     compile in a free compile worker process, else on the pass's pool; yields whether workers can
     take them); elsewhere it yields False."""
-    if device.type != "cuda" or f"{__package__.rsplit('.', 1)[0]}.kernels.ahead" not in sys.modules:
-        yield False
-        return
-    from ..kernels import ahead
-
-    with ahead.compile_in_workers() as sending:
-        yield sending
+    return _in_ahead(device, "compile_in_workers")
 
 
 def kernel_binaries() -> int:
