@@ -72,14 +72,15 @@ def make_batch(lengths, seq_len=None, padding_side="right", seed=1, vocab=VOCAB,
     return ids.to(device), mask.to(device)
 
 
-def run_cold(script: str, tmp_path) -> dict:
-    """`script` run by a fresh Python with an empty Triton cache under `tmp_path`; the JSON object
-    of its last printed line (a cold process: what a new machine, container or CI job gives)."""
+def run_cold(script: str, tmp_path, **env_vars: str) -> dict:
+    """`script` run by a fresh Python with an empty Triton cache under `tmp_path` (and `env_vars`
+    set); the JSON object of its last printed line (a cold process: what a new machine, container
+    or CI job gives)."""
     import json
     import subprocess
     import sys
 
-    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton"), **env_vars}
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300,
                           check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -221,10 +221,10 @@ with torch.inference_mode():
 
 
 def test_a_cold_first_call_compiles_its_kernels_on_the_pool_and_gives_the_same_bits(tmp_path):
-    """A fresh process with an empty Triton cache: every compile of the first encoder call runs on
-    the compile pool (none on the caller's thread), and the output is the one a second model gets
+    """A fresh process with an empty Triton cache and no compile workers: every compile of the
+    first encoder call runs on the compile pool (none on the caller's thread), and the output is the one a second model gets
     once the kernels are compiled."""
-    report = run_cold(_COLD_SCRIPT, tmp_path)
+    report = run_cold(_COLD_SCRIPT, tmp_path, HF_PAGED_T5_COMPILE_WORKERS="0")
     assert report["first_threads"], "the cold call compiled nothing: the Triton cache was not empty"
     assert all(name.startswith("hf_paged_t5-compile") for name in report["first_threads"]), report
     assert report["later"] == [] and report["equal"], report

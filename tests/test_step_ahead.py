@@ -147,12 +147,12 @@ print(json.dumps(dict(first_threads=first_threads, passes=first_passes, later=th
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_cold_generate_compiles_every_kernel_in_its_encoders_pass(tmp_path):
-    """A fresh process with an empty Triton cache: the first generate() compiles every kernel on
-    the pool, all of them in its encoder's pass (the decode step's own pass, at its capture, finds
+    """A fresh process with an empty Triton cache and no compile workers: the first generate()
+    compiles every kernel on the pool, all of them in its encoder's pass (the decode step's own pass, at its capture, finds
     them compiled), and gives the tokens a second model gets once the kernels are compiled.
     Where Triton builds a C launcher per kernel signature, each was built on the pass's launcher
     threads, beside its compile (`ahead._launcher_build`), none at the binary's load after it."""
-    report = run_cold(_COLD_GENERATE, tmp_path)
+    report = run_cold(_COLD_GENERATE, tmp_path, HF_PAGED_T5_COMPILE_WORKERS="0")
     if report["c_launchers"]:
         assert report["launchers"], report
         assert all(name.startswith("hf_paged_t5-launcher") for name in report["launchers"]), report

@@ -19,7 +19,7 @@ from ..config import PagedCacheConfig
 from ..decode.runner import DecodeRunner
 from ..kv.pool import KVPool, LayerSpec
 from ..model import bias as bias_mod
-from ..model.attention import OnDevice, backend_ops, run_compiled_ahead
+from ..model.attention import OnDevice, backend_ops, compile_in_workers, run_compiled_ahead
 from ..model.encoder_graphs import BUCKETS, EncoderGraphs
 from ..model.packing import HookWatch
 from ..model.probe import output_scale
@@ -70,7 +70,9 @@ class PagedRuntime:
         so the real call that follows finds them compiled. A failure there is the real call's to
         raise: it is logged at debug level and the real call runs as it would have. Inside a
         generate() call, the pass also runs what the call registered (`also_ahead`: its first
-        decode step and cross K/V store), so their kernels compile on the same pool, at once."""
+        decode step and cross K/V store), so their kernels compile on the same pool, at once.
+        The pass's compiles go to the compile workers where one is free (`compile_in_workers`): on
+        the pool's threads they run largely one after another under the interpreter's lock."""
         key = (device, kind)
         if key in self.compiled_ahead:
             return
@@ -78,9 +80,10 @@ class PagedRuntime:
         extra = self._also_ahead if self.runner.owned_here() else None
 
         def everything():
-            forward()
-            if extra is not None:
-                extra()
+            with compile_in_workers(device):
+                forward()
+                if extra is not None:
+                    extra()
 
         # (after Triton's start-up, begun on a thread at import: its sources hashed once, not twice)
         run_compiled_ahead(device, self.config.resolve_backend(device), everything, str(kind),
