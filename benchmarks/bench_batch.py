@@ -9,7 +9,9 @@ Static batching cannot give rows their own lengths, so each static batch runs to
 until the batch's last row stops at its EOS. Only the n wanted tokens of each input are counted, for
 every system: tokens/s = sum(n) / wall time, encoder included. Static batches are sorted by input
 length (least padding), as in a well-tuned HF job; each static system uses the best batch size of a
-small sweep on a probe subset. Model: random weights with the t5-large shape, bf16; HF with SDPA.
+sweep on a probe subset of twice its largest batch size (so every size runs two or more full
+batches: on a probe of one batch the two largest sizes would run the same batch, and noise would
+pick between them). Model: random weights with the t5-large shape, bf16; HF with SDPA.
 
 HF is slow, so it runs on a random subset (`--hf-inputs`) and, like the static paged run, stops at
 its share of `--time-budget` (batches run in shuffled order, so a partial run is a random sample); the
@@ -242,7 +244,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--shape", default=None, help="model shape (default t5-large; tiny with --quick)")
     ap.add_argument("--num-inputs", type=int, default=None, help="inputs (default 2000; 40 with --quick)")
     ap.add_argument("--hf-inputs", type=int, default=None, help="HF's random subset (default 256; 16 --quick)")
-    ap.add_argument("--probe-inputs", type=int, default=None, help="batch-size sweep subset (default 64)")
+    ap.add_argument("--probe-inputs", type=int, default=None,
+                    help="batch-size sweep subset (default: twice the system's largest batch size)")
     ap.add_argument("--hf-batch-sizes", default=None, help="HF sweep (default 16,32,64)")
     ap.add_argument("--static-batch-sizes", default=None, help="static paged sweep (default 32,64,128)")
     ap.add_argument("--batch-tokens", type=int, default=262144, help="BatchGenerator max_batch_tokens")
@@ -259,7 +262,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.shape = args.shape or ("tiny" if quick else "t5-large")
     args.num_inputs = args.num_inputs or (40 if quick else 2000)
     args.hf_inputs = args.hf_inputs or (16 if quick else 256)
-    args.probe_inputs = args.probe_inputs or (16 if quick else 64)
     args.hf_batch_sizes = [int(s) for s in (args.hf_batch_sizes or ("4,8" if quick else "16,32,64")).split(",")]
     static_sizes = args.static_batch_sizes or ("4,8" if quick else "32,64,128")
     args.static_batch_sizes = [int(s) for s in static_sizes.split(",")]
@@ -294,7 +296,11 @@ def measure(model, items, args, compiles, deadline: float) -> dict:
     """BatchGenerator, then patched generate() in static batches, then HF: the report's results."""
     device, vocab = args.device, model.config.vocab_size
     rng = random.Random(2)
-    probe = rng.sample(items, min(args.probe_inputs, len(items)))
+
+    def probe_size(sizes) -> int:  # every batch size of the sweep runs two or more full batches
+        return min(args.probe_inputs or 2 * max(sizes), len(items))
+
+    probe = rng.sample(items, max(probe_size(args.static_batch_sizes), probe_size(args.hf_batch_sizes)))
     hf_items = rng.sample(items, min(args.hf_inputs, len(items)))
     if args.defaults:  # what a user gets: the default pool and budget, the first job in the process timed
         hp.patch_model(model)
@@ -330,7 +336,8 @@ def measure(model, items, args, compiles, deadline: float) -> dict:
 
     print("patched generate(), static batches: sweep", flush=True)
     static_deadline = time.perf_counter() + 0.4 * max(deadline - time.perf_counter(), 0.0)
-    size, static_sweep = sweep(model, probe, args.static_batch_sizes, device, static_deadline, True, compiles)
+    size, static_sweep = sweep(model, probe[:probe_size(args.static_batch_sizes)], args.static_batch_sizes, device,
+                               static_deadline, True, compiles)
     warm_static_paged(model, items, size, device)
     static = run_static(model, items, size, device, static_deadline, compiles)
     print(f"  batch {size}: {static['tokens_per_s']:.0f} tok/s over {static['inputs']} inputs "
@@ -341,7 +348,8 @@ def measure(model, items, args, compiles, deadline: float) -> dict:
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
     print("HF generate(), static batches: sweep", flush=True)
-    hf_size, hf_sweep = sweep(model, probe, args.hf_batch_sizes, device, deadline, False, compiles)
+    hf_size, hf_sweep = sweep(model, probe[:probe_size(args.hf_batch_sizes)], args.hf_batch_sizes, device, deadline,
+                              False, compiles)
     hf = run_static_halving(model, hf_items, hf_size, device, deadline, compiles)
     print(f"  batch {hf_size}: {hf['tokens_per_s']:.0f} tok/s over {hf['inputs']} inputs", flush=True)
 
@@ -356,6 +364,7 @@ def measure(model, items, args, compiles, deadline: float) -> dict:
         speedup_vs_hf=batch_gen["tokens_per_s"] / hf["tokens_per_s"],
         runs=dict(batch_generator=batch_gen, static_paged=static, hf=hf),
         sweeps=dict(static_paged=static_sweep, hf=hf_sweep),
+        probe_inputs=dict(static_paged=probe_size(args.static_batch_sizes), hf=probe_size(args.hf_batch_sizes)),
         hf_subset=(f"HF measured on {hf['inputs']} of {len(items)} inputs (a random subset, whole batches in "
                    f"random order), the other systems on {batch_gen['inputs']} and {static['inputs']}"),
     )

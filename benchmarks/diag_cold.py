@@ -1,11 +1,13 @@
 """Where a cold first generate() spends its seconds, and whether its Triton compiles run in parallel.
 
-    python benchmarks/diag_cold.py [--shape t5-large] [--src-len 300] [--new-tokens 64] [--out DIR]
+    python benchmarks/diag_cold.py [--shape t5-large] [--src-len 300] [--new-tokens 64]
+                                   [--profile N [--profile-call I]] [--out DIR]
     python benchmarks/diag_cold.py --encoder t5-v1_1-xxl [--encoder-layers 4] [--src-len 512] [--stock]
 
 Runs itself in a fresh process with an empty TRITON_CACHE_DIR. There it builds the random-weight
-model (bf16, not timed), patches it and times three calls: the first generate() (1 row), a first
-call at a new batch size and a first beam call. For each call the seconds are split into Triton
+model (bf16, not timed), patches it and times five calls: the first generate() (1 row), a first
+call at a new batch size, a first beam call, and each of the last two again (warm: what those
+first calls cost beyond the work itself). For each call the seconds are split into Triton
 compiles (each compile's own wall time, by kernel), CUDA graph captures (capture_begin to
 capture_end, less the compiles inside them) and the rest (HF's preamble, the encoder, allocation,
 the decode steps). Then it compiles every kernel of those calls again into new empty cache
@@ -117,7 +119,9 @@ def worker(args) -> dict:
         calls = [("first encoder call", 1, 0), ("second (graph capture)", 1, 0), ("third (replay)", 1, 0)]
     else:
         calls = [("first generate(), batch 1", 1, 1), (f"first call at batch {args.new_batch}", args.new_batch, 1),
-                 (f"first beam call, {args.beams} beams", 1, args.beams)]
+                 (f"first beam call, {args.beams} beams", 1, args.beams),
+                 (f"second call at batch {args.new_batch}", args.new_batch, 1),
+                 (f"second beam call, {args.beams} beams", 1, args.beams)]
     with torch.inference_mode():
         for label, batch, beams in calls:
             ids, mask = common.random_inputs(batch, args.src_len, "cuda", model.config.vocab_size)
@@ -125,7 +129,7 @@ def worker(args) -> dict:
                 mask = None  # as Flux and SD3 call it
             first_compile, first_capture, first_spec = len(compiles), len(captures), len(specs)
             torch.cuda.synchronize()
-            profiler = cProfile.Profile() if args.profile and not rows else None
+            profiler = cProfile.Profile() if args.profile and len(rows) == args.profile_call else None
             start = time.perf_counter()
             if profiler is not None:
                 profiler.enable()
@@ -208,7 +212,7 @@ def worker(args) -> dict:
             attempt(name, fn)
     else:
         replay["note"] = "this Triton's post-compile hook gives no specialization data: no replay"
-    return dict(first_call_profile=profile, shape=args.encoder or args.shape, stock=args.stock, src_len=args.src_len, new_tokens=args.new_tokens, patch_model_s=patch_s,
+    return dict(profiled_call=calls[args.profile_call][0] if args.profile else None, profile=profile, shape=args.encoder or args.shape, stock=args.stock, src_len=args.src_len, new_tokens=args.new_tokens, patch_model_s=patch_s,
                 rows=rows, compiles_total=len(compiles), compile_s_total=total, kernels_replayed=len(kernels),
                 replay=replay, cpu_count=os.cpu_count(), triton=triton.__version__)
 
@@ -224,13 +228,17 @@ def main(argv=None) -> None:
     ap.add_argument("--encoder-layers", type=int, default=4)
     ap.add_argument("--stock", action="store_true", help="time the unpatched model's first calls")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
-                    help="profile the first generate() (cProfile) and keep its N costliest functions")
+                    help="profile the first call (cProfile) and keep its N costliest functions")
+    ap.add_argument("--profile-call", type=int, default=0, choices=range(5), metavar="I",
+                    help="with --profile: the call to profile instead of the first (0-4, in the order above)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         print(RESULT_PREFIX + json.dumps(worker(args)), flush=True)
         return
+    if args.encoder and args.profile_call > 2:
+        ap.error("--profile-call: an encoder run times three calls (0-2)")
     import common  # benchmarks/ is on sys.path
 
     common.require_cuda("diag_cold.py")
@@ -241,7 +249,7 @@ def main(argv=None) -> None:
                                                        os.environ.get("PYTHONPATH")]))}
     argv = [sys.executable, __file__, "--worker", "--shape", args.shape, "--src-len", str(args.src_len),
             "--new-tokens", str(args.new_tokens), "--new-batch", str(args.new_batch), "--beams", str(args.beams),
-            "--profile", str(args.profile), "--encoder-layers", str(args.encoder_layers)]
+            "--profile", str(args.profile), "--profile-call", str(args.profile_call), "--encoder-layers", str(args.encoder_layers)]
     argv += ["--encoder", args.encoder] if args.encoder else []
     argv += ["--stock"] if args.stock else []
     proc = subprocess.run(argv, capture_output=True, text=True, cwd=common.REPO, env=env, check=False)
@@ -262,7 +270,9 @@ def main(argv=None) -> None:
             for summary in r.get("compiled", []):
                 print("    compiled:", summary)
     print("replay of", report["kernels_replayed"], "kernels:", report["replay"])
-    for entry in [e for part in (report["first_call_profile"] or {}).values() for e in part]:
+    if report["profile"]:
+        print("profile of", report["profiled_call"])
+    for entry in [e for part in (report["profile"] or {}).values() for e in part]:
         print(f"{entry['cumulative_s']:8.3f} s cumulative {entry['own_s']:8.3f} s own {entry['calls']:7d} calls  "
               f"{entry['function']}")
 

@@ -428,3 +428,20 @@ def test_calling_thread_stalls_count_that_threads_compiles_and_loads(tmp_path):
     assert report["after_other"] == dict(compile=0.0, load=0.0, capture=0.0)
     assert report["after_main"]["compile"] > 0.01 and report["after_main"]["load"] >= 0.05
     assert report["after_main"]["capture"] == 0.0
+
+
+def test_bench_batch_sweeps_each_system_on_two_batches_of_its_largest_size(tmp_path, one_thread):
+    """bench_batch's static sweeps (--quick, CPU): each system's probe holds twice its largest batch
+    size, so every size runs full batches of its own (on a one-batch probe the two largest sizes
+    ran the same batch, and noise picked between them); the chosen size is the sweep's best."""
+    import bench_batch
+
+    bench_batch.main(["--quick", "--device", "cpu", "--static-batch-sizes", "2,4,8", "--hf-batch-sizes", "2,4",
+                      "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "batch.json").read_text())
+    assert report["probe_inputs"] == dict(static_paged=16, hf=8), report["probe_inputs"]
+    for system, sizes in (("static_paged", ("2", "4", "8")), ("hf", ("2", "4"))):
+        sweep = report["sweeps"][system]
+        assert set(sweep) == set(sizes) and all(sweep[s]["inputs"] == report["probe_inputs"][system] for s in sizes)
+        best = max(sizes, key=lambda s: sweep[s]["tokens_per_s"])
+        assert report["runs"][system]["batch_size"] == int(best)
