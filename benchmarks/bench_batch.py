@@ -11,7 +11,8 @@ every system: tokens/s = sum(n) / wall time, encoder included. Static batches ar
 length (least padding), as in a well-tuned HF job; each static system uses the best batch size of a
 sweep on a probe subset of twice its largest batch size (so every size runs two or more full
 batches: on a probe of one batch the two largest sizes would run the same batch, and noise would
-pick between them). Model: random weights with the t5-large shape, bf16; HF with SDPA.
+pick between them), halved where the whole workload's longest batches do not fit in memory (as a
+user of static batches would). Model: random weights with the t5-large shape, bf16; HF with SDPA.
 
 HF is slow, so it runs on a random subset (`--hf-inputs`) and, like the static paged run, stops at
 its share of `--time-budget` (batches run in shuffled order, so a partial run is a random sample); the
@@ -147,11 +148,17 @@ def run_static(model, items, batch_size: int, device: str, deadline: float, comp
                 graph_captures=common.graphs_captured(model) - captured, triton_compiles=compiles.count - compiled)
 
 
-def run_static_halving(model, items, batch_size: int, device: str, deadline: float, compiles) -> dict:
-    """`run_static`, halving the batch size on out-of-memory (longer inputs than the sweep saw)."""
+def run_static_halving(model, items, batch_size: int, device: str, deadline: float, compiles, warm=None) -> dict:
+    """`run_static` (after `warm(model, items, batch_size, device)` where given), halving the batch
+    size on out-of-memory (longer inputs than the sweep saw: what a user of static batches meets);
+    the result's `halved_from` names the size that did not fit."""
+    first = batch_size
     while True:
         try:
-            return run_static(model, items, batch_size, device, deadline, compiles)
+            if warm is not None:
+                warm(model, items, batch_size, device)
+            result = run_static(model, items, batch_size, device, deadline, compiles)
+            return dict(result, halved_from=first) if batch_size != first else result
         except torch.OutOfMemoryError:
             if batch_size == 1:
                 raise
@@ -247,7 +254,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--probe-inputs", type=int, default=None,
                     help="batch-size sweep subset (default: twice the system's largest batch size)")
     ap.add_argument("--hf-batch-sizes", default=None, help="HF sweep (default 16,32,64)")
-    ap.add_argument("--static-batch-sizes", default=None, help="static paged sweep (default 32,64,128)")
+    ap.add_argument("--static-batch-sizes", default=None, help="static paged sweep (default 32,64,128,256)")
     ap.add_argument("--batch-tokens", type=int, default=262144, help="BatchGenerator max_batch_tokens")
     ap.add_argument("--batch-rows", type=int, default=512, help="BatchGenerator max_batch_rows")
     ap.add_argument("--batch-repeats", type=int, default=2,
@@ -263,7 +270,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.num_inputs = args.num_inputs or (40 if quick else 2000)
     args.hf_inputs = args.hf_inputs or (16 if quick else 256)
     args.hf_batch_sizes = [int(s) for s in (args.hf_batch_sizes or ("4,8" if quick else "16,32,64")).split(",")]
-    static_sizes = args.static_batch_sizes or ("4,8" if quick else "32,64,128")
+    static_sizes = args.static_batch_sizes or ("4,8" if quick else "32,64,128,256")
     args.static_batch_sizes = [int(s) for s in static_sizes.split(",")]
     if quick and not args.defaults:
         args.batch_tokens, args.batch_rows = min(args.batch_tokens, 2048), min(args.batch_rows, 16)
@@ -338,8 +345,7 @@ def measure(model, items, args, compiles, deadline: float) -> dict:
     static_deadline = time.perf_counter() + 0.4 * max(deadline - time.perf_counter(), 0.0)
     size, static_sweep = sweep(model, probe[:probe_size(args.static_batch_sizes)], args.static_batch_sizes, device,
                                static_deadline, True, compiles)
-    warm_static_paged(model, items, size, device)
-    static = run_static(model, items, size, device, static_deadline, compiles)
+    static = run_static_halving(model, items, size, device, static_deadline, compiles, warm=warm_static_paged)
     print(f"  batch {size}: {static['tokens_per_s']:.0f} tok/s over {static['inputs']} inputs "
           f"({static['graph_captures']} graphs captured while timed)", flush=True)
 
@@ -394,6 +400,10 @@ def print_table(report: dict) -> None:
         ([label, runs[name].get("batch_size"), runs[name]["inputs"], f"{runs[name]['seconds']:.1f}",
           f"{runs[name]['tokens_per_s']:.0f}", f"{best / runs[name]['tokens_per_s']:.1f}x"] for name, label in labels))
     print(report["hf_subset"])
+    for name, label in labels[1:]:
+        if "halved_from" in runs[name]:
+            print(f"{label}: batch {runs[name]['halved_from']} (the sweep's best) ran out of memory on the whole "
+                  f"workload; batch {runs[name]['batch_size']} fit")
     if "first_job_vs_static" in report:
         print(f"defaults: first job {report['first_job_vs_static']:.2f}x static paged, {report['first_job_vs_hf']:.1f}x "
               f"HF (first result after {report['first_result_s']:.2f} s); second job "

@@ -445,3 +445,24 @@ def test_bench_batch_sweeps_each_system_on_two_batches_of_its_largest_size(tmp_p
         assert set(sweep) == set(sizes) and all(sweep[s]["inputs"] == report["probe_inputs"][system] for s in sizes)
         best = max(sizes, key=lambda s: sweep[s]["tokens_per_s"])
         assert report["runs"][system]["batch_size"] == int(best)
+
+
+def test_bench_batch_halves_a_static_size_that_does_not_fit_the_whole_workload(monkeypatch):
+    """The sweep's best static size runs out of memory on the whole workload (its longest inputs,
+    which the probe may lack): the run is retried at half the size, warmed again, and says so."""
+    import bench_batch
+
+    warmed, ran = [], []
+
+    def run_static(model, items, batch_size, device, deadline, compiles):
+        ran.append(batch_size)
+        if batch_size > 4:
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return dict(batch_size=batch_size, inputs=len(items), tokens=1, seconds=1.0, tokens_per_s=1.0)
+
+    monkeypatch.setattr(bench_batch, "run_static", run_static)
+    got = bench_batch.run_static_halving(None, [1, 2, 3], 16, "cpu", float("inf"), None,
+                                         warm=lambda model, items, size, device: warmed.append(size))
+    assert ran == [16, 8, 4] and warmed == [16, 8, 4]
+    assert got["batch_size"] == 4 and got["halved_from"] == 16
+    assert "halved_from" not in bench_batch.run_static_halving(None, [1], 2, "cpu", float("inf"), None)

@@ -225,6 +225,25 @@ def test_keyboard_interrupt_in_streamer_releases_blocks(patched_with_refs):
     _assert_still_serves_hf(model, kw, stock)
 
 
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_out_of_memory_in_the_cross_store_releases_blocks(patched_with_refs, monkeypatch, num_beams):
+    """Out of device memory while the cross K/V is stored (a batch too large for the card, as a
+    static-batch sweep meets): the error reaches the caller, the call's blocks go back to the pool,
+    and the next call, at any size, gives stock's tokens."""
+    from hf_paged_t5.model import stacks
+
+    model, kw, stock = patched_with_refs
+
+    def store_cross_packed(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(stacks, "store_cross_packed", store_cross_packed)
+        with pytest.raises(torch.OutOfMemoryError):
+            model.generate(**kw, num_beams=num_beams)
+    _assert_still_serves_hf(model, kw, stock)
+
+
 # ---- 3. pool exhaustion and growth ------------------------------------------------------------
 def _count_calls(module: nn.Module) -> list[int]:
     calls = [0]
