@@ -346,7 +346,7 @@ def measure(model, items, args, compiles, deadline: float) -> dict:
     size, static_sweep = sweep(model, probe[:probe_size(args.static_batch_sizes)], args.static_batch_sizes, device,
                                static_deadline, True, compiles)
     static = run_static_halving(model, items, size, device, static_deadline, compiles, warm=warm_static_paged)
-    print(f"  batch {size}: {static['tokens_per_s']:.0f} tok/s over {static['inputs']} inputs "
+    print(f"  batch {static['batch_size']}: {static['tokens_per_s']:.0f} tok/s over {static['inputs']} inputs "
           f"({static['graph_captures']} graphs captured while timed)", flush=True)
 
     hp.unpatch_model(model)

@@ -5,9 +5,8 @@
 Runs itself in a fresh process with an empty TRITON_CACHE_DIR, as `bench_cold.py`'s batch job
 does: builds the random-weight model (bf16, not timed), patches it with the defaults (timed:
 `patch_model_s`), then runs `bench_batch.py`'s long-tailed workload through a `BatchGenerator`
-with its defaults once. It
-records a timeline in seconds from just before the generator is made: the KV pool's
-(re)allocations, each `_compile_ahead` pass, each encoder chunk, the first decode steps, every
+with its defaults once. It records a timeline in seconds from just before the generator is made:
+the KV pool's (re)allocations, each `_compile_ahead` pass, each encoder chunk, the first decode steps, every
 Triton compile in this process (start and end; a binary a compile worker made is a cache hit
 here, milliseconds), every CUDA graph capture, and the first results; and a cProfile of the host
 from the generator's making to the first result (the functions with the most cumulative time),
