@@ -285,16 +285,14 @@ class BatchRun:
             # norm and LM head after it), then the full step and forwards (the kernels only the
             # later layers reach). A full walk first would request the next binaries, the decode
             # attention's (the pass's last to finish once the prefill binary shortened), only a
-            # whole stack of host work later.
-            # The compiles go to the compile workers where one is free (`compile_in_workers`): on
-            # the pass's threads they would run one after another under the interpreter's lock.
-            with attention_ops.compile_in_workers(device):
-                for length in lengths:
-                    encode(length, blocks=1)
-                runtime.runner.step_ahead(model, cache, device, rows, key, first_blocks=1)
-                for length in lengths:
-                    packed = encode(length)
-                store_cross_ahead(model.decoder, runtime.ops_for, pool, packed)
+            # whole stack of host work later. (`PagedRuntime.compile_ahead` runs this inside
+            # `compile_in_workers`: the compiles go to the compile workers where one is free.)
+            for length in lengths:
+                encode(length, blocks=1)
+            runtime.runner.step_ahead(model, cache, device, rows, key, first_blocks=1)
+            for length in lengths:
+                packed = encode(length)
+            store_cross_ahead(model.decoder, runtime.ops_for, pool, packed)
             # Where the process has compile workers: the step of the fewest rows a graph serves,
             # which a job reaches as its last rows finish and whose decode launches may differ
             # (`kernels.launch.decode_config`: 64 rows over long sources), compiled there while the
