@@ -17,7 +17,8 @@ early; its caller waits for that thread first).
 free, else on the pool, and leaving the pass waits only for the pool's (the first real launch of a
 worker's binary waits for that one). On the pool's threads a pass's compiles run largely one after
 another (a Triton compile holds the interpreter's lock for most of its time) and slow the walk
-that asks for them; in the workers they run side by side. A batch job's pass runs inside it.
+that asks for them; in the workers they run side by side. Every pass of
+`PagedRuntime.compile_ahead` runs inside it.
 
 `compile_elsewhere()`, inside a pass: launches whose binaries a later call may need (another row
 count's) compile in the worker processes (`compile_workers`), not on the pool; leaving the pass
