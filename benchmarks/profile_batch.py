@@ -4,7 +4,7 @@ Same workload and model as bench_batch.py (t5-large shape, bf16). Wraps the batc
 with perf_counter (no syncs added), and runs the job once more under a CUDA-only profiler to sum
 kernel time (GPU busy) against wall time.
 
-    python benchmarks/profile_batch.py [--num-inputs 2000] [--batch-rows 512] [--beams 1]
+    python benchmarks/profile_batch.py [--num-inputs 2000] [--batch-rows 512] [--beams 1] [--stacks NAME]
 
 With --beams K (beam search, K beams per input) the job's beam steps show as `_advance_beams`, and
 each input's K rows count against --batch-rows.
@@ -39,6 +39,9 @@ def main(argv=None) -> None:
     ap.add_argument("--batch-rows", type=int, default=512)
     ap.add_argument("--batch-tokens", type=int, default=262144)
     ap.add_argument("--beams", type=int, default=1, help="num_beams of the job (default: 1, greedy)")
+    ap.add_argument("--stacks", default=None, metavar="NAME",
+                    help="also run a tenth of the job with the host's ops recorded and print where the "
+                         "operators whose name contains NAME (e.g. 'index') were called from, with their GPU time")
     args = ap.parse_args(argv)
     common.require_cuda("profile_batch.py")
     model = common.make_model("t5-large", "sdpa", torch.bfloat16)
@@ -64,6 +67,15 @@ def main(argv=None) -> None:
     busy = sum(e.self_device_time_total for e in prof.key_averages()) / 1e6
     print(f"profiled quarter: wall {wall2:.2f} s, GPU kernel time {busy:.2f} s ({busy / wall2:.0%} busy)")
     print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=20))
+    if args.stacks:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+            job(model, items[: len(items) // 10], args.batch_rows, args.batch_tokens, args.beams)
+        rows = [e for e in prof.key_averages(group_by_stack_n=6) if args.stacks in e.key]
+        rows.sort(key=lambda e: -e.device_time_total)
+        for e in rows[:8]:
+            print(f"{e.key}: {e.count} calls, GPU {e.device_time_total / 1e3:.1f} ms")
+            for frame in e.stack:
+                print(f"    {frame}")
 
 
 if __name__ == "__main__":
