@@ -20,7 +20,7 @@ and z Wv^T (another), over the batch job's mix of source lengths (bench_batch's 
 uniform batches, µs per call in a CUDA graph, and each path's error against a float64 reference.
 
     python benchmarks/diag_absorbed_cross.py [--rows 512,320,128] [--uniform 64x512,128x512]
-        [--configs default|all] [--out DIR] [--quick]
+        [--configs default|all|split-d] [--splits 1,2,4] [--out DIR] [--quick]
 
 `--quick` runs tiny shapes through Triton's interpreter (CPU: TRITON_INTERPRET=1). Writes
 DIR/absorbed-cross.json (default DIR: benchmarks/results/<date>-<gpu>/, with its env.json).
@@ -67,6 +67,7 @@ def _absorbed_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLITS: tl.constexpr,
+    SPLIT_D: tl.constexpr,
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -79,6 +80,8 @@ def _absorbed_kernel(
     d_mask = ds < d_model
     qa = tl.load(qa_ptr + row * stride_qa_row + hs[:, None] * stride_qa_head + ds[None, :],
                  mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+    if SPLIT_D > 1:  # the scores' d_model sum as SPLIT_D batched dots of D_PAD // SPLIT_D (spread over warps)
+        qa3 = tl.permute(tl.reshape(qa, [H_PAD, SPLIT_D, D_PAD // SPLIT_D]), (1, 0, 2))
     m_i = tl.full([H_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([H_PAD], tl.float32)
     acc = tl.zeros([H_PAD, D_PAD], tl.float32)
@@ -88,7 +91,11 @@ def _absorbed_kernel(
         block = tl.load(table_ptr + row * stride_table + keys // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
         off = block * stride_e_block + (keys % BLOCK_SIZE) * stride_e_slot
         e = tl.load(e_ptr + off[:, None] + ds[None, :], mask=key_mask[:, None] & d_mask[None, :], other=0.0)
-        s = tl.dot(qa, tl.trans(e)) * 1.4426950408889634  # [H_PAD, BLOCK_N], log2 units
+        if SPLIT_D > 1:
+            e3 = tl.permute(tl.reshape(e, [BLOCK_N, SPLIT_D, D_PAD // SPLIT_D]), (1, 2, 0))
+            s = tl.sum(tl.dot(qa3, e3), axis=0) * 1.4426950408889634
+        else:
+            s = tl.dot(qa, tl.trans(e)) * 1.4426950408889634  # [H_PAD, BLOCK_N], log2 units
         s = tl.where(key_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -109,7 +116,7 @@ def _absorbed_kernel(
 
 def absorbed_attention(qa: torch.Tensor, e_pool: torch.Tensor, table: torch.Tensor, seq_lens: torch.Tensor,
                        max_seq_len: int, block_n: int = 16, num_warps: int = 8, num_stages: int = 2,
-                       splits: int = 1) -> torch.Tensor:
+                       splits: int = 1, split_d: int = 1) -> torch.Tensor:
     """z [rows, heads, d_model] = per head softmax(q'_h . E^T) E over each row's paged E."""
     rows, heads, d_model = qa.shape
     h_pad, d_pad = max(16, triton.next_power_of_2(heads)), triton.next_power_of_2(d_model)
@@ -120,7 +127,7 @@ def absorbed_attention(qa: torch.Tensor, e_pool: torch.Tensor, table: torch.Tens
     _absorbed_kernel[(rows, splits)](
         qa, e_pool, table, seq_lens, out, part, heads, d_model, keys_per_split,
         qa.stride(0), qa.stride(1), e_pool.stride(0), e_pool.stride(1), table.stride(0), out.stride(0), out.stride(1),
-        H_PAD=h_pad, D_PAD=d_pad, BLOCK_SIZE=e_pool.shape[1], BLOCK_N=block_n, SPLITS=splits,
+        H_PAD=h_pad, D_PAD=d_pad, BLOCK_SIZE=e_pool.shape[1], BLOCK_N=block_n, SPLITS=splits, SPLIT_D=split_d,
         num_warps=num_warps, num_stages=num_stages,
     )
     if splits == 1:
@@ -213,6 +220,9 @@ def mixes(args) -> list[tuple[str, list[int]]]:
 CONFIGS = {
     "default": [dict(block_n=16, num_warps=8, num_stages=2)],
     "all": [dict(block_n=bn, num_warps=w, num_stages=st) for bn in (16, 32) for w in (4, 8) for st in (1, 2, 3)],
+    # the scores' d_model sum split over warps (batched dots), longer tiles
+    "split-d": [dict(block_n=bn, num_warps=w, num_stages=st, split_d=sd) for bn, w, st, sd in (
+        (32, 8, 3, 1), (32, 8, 3, 4), (32, 8, 2, 8), (64, 8, 2, 4), (64, 8, 1, 8), (32, 4, 3, 4), (16, 8, 3, 8))],
 }
 
 
@@ -253,7 +263,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         variants = {f"paged_decode (default {cfg})": lambda: standard_sublayer(p, max_len)}
         for config in CONFIGS[args.configs]:
             for splits in (int(s) for s in args.splits.split(",")):
-                label = f"absorbed {config['block_n']} keys, {config['num_warps']} warps, {config['num_stages']} deep, {splits} split"
+                label = (f"absorbed {config['block_n']} keys, {config['num_warps']} warps, {config['num_stages']} deep, "
+                         f"{splits} split" + (f", d in {config['split_d']}" if config.get("split_d", 1) > 1 else ""))
                 variants[label] = lambda c=config, s=splits: absorbed_sublayer(p, max_len, splits=s, **c)
         wk_h = p["wk"].view(args.heads, args.head_dim, -1)
         qa = torch.bmm(p["q"].transpose(0, 1), wk_h).transpose(0, 1).contiguous()

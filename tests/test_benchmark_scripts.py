@@ -471,7 +471,8 @@ def test_bench_batch_halves_a_static_size_that_does_not_fit_the_whole_workload(m
 def test_diag_absorbed_cross_matches_both_references_at_awkward_sizes(tmp_path):
     """diag_absorbed_cross's kernel (the interpreter) gives float64's z = softmax(q' E^T) E over a
     paged, shuffled E pool at head counts below the dot's 16, a d_model that is no power of two and
-    rows that end mid-block, with one split or several (empty splits included); the whole absorbed
+    rows that end mid-block, with one split or several (empty splits included) and the scores'
+    d_model sum whole or in batched chunks; the whole absorbed
     path and paged_decode over the K/V that E gives agree with one float64 cross-attention."""
     import diag_absorbed_cross as dac
 
@@ -480,12 +481,11 @@ def test_diag_absorbed_cross_matches_both_references_at_awkward_sizes(tmp_path):
     wk_h = p["wk"].view(6, 16, 48)
     qa = torch.bmm(p["q"].transpose(0, 1), wk_h).transpose(0, 1)  # a strided view, as a step makes it
     want = dac.reference(qa, p["e_pool"], p["table"], lens)
-    for splits in (1, 3):
-        for block_n in (16, 32):
-            got = dac.absorbed_attention(qa, p["e_pool"], p["table"], p["seq_lens"], max(lens), block_n=block_n,
-                                         splits=splits)
-            assert got.shape == qa.shape
-            assert float((got.double() - want).abs().max()) < 1e-5 * float(want.abs().max()), (splits, block_n)
+    for splits, block_n, split_d in ((1, 16, 1), (1, 32, 2), (3, 16, 4), (3, 32, 1)):
+        got = dac.absorbed_attention(qa, p["e_pool"], p["table"], p["seq_lens"], max(lens), block_n=block_n,
+                                     splits=splits, split_d=split_d)
+        assert got.shape == qa.shape
+        assert float((got.double() - want).abs().max()) < 1e-5 * float(want.abs().max()), (splits, block_n, split_d)
     ref = dac.sublayer_reference(p, lens)
     for got in (dac.absorbed_sublayer(p, max(lens), splits=2), dac.standard_sublayer(p, max(lens))):
         assert float((got.double() - ref).norm() / ref.norm()) < 1e-5
