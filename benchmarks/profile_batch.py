@@ -68,14 +68,28 @@ def main(argv=None) -> None:
     print(f"profiled quarter: wall {wall2:.2f} s, GPU kernel time {busy:.2f} s ({busy / wall2:.0%} busy)")
     print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=20))
     if args.stacks:
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        with stack_profile([ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             job(model, items[: len(items) // 10], args.batch_rows, args.batch_tokens, args.beams)
-        rows = [e for e in prof.key_averages(group_by_stack_n=6) if args.stacks in e.key]
-        rows.sort(key=lambda e: -e.device_time_total)
-        for e in rows[:8]:
-            print(f"{e.key}: {e.count} calls, GPU {e.device_time_total / 1e3:.1f} ms")
-            for frame in e.stack:
-                print(f"    {frame}")
+        print("\n".join(call_sites(prof, args.stacks)))
+
+
+def stack_profile(activities):
+    """A profiler that records each operator's Python call stack (torch keeps an operator's stack only
+    with its verbose experimental config; without it `key_averages(group_by_stack_n=...)` has none)."""
+    config = torch._C._profiler._ExperimentalConfig(verbose=True)
+    return profile(activities=activities, with_stack=True, experimental_config=config)
+
+
+def call_sites(prof, name: str, top: int = 8, frames: int = 6) -> list[str]:
+    """Lines naming the operators whose name contains `name` (aten ops, not kernels), grouped by their
+    innermost `frames` Python frames, most device time first: calls, device ms, then the frames."""
+    ops = [e for e in prof.key_averages(group_by_stack_n=frames) if "::" in e.key and name in e.key]
+    ops.sort(key=lambda e: (-e.device_time_total, -e.count))
+    lines = []
+    for e in ops[:top]:
+        lines.append(f"{e.key}: {e.count} calls, GPU {e.device_time_total / 1e3:.1f} ms")
+        lines.extend(f"    {frame}" for frame in e.stack)
+    return lines
 
 
 if __name__ == "__main__":

@@ -493,3 +493,23 @@ def test_diag_absorbed_cross_matches_both_references_at_awkward_sizes(tmp_path):
               "--splits", "1,2", "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "absorbed-cross.json").read_text())["rows"]
     assert len(rows) == 2 * 4 and all("failed" not in r for r in rows) and max(r["rel_err"] for r in rows) < 1e-5
+
+
+def test_profile_batch_names_where_an_operator_was_called_from():
+    """profile_batch --stacks: each matching operator (not kernel) with its calls and the Python
+    frames it was called from, on a CPU profile here."""
+    import profile_batch
+    from torch.profiler import ProfilerActivity
+
+    def gather(x, i):
+        return x[i]
+
+    x, i = torch.randn(50, 4), torch.tensor([3, 1])
+    with profile_batch.stack_profile([ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            gather(x, i)
+        x.sum()
+    lines = profile_batch.call_sites(prof, "index")
+    assert lines[0].startswith("aten::index: 3 calls")
+    assert any("gather" in line for line in lines[1:]), lines
+    assert not any(line.startswith("aten::sum") for line in lines)
