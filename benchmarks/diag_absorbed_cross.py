@@ -139,12 +139,17 @@ def absorbed_attention(qa: torch.Tensor, e_pool: torch.Tensor, table: torch.Tens
     return z[:, :heads, :d_model].to(qa.dtype)
 
 
+def row_keys(e_pool: torch.Tensor, table: torch.Tensor, row: int, n: int) -> torch.Tensor:
+    """Row `row`'s first n encoder outputs gathered from the paged pool, float64 [n, d_model]."""
+    blocks = table[row, : -(-n // e_pool.shape[1])].long()
+    return e_pool[blocks].reshape(-1, e_pool.shape[-1])[:n].double()
+
+
 def reference(qa: torch.Tensor, e_pool: torch.Tensor, table: torch.Tensor, lens: list[int]) -> torch.Tensor:
     """float64 z of `absorbed_attention`, row by row."""
     out = []
     for row, n in enumerate(lens):
-        blocks = table[row, : -(-n // e_pool.shape[1])].long()
-        e = e_pool[blocks].reshape(-1, e_pool.shape[-1])[:n].double()
+        e = row_keys(e_pool, table, row, n)
         p = torch.softmax(qa[row].double() @ e.T, dim=-1)
         out.append(p @ e)
     return torch.stack(out)
@@ -169,12 +174,18 @@ def problem(lens: list[int], heads: int, head_dim: int, d_model: int, device, dt
                 seq_lens=torch.tensor(lens, dtype=torch.int32, device=device))
 
 
-def absorbed_sublayer(p: dict, max_seq_len: int, **config) -> torch.Tensor:
-    """The cross-attention output before `o` [rows, heads * head_dim] by way of q' and z."""
-    q, wk, wv = p["q"], p["wk"], p["wv"]
-    rows, heads, head_dim = q.shape
-    wk_h = wk.view(heads, head_dim, -1)  # [heads, head_dim, d_model]
-    qa = torch.bmm(q.transpose(0, 1), wk_h).transpose(0, 1)  # [rows, heads, d_model] (strided view)
+def absorbed_query(p: dict) -> torch.Tensor:
+    """q'_h = q_h Wk_h for every row and head: [rows, heads, d_model] (a strided view of one batched GEMM)."""
+    heads, head_dim = p["q"].shape[1:]
+    return torch.bmm(p["q"].transpose(0, 1), p["wk"].view(heads, head_dim, -1)).transpose(0, 1)
+
+
+def absorbed_sublayer(p: dict, max_seq_len: int, qa: Optional[torch.Tensor] = None, **config) -> torch.Tensor:
+    """The cross-attention output before `o` [rows, heads * head_dim] by way of q' and z (`qa`: q'
+    made beforehand, or None: made here)."""
+    wv = p["wv"]
+    rows, heads, head_dim = p["q"].shape
+    qa = absorbed_query(p) if qa is None else qa
     z = absorbed_attention(qa, p["e_pool"], p["table"], p["seq_lens"], max_seq_len, **config)
     out = torch.bmm(z.transpose(0, 1), wv.view(heads, head_dim, -1).transpose(1, 2))  # [heads, rows, head_dim]
     return out.transpose(0, 1).reshape(rows, heads * head_dim)
@@ -194,8 +205,7 @@ def sublayer_reference(p: dict, lens: list[int]) -> torch.Tensor:
     wk, wv = p["wk"].double(), p["wv"].double()
     out = []
     for row, n in enumerate(lens):
-        blocks = p["table"][row, : -(-n // BLOCK_SIZE)].long()
-        e = p["e_pool"][blocks].reshape(-1, p["e_pool"].shape[-1])[:n].double()
+        e = row_keys(p["e_pool"], p["table"], row, n)
         k, v = (e @ wk.T).view(n, heads, head_dim), (e @ wv.T).view(n, heads, head_dim)
         s = torch.einsum("hd,nhd->hn", p["q"][row].double(), k)
         out.append(torch.einsum("hn,nhd->hd", torch.softmax(s, -1), v).reshape(-1))
@@ -266,13 +276,10 @@ def main(argv: Optional[list[str]] = None) -> None:
                 label = (f"absorbed {config['block_n']} keys, {config['num_warps']} warps, {config['num_stages']} deep, "
                          f"{splits} split" + (f", d in {config['split_d']}" if config.get("split_d", 1) > 1 else ""))
                 variants[label] = lambda c=config, s=splits: absorbed_sublayer(p, max_len, splits=s, **c)
-        wk_h = p["wk"].view(args.heads, args.head_dim, -1)
-        qa = torch.bmm(p["q"].transpose(0, 1), wk_h).transpose(0, 1).contiguous()
-        for config in CONFIGS["default"]:  # the kernel alone, on q' made beforehand: what the GEMMs add
+        qa = absorbed_query(p).contiguous()
+        for config in CONFIGS["default"]:  # on q' made beforehand: what its GEMM adds
             label = f"absorbed without the q' GEMM, {config['block_n']} keys, 1 split"
-            variants[label] = lambda c=config: torch.bmm(
-                absorbed_attention(qa, p["e_pool"], p["table"], p["seq_lens"], max_len, **c).transpose(0, 1),
-                p["wv"].view(args.heads, args.head_dim, -1).transpose(1, 2)).transpose(0, 1).reshape(rows, inner)
+            variants[label] = lambda c=config: absorbed_sublayer(p, max_len, qa=qa, **c)
         for label, fn in variants.items():
             try:
                 err = float((fn().double() - ref).norm()) / scale
