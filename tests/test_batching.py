@@ -796,3 +796,56 @@ def test_random_option_mix_matches_stock_alone_in_float64(seed):
         assert results[index].sequences == rows, (index, opts, limits)
         if scores is not None:
             assert results[index].scores == pytest.approx(scores, rel=1e-12, abs=0), (index, opts, limits)
+
+
+@pytest.mark.parametrize("family", ["t5", "umt5"])
+def test_chunks_come_from_stock_hfs_encoder_while_its_kernels_compile(family, monkeypatch, caplog):
+    """A chunk that comes while the packed encoder's attention binaries compile in the workers (a
+    cold process) runs stock HF's encoder forward, in calls of a few rows: the same tokens; a call
+    that runs out of memory leaves its chunk to the kernels; one log line per job."""
+    import logging
+
+    from hf_paged_t5.batch import run as run_mod
+
+    model = patched(family)
+    inputs = make_inputs()
+    requests = [hp.BatchRequest(ids, max_new_tokens=m) for ids, m in zip(inputs, MAX_NEW)]
+    expected = [r.sequences for r in hp.BatchGenerator(model, max_batch_rows=4).generate(requests)]
+    calls, original = [], run_mod.original_attr
+    patched_forward = model.get_encoder().forward
+
+    def recording(runtime, module, name):
+        stock = original(runtime, module, name)
+        assert name == "forward" and stock != patched_forward
+
+        def forward(**kwargs):
+            calls.append(tuple(kwargs["input_ids"].shape))
+            if len(calls) == 3:
+                raise torch.OutOfMemoryError("out of memory")
+            return stock(**kwargs)
+
+        return forward
+
+    monkeypatch.setattr(run_mod, "original_attr", recording)
+    monkeypatch.setattr(run_mod.attention_ops, "encoder_compiling", lambda device: True)
+    monkeypatch.setattr(run_mod, "STOCK_CALL_TOKENS", 40)  # the 30- and 23-token inputs alone
+    heads = model.config.num_heads
+    monkeypatch.setattr(run_mod, "STOCK_BIAS_BYTES", heads * 17 * 17 * 4)  # inputs of 17+ tokens alone
+    stock_chunks = []
+    finish = BatchRun._encode
+
+    def encode(self, admitted, pool):
+        finish(self, admitted, pool)
+        stock_chunks.append(self.stock_chunks)
+
+    monkeypatch.setattr(BatchRun, "_encode", encode)
+    with caplog.at_level(logging.INFO, logger="hf_paged_t5.batch.run"):
+        results = list(hp.BatchGenerator(model, max_batch_rows=4).generate(requests))
+    assert [r.sequences for r in results] == expected
+    assert [r.index for r in results] == list(range(len(inputs)))
+    assert all(rows == 1 for rows, width in calls if width >= 17), calls
+    assert any(rows > 1 for rows, _ in calls) and all(rows * width <= 40 for rows, width in calls if rows > 1), calls
+    # the third call ran out of memory: its chunk ran the kernels, every other chunk stock's forward
+    assert stock_chunks[-1] >= 2 and len(calls) > stock_chunks[-1], (calls, stock_chunks)
+    assert sum("encoder runs on stock HF" in r.getMessage() for r in caplog.records) == 1
+    assert model._hf_paged_t5.pool.is_idle()

@@ -379,3 +379,43 @@ def test_a_passs_compiles_go_to_free_workers_and_the_rest_to_its_pool(monkeypatc
         ahead._active_mode.reset(mode)
         ahead._COMPILE_ONLY.reset(only)
 
+
+
+def test_in_workers_names_a_binary_a_worker_still_compiles(monkeypatch):
+    """`ahead.in_workers(modules)`: True while a binary of a kernel in those modules is a compile a
+    worker has queued or running; not once it finished, not for one compiled here (never sent, or
+    taken back), not for another module's kernel, and not for a binary already loaded."""
+    import concurrent.futures
+    import types
+
+    from hf_paged_t5.kernels import ahead
+
+    if ahead.AsyncCompileMode is None:
+        pytest.skip("this Triton has no async-compile mode")
+
+    def binary(future):
+        cleanup = (lambda _kernel: None,) if ahead._FUTURE_CLEANS_UP else ()
+        return ahead.FutureKernel(lambda _kernel: None, *cleanup, future)
+
+    def remote(state):
+        job = compile_workers._Job(1, "hash", {}, lambda: "binary")
+        job.state = state
+        return compile_workers.RemoteFuture(job)
+
+    prefill = types.SimpleNamespace(module="hf_paged_t5.kernels.prefill", device_caches={0: ({}, None)})
+    decode = types.SimpleNamespace(module="hf_paged_t5.kernels.decode", device_caches={0: ({}, None)})
+    monkeypatch.setattr(ahead, "_kernels", lambda: [prefill, decode])
+    cache, other = prefill.device_caches[0][0], decode.device_caches[0][0]
+    assert not ahead.in_workers(("prefill",))
+    cache["loaded"] = object()  # a binary, not a future
+    cache["pool"] = binary(concurrent.futures.Future())  # the pass's own pool: the pass waited for it
+    cache["taken"] = binary(remote("taken"))
+    cache["finished"] = binary(remote("finished"))
+    other["running"] = binary(remote("running"))
+    assert not ahead.in_workers(("prefill", "local"))
+    assert ahead.in_workers(("decode",))
+    for state in ("queued", "running"):
+        cache[state] = binary(remote(state))
+        assert ahead.in_workers(("prefill", "local")), state
+        cache[state].future.set_result("binary")  # its result asked for: done
+        assert not ahead.in_workers(("prefill", "local")), state
