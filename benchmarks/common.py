@@ -634,9 +634,8 @@ def hook_compiles_and_captures(on_compile: Callable[[str, float, float], object]
 def first_job_phases() -> list[tuple]:
     """(owner, attribute, label) of what a cold BatchGenerator job does before its first result:
     the KV pool's (re)allocation, the compile-ahead pass, each encoder chunk with its cross K/V
-    store (and of them the chunks stock HF's encoder ran), and the decode step's host work
-    (diag_first_job.py's timeline); inside the pass, each walk of the encoder (also an eager
-    chunk's), of the decode step and of the cross K/V store."""
+    store, and the decode step's host work (diag_first_job.py's timeline); inside the pass, each
+    walk of the encoder (also an eager chunk's), of the decode step and of the cross K/V store."""
     # private: `hf_paged_t5.kv.pool.KVPool._allocate`, the methods of `hf_paged_t5.batch.run.BatchRun`,
     # the functions `batch.run` imported and `hf_paged_t5.decode.runner.DecodeRunner.step_ahead`
     from hf_paged_t5.batch import run
@@ -645,8 +644,6 @@ def first_job_phases() -> list[tuple]:
 
     return [(pool.KVPool, "_allocate", "KV pool allocate"), (run.BatchRun, "_compile_ahead", "compile-ahead pass"),
             (run.BatchRun, "_encode_chunk", "encoder chunk + cross store"),
-            *([(run.BatchRun, "_encode_stock", "stock HF encoder (chunk)")] if hasattr(run.BatchRun, "_encode_stock")
-              else []),
             (run.BatchRun, "_decode_step", "decode step (host)"),
             (run, "encoder_forward", "encoder walk"), (runner.DecodeRunner, "step_ahead", "step walk (pass)"),
             (run, "store_cross_ahead", "cross store walk (pass)")]

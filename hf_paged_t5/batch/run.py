@@ -37,7 +37,6 @@ from .decoding import BeamGroup
 from .rows import DecodeRows
 from ..kv.block_manager import PoolExhaustedError
 from ..hf import forward as hf_forward
-from ..hf.runtime import original_attr
 from ..kv.pool import KVPool
 from ..decode.graphs import predicted_key
 from ..kv.tables import upload
@@ -54,11 +53,6 @@ logger = logging.getLogger(__name__)
 # A chunk of at most this many inputs is encoded input by input as bucket graphs (`_encode_graphed`);
 # a larger one (a job's first admission) runs one eager packed forward, whose launches it shares.
 GRAPH_CHUNK_INPUTS = 4
-# `_encode_stock` splits a chunk into stock encoder calls of at most this many tokens (padding
-# included), and of rows whose [rows, heads, length, length] attention bias stays within this many
-# bytes (stock HF builds it whole).
-STOCK_CALL_TOKENS = 16384
-STOCK_BIAS_BYTES = 256 << 20
 
 
 class BatchRun:
@@ -80,7 +74,6 @@ class BatchRun:
         self.streaming: list[Request] = []  # running greedy / sampling requests with `on_tokens`
         self.order_dirty = True
         self.graph_fits: Optional[bool] = None
-        self.stock_chunks = 0  # encoder chunks `_encode_stock` ran (a cold process's first ones)
 
     # ---- the job's life -------------------------------------------------------------------------
     def step(self) -> Optional[list[BatchResult]]:
@@ -227,9 +220,7 @@ class BatchRun:
     def _encode_chunk(self, chunk: list[Request], pool: KVPool) -> None:
         """Encoder over `chunk` (longest first), then each source's cross K/V into new blocks."""
         model, runtime = self.gen.model, self.gen.runtime
-        packed = self._encode_stock(chunk) if attention_ops.encoder_compiling(self.gen.device) else None
-        if packed is None and len(chunk) <= GRAPH_CHUNK_INPUTS:
-            packed = self._encode_graphed(chunk)
+        packed = self._encode_graphed(chunk) if len(chunk) <= GRAPH_CHUNK_INPUTS else None
         if packed is None:
             packed = self._encode_eager(chunk)  # [total_tokens, d_model]
         slots = []
@@ -255,44 +246,6 @@ class BatchRun:
         return encoder_forward(encoder, runtime.ops_for, tables, None, torch.from_numpy(real), input_ids=ids,
                                packed=True, band_memos=runtime.band_memos(encoder),
                                side_tables=runtime.side_tables(encoder))
-
-    def _encode_stock(self, chunk: list[Request]) -> Optional[torch.Tensor]:
-        """`_encode_eager`'s result from stock HF's encoder forward (the one `patch_model` replaced),
-        for a chunk that comes while the packed encoder's attention binaries are still compiling in
-        the worker processes (a cold process's first admissions): the GPU runs the chunk instead of
-        idling until they are ready. Its rows in calls of at most `STOCK_CALL_TOKENS` tokens whose
-        attention bias stays within `STOCK_BIAS_BYTES`; None (the caller waits for the kernels)
-        where the device runs out of memory. Its half-precision rounding is stock's: a warm process, whose chunks run the
-        kernels, may pick another token where two are within that rounding."""
-        model, runtime, device = self.gen.model, self.gen.runtime, self.gen.device
-        encoder = model.get_encoder()
-        forward = original_attr(runtime, encoder, "forward")
-        heads, element = encoder.config.num_heads, encoder.embed_tokens.weight.element_size()
-        lengths = [len(r.ids) for r in chunk]  # longest first
-        outputs = []
-        try:
-            start = 0
-            while start < len(chunk):
-                width = lengths[start]
-                rows = max(1, min(len(chunk) - start, STOCK_CALL_TOKENS // width,
-                                  STOCK_BIAS_BYTES // (heads * width * width * element)))
-                part = lengths[start:start + rows]
-                real = np.arange(width) < np.array(part)[:, None]  # [rows, width]
-                ids = np.full(real.shape, self.gen.pad_id, dtype=np.int64)
-                ids[real] = np.concatenate([r.ids for r in chunk[start:start + rows]])
-                hidden = forward(input_ids=upload(torch.from_numpy(ids), device),
-                                 attention_mask=upload(torch.from_numpy(real.astype(np.int64)), device),
-                                 return_dict=True).last_hidden_state
-                index = upload(torch.from_numpy(np.flatnonzero(real)), device)  # the real tokens, row by row
-                outputs.append(hidden.reshape(-1, hidden.shape[-1])[index])
-                start += rows
-        except torch.OutOfMemoryError:
-            return None
-        if not self.stock_chunks:
-            logger.info("hf_paged_t5: a batch job's encoder runs on stock HF while its attention kernels "
-                        "compile in the compile workers (a cold process)")
-        self.stock_chunks += 1
-        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
     def _compile_ahead(self, admitted: list[Request], pool: KVPool) -> None:
         """A cold process: before an admission's first chunk, the kernels of its encoder chunks,

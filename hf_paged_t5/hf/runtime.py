@@ -166,14 +166,6 @@ class PagedRuntime:
             logger.warning("hf_paged_t5: running %s on stock HF: %s", what, reason)
 
 
-def original_attr(runtime: PagedRuntime, module: nn.Module, name: str) -> Any:
-    """`module.<name>` as it was before `patch_model` set it (its own value where it has not)."""
-    owner, value, had = runtime.originals.get((id(module), name), (module, None, None))
-    if had is None:
-        return getattr(module, name)
-    return value if had else getattr(type(owner), name).__get__(owner)
-
-
 def set_attr(runtime: PagedRuntime, module: nn.Module, name: str, value: Any) -> None:
     """Set an instance attribute, remembering what it replaced."""
     had = name in module.__dict__

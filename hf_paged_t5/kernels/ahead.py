@@ -105,26 +105,6 @@ def binaries() -> int:
     return total
 
 
-def in_workers(modules: tuple[str, ...]) -> bool:
-    """Whether a binary of a kernel in these kernel modules (names as in `_KERNEL_MODULES`) is a
-    compile a worker process still has (`RemoteFuture.in_worker`): a launch of it now would wait.
-    A caller with other work to do meanwhile (`BatchRun`'s encoder) can do that first."""
-    if JITFunction is None:
-        return False
-    names = {f"{__package__}.{name}" for name in modules}
-    for kernel in _kernels():
-        if kernel.module not in names:
-            continue
-        for entry in getattr(kernel, "device_caches", {}).values():
-            cache = entry[0] if isinstance(entry, tuple) and entry else None  # (kernel cache, ...)
-            for binary in list(cache.values()) if isinstance(cache, dict) else ():
-                # a FutureKernel's own attributes only: any other would wait for its result
-                future = vars(binary).get("future") if isinstance(binary, FutureKernel) else None
-                if isinstance(future, compile_workers.RemoteFuture) and future.in_worker():
-                    return True
-    return False
-
-
 def _run(self, *args, grid, warmup, **kwargs):
     """`JITFunction.run` that only compiles inside this thread's pass."""
     return JITFunction.run(self, *args, grid=grid, warmup=warmup or _COMPILE_ONLY.get(), **kwargs)

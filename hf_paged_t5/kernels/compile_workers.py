@@ -172,12 +172,6 @@ class RemoteFuture(concurrent.futures.Future):
                     self.set_exception(exc)
         return super().result(timeout)
 
-    def in_worker(self) -> bool:
-        """Whether a worker has this compile queued or running: a launch that needs it now would
-        wait (or take a queued one back and compile it here). False once the worker is done or
-        gone, and for a compile that was never sent (its result compiles here, as before)."""
-        return not self.done() and self._job.state in ("queued", "running")
-
 
 def pending() -> int:
     """Compiles sent to this process's workers that are not finished (queued or running)."""

@@ -25,10 +25,6 @@ from .packing import plain_linear, unhooked  # (what a module that runs as HF wr
 logger = logging.getLogger(__name__)
 
 
-# The kernel modules of the packed encoder's attention (`encoder_compiling`).
-ENCODER_KERNEL_MODULES = ("prefill", "local")
-
-
 def backend_ops(name: str) -> ModuleType:
     """The kernel namespace for a resolved backend name ("triton", "cpu" or "torch")."""
     if name == "torch":
@@ -77,17 +73,6 @@ def compile_in_workers(device: torch.device) -> contextlib.AbstractContextManage
     compile in a free compile worker process, else on the pass's pool; yields whether workers can
     take them); elsewhere it yields False."""
     return _in_ahead(device, "compile_in_workers")
-
-
-def encoder_compiling(device: torch.device) -> bool:
-    """Whether a packed encoder forward on `device` may now wait for a compile still running in
-    a compile worker process (`kernels.ahead.in_workers` of the attention kernels' modules: a cold
-    process's pass sent them there); False off CUDA or where the kernels were never imported."""
-    if device.type != "cuda" or f"{__package__.rsplit('.', 1)[0]}.kernels.ahead" not in sys.modules:
-        return False
-    from ..kernels import ahead
-
-    return ahead.in_workers(ENCODER_KERNEL_MODULES)
 
 
 def kernel_binaries() -> int:
