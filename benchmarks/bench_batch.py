@@ -84,8 +84,7 @@ def job_floor(config, items, device: str, static_tokens_per_s: float) -> dict:
     work = job_work(config, items)
     if not device.startswith("cuda"):
         return work
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    gemm_tflops = 2 * 8192**3 / common.kernel_ms(lambda: a @ a) / 1e9
+    gemm_tflops = common.gemm_tflops(torch.device(device))
     read_gbps = common.read_bandwidth(torch.device(device), 1 << 30)
     seconds = work["kv_bytes"] / read_gbps / 1e9 + work["flops"] / gemm_tflops / 1e12
     tokens_per_s = sum(n for _, n in items) / seconds

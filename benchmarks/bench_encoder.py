@@ -19,8 +19,10 @@ cache loads the saved checkpoint, patches it and times `patch_model` and its fir
 calls (compiles; the graph capture; a replay). Triton's one-time start-up (`triton_start.py`)
 runs on a thread from `import hf_paged_t5` on, while the checkpoint loads.
 
-Floor per case: max(bytes read / 4.3 TB/s, FLOPs / 790 TFLOP/s), the H200 figures of the
-encoder issue (the weights read once; 2 FLOPs per weight per token plus the attention).
+Floor per case: max(bytes read / read bandwidth, FLOPs / bf16 GEMM rate) (the weights read once;
+2 FLOPs per weight per token plus the attention), at the GPU's rates measured in the run (a read
+pass over 1 GiB, a bf16 8192^3 GEMM; the JSON's `floor_rates`); off a GPU at the H200 figures of
+the encoder issue (4.3 TB/s, 790 TFLOP/s).
 Writes DIR/encoder.json (default DIR: benchmarks/results/<date>-<gpu>/, with its env.json).
 """
 
@@ -57,6 +59,7 @@ SYSTEMS = ("sdpa", "compile", "nai-sdpa", "nai-flex", "paged", "paged-unpacked")
 # `paged-unpacked`: patched with `pack_projections=False` (one GEMM per projection), an A/B row
 DEFAULT_SYSTEMS = SYSTEMS[:-1]
 PADDED_LEN = 300  # real tokens of the padded row in a `...p` case
+# The floor's rates off a GPU (the H200 figures of the encoder issue); on a GPU, measured (`rates`).
 HBM_BYTES_PER_S, BF16_FLOPS = 4.3e12, 790e12
 RESULT_PREFIX = "first-call-result: "
 
@@ -108,14 +111,24 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor, mask) -> float:
     return float(diff.norm() / ref[keep].norm())
 
 
-def floor_ms(model, case) -> float:
+def rates(device: str) -> dict:
+    """The floor's rates: on a GPU a read pass over 1 GiB and a bf16 8192^3 GEMM, measured; off
+    one, the H200 figures of the encoder issue."""
+    if not device.startswith("cuda"):
+        return dict(hbm_bytes_per_s=HBM_BYTES_PER_S, bf16_flops=BF16_FLOPS, measured=False)
+    dev = torch.device(device)
+    return dict(hbm_bytes_per_s=common.read_bandwidth(dev, 1 << 30) * 1e9,
+                bf16_flops=common.gemm_tflops(dev) * 1e12, measured=True)
+
+
+def floor_ms(model, case, rate: dict) -> float:
     batch, length, padded = case
     c = model.config
     tokens = batch * length if not padded else length + (batch - 1) * PADDED_LEN
     weights = sum(p.numel() for n, p in model.named_parameters() if "shared" not in n and "embed" not in n)
     inner = c.num_heads * c.d_kv
     flops = 2 * weights * tokens + 4 * c.num_layers * inner * batch * length * length
-    return max(weights * 2 / HBM_BYTES_PER_S, flops / BF16_FLOPS) * 1e3
+    return max(weights * 2 / rate["hbm_bytes_per_s"], flops / rate["bf16_flops"]) * 1e3
 
 
 def profile(fn, calls: int = 3) -> dict:
@@ -175,14 +188,14 @@ def first_call(checkpoint: str, model_name: str, device: str, length: int) -> di
     return json.loads(lines[-1][len(RESULT_PREFIX):])
 
 
-def bench_model(name: str, args, checkpoint_root: pathlib.Path) -> list[dict]:
+def bench_model(name: str, args, checkpoint_root: pathlib.Path, rate: dict) -> list[dict]:
     device = args.device
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     reference = build(name, device)
     model = copy.deepcopy(reference).to(dtype)
     cases = [parse_case(c) for c in args.cases.split(",")]
     rows = {case: dict(model=name, case=f"{case[0]}x{case[1]}{'p' if case[2] else ''}",
-                       floor_ms=floor_ms(model, case), systems={}) for case in cases}
+                       floor_ms=floor_ms(model, case, rate), systems={}) for case in cases}
     feeds = {case: inputs(model, case, device) for case in cases}
     for case, (ids, mask) in feeds.items():  # float32 (TF32 is off by default)
         rows[case]["ref"] = call(reference, ids, mask).float()
@@ -276,18 +289,17 @@ def main(argv=None) -> None:
             ap.error(f"--cases: {case!r} is not BATCHxLENGTH[p], e.g. 1x77 or 2x512p")
     common.require_cuda("bench_encoder.py", args.device)
     out = common.start_suite(args.out, "encoder")
-    rows = []
+    rows, rate = [], rates(args.device)
     with tempfile.TemporaryDirectory(prefix="encoder-ckpt-") as root:
         for name in args.models.split(","):
-            rows += bench_model(name, args, pathlib.Path(root))
+            rows += bench_model(name, args, pathlib.Path(root), rate)
             if args.device == "cuda":
                 torch.cuda.empty_cache()
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     dtype = "float32" if args.device == "cpu" else "bfloat16"
     common.write_json(out / "encoder.json", dict(gpu=gpu, dtype=dtype, warmup=args.warmup, repeats=args.repeats,
                                                  padded_row_tokens=PADDED_LEN, rows=rows,
-                                                 floor_assumptions=dict(hbm_bytes_per_s=HBM_BYTES_PER_S,
-                                                                        bf16_flops=BF16_FLOPS)))
+                                                 floor_rates=rate))
     systems = [s for s in SYSTEMS if any(s in r["systems"] for r in rows)]
     common.print_table(
         ["model", "case", "floor ms", *[f"{s} ms" for s in systems], *[f"{s} err/stock" for s in systems]],

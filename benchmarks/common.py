@@ -303,6 +303,12 @@ def read_bandwidth(device: torch.device, nbytes: int) -> float:
     return src.numel() * src.element_size() / ms / 1e6
 
 
+def gemm_tflops(device: torch.device, n: int = 8192) -> float:
+    """TFLOP/s of one bf16 [n, n] x [n, n] matrix product: the rate a floor's matrix products take."""
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    return 2 * n**3 / kernel_ms(lambda: a @ a) / 1e9
+
+
 def graph_us(calls: Sequence[Callable[[], object]], replays: int = 7) -> float:
     """Median µs per call of `calls` replayed back to back in one CUDA graph, over `replays`
     replays (NaN without CUDA): no host launch cost in the number, as a captured decode step runs

@@ -310,6 +310,23 @@ def test_the_generate_floor_counts_reads_at_the_read_bandwidth():
     assert common.read_bandwidth(torch.device("cpu"), 1 << 20) > 0
 
 
+def test_the_encoder_floor_takes_the_rates_of_the_run():
+    """bench_encoder's floor: the weights (embeddings aside) read once at the read rate, or the
+    products (2 FLOPs per weight per token, the attention's 4 per head dim per query-key pair in
+    every layer) at the GEMM rate, whichever is longer; off a GPU, the encoder issue's H200 rates."""
+    import bench_encoder
+
+    model = bench_encoder.build("tiny-umt5", "cpu")
+    c = model.config
+    weights = sum(p.numel() for n, p in model.named_parameters() if "shared" not in n and "embed" not in n)
+    slow_read = dict(hbm_bytes_per_s=1e6, bf16_flops=1e30)
+    assert bench_encoder.floor_ms(model, (2, 16, False), slow_read) == pytest.approx(weights * 2 / 1e6 * 1e3)
+    slow_math = dict(hbm_bytes_per_s=1e30, bf16_flops=1e9)
+    flops = 2 * weights * (16 + bench_encoder.PADDED_LEN) + 4 * c.num_layers * c.num_heads * c.d_kv * 2 * 16 * 16
+    assert bench_encoder.floor_ms(model, (2, 16, True), slow_math) == pytest.approx(flops / 1e9 * 1e3)
+    assert bench_encoder.rates("cpu") == dict(hbm_bytes_per_s=4.3e12, bf16_flops=790e12, measured=False)
+
+
 @pytest.mark.parametrize("family", ["t5", "t5v1_1"])
 def test_the_batch_job_work_counts_every_weight_and_key(family):
     """bench_batch's job floor: the K/V a decode step reads, counted step by step, and the FLOPs
