@@ -30,7 +30,11 @@ Writes DIR/batch.json (default DIR: benchmarks/results/<date>-<gpu>/, with its e
 top-level keys gpu, tokens_per_s (per system), speedup_vs_static_paged, speedup_vs_hf and job_floor
 (the workload's K/V reads and matrix products, `job_work`, at the GPU's measured read bandwidth and
 bf16 GEMM rate: a bound on any engine's job, its ratio to the static batches, and each
-BatchGenerator job's tokens/s in percent of it), and prints a table.
+BatchGenerator job's tokens/s in percent of it), and prints a table. `--static-reference N` (with
+`--defaults`: 64, the static batch size the first-contact issue's figures were measured against)
+also runs patched static batches of N rows over the whole workload where the sweep picked another
+size: the JSON's `static_reference` and, with `--defaults`, `first_job_vs_static_reference` and
+`second_job_vs_static_reference` (the sweep's pick stays the baseline of every other ratio).
 """
 
 from __future__ import annotations
@@ -254,6 +258,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="batch-size sweep subset (default: twice the system's largest batch size)")
     ap.add_argument("--hf-batch-sizes", default=None, help="HF sweep (default 16,32,64)")
     ap.add_argument("--static-batch-sizes", default=None, help="static paged sweep (default 32,64,128,256)")
+    ap.add_argument("--static-reference", type=int, default=None,
+                    help="also static batches of this many rows where the sweep picks another size (default: 64 "
+                         "with --defaults, else none; 0: none)")
     ap.add_argument("--batch-tokens", type=int, default=262144, help="BatchGenerator max_batch_tokens")
     ap.add_argument("--batch-rows", type=int, default=512, help="BatchGenerator max_batch_rows")
     ap.add_argument("--batch-repeats", type=int, default=2,
@@ -269,6 +276,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.num_inputs = args.num_inputs or (40 if quick else 2000)
     args.hf_inputs = args.hf_inputs or (16 if quick else 256)
     args.hf_batch_sizes = [int(s) for s in (args.hf_batch_sizes or ("4,8" if quick else "16,32,64")).split(",")]
+    if args.static_reference is None:
+        args.static_reference = (4 if quick else 64) if args.defaults else 0
+    if args.static_reference < 0:
+        ap.error("--static-reference must be a batch size (0: none)")
     static_sizes = args.static_batch_sizes or ("4,8" if quick else "32,64,128,256")
     args.static_batch_sizes = [int(s) for s in static_sizes.split(",")]
     if quick and not args.defaults:
@@ -347,6 +358,13 @@ def measure(model, items, args, compiles, deadline: float) -> dict:
     static = run_static_halving(model, items, size, device, static_deadline, compiles, warm=warm_static_paged)
     print(f"  batch {static['batch_size']}: {static['tokens_per_s']:.0f} tok/s over {static['inputs']} inputs "
           f"({static['graph_captures']} graphs captured while timed)", flush=True)
+    reference = None
+    if args.static_reference and args.static_reference != static["batch_size"]:
+        print(f"patched generate(), static batches of {args.static_reference} (the reference size)", flush=True)
+        reference = run_static_halving(model, items, args.static_reference, device, deadline, compiles,
+                                       warm=warm_static_paged)
+        print(f"  batch {reference['batch_size']}: {reference['tokens_per_s']:.0f} tok/s over {reference['inputs']} "
+              f"inputs", flush=True)
 
     hp.unpatch_model(model)
     gc.collect()
@@ -373,6 +391,11 @@ def measure(model, items, args, compiles, deadline: float) -> dict:
         hf_subset=(f"HF measured on {hf['inputs']} of {len(items)} inputs (a random subset, whole batches in "
                    f"random order), the other systems on {batch_gen['inputs']} and {static['inputs']}"),
     )
+    if reference is not None:
+        report["static_reference"] = reference
+    if args.defaults and reference is not None:
+        report.update(first_job_vs_static_reference=repeats[0]["tokens_per_s"] / reference["tokens_per_s"],
+                      second_job_vs_static_reference=repeats[1]["tokens_per_s"] / reference["tokens_per_s"])
     if args.defaults:
         first, second = repeats
         report.update(first_job_vs_static=first["tokens_per_s"] / static["tokens_per_s"],
@@ -403,6 +426,13 @@ def print_table(report: dict) -> None:
         if "halved_from" in runs[name]:
             print(f"{label}: batch {runs[name]['halved_from']} (the sweep's best) ran out of memory on the whole "
                   f"workload; batch {runs[name]['batch_size']} fit")
+    if "static_reference" in report:
+        ref = report["static_reference"]
+        line = f"patched generate(), static batches of {ref['batch_size']} (the reference size): {ref['tokens_per_s']:.0f} tok/s"
+        if "first_job_vs_static_reference" in report:
+            line += (f"; first job {report['first_job_vs_static_reference']:.2f}x, second job "
+                     f"{report['second_job_vs_static_reference']:.2f}x of it")
+        print(line)
     if "first_job_vs_static" in report:
         print(f"defaults: first job {report['first_job_vs_static']:.2f}x static paged, {report['first_job_vs_hf']:.1f}x "
               f"HF (first result after {report['first_result_s']:.2f} s); second job "

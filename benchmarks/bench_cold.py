@@ -29,7 +29,11 @@ the cache hits (a binary a compile worker wrote); each process records `compiles
 Prints a table and writes DIR/cold.json (default DIR: benchmarks/results/<date>-<gpu>/, with
 its env.json). Its top-level keys: `first_generate_s` and `hf_first_generate_s` (medians),
 `new_batch_size_s` and `first_beam_call_s` (patched), `first_job_vs_static`, `first_job_vs_hf`,
-`warm_job_vs_static` (the batch job's), `floor_vs_static` and `jobs_pct_of_floor` (bench_batch's
+`warm_job_vs_static` (the batch job's, against the static batch size its sweep picked:
+`static_batch_size`), the same two against bench_batch's reference size where the sweep picked
+another (`first_job_vs_static_reference`, `warm_job_vs_static_reference`,
+`static_reference_batch_size`: 64 rows, what the first-contact issue measured; the targets are
+checked against the sweep's pick), `floor_vs_static` and `jobs_pct_of_floor` (bench_batch's
 job floor: the workload's K/V reads and matrix products at the GPU's measured rates, against static
 batches, and each job's tokens/s in percent of it), `targets` and `targets_met` (true only if every
 target holds in this run; the targets are set for the defaults: t5-large, 1 x 300 tokens, 64 new).
@@ -185,6 +189,10 @@ def batch_job(args) -> dict:
     return dict(first_job_vs_static=batch["first_job_vs_static"], first_job_vs_hf=batch["first_job_vs_hf"],
                 warm_job_vs_static=batch["second_job_vs_static"], warm_job_vs_hf=batch["second_job_vs_hf"],
                 first_job_first_result_s=batch["first_result_s"], floor_vs_static=floor.get("vs_static"),
+                static_batch_size=batch["runs"]["static_paged"]["batch_size"],
+                first_job_vs_static_reference=batch.get("first_job_vs_static_reference"),
+                warm_job_vs_static_reference=batch.get("second_job_vs_static_reference"),
+                static_reference_batch_size=batch.get("static_reference", {}).get("batch_size"),
                 jobs_pct_of_floor=floor.get("batch_generator_pct"), batch_job=batch)
 
 

@@ -464,6 +464,23 @@ def test_bench_batch_sweeps_each_system_on_two_batches_of_its_largest_size(tmp_p
         assert report["runs"][system]["batch_size"] == int(best)
 
 
+def test_bench_batch_reports_the_jobs_against_a_reference_static_size_too(tmp_path, one_thread):
+    """bench_batch --defaults (--quick, CPU) with `--static-reference`: static batches of that size
+    over the whole workload beside the sweep's pick, and each job's ratio to them; the other
+    ratios stay against the sweep's pick."""
+    import bench_batch
+
+    bench_batch.main(["--quick", "--defaults", "--device", "cpu", "--static-batch-sizes", "2,4",
+                      "--hf-batch-sizes", "2", "--static-reference", "3", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "batch.json").read_text())
+    reference, static = report["static_reference"], report["runs"]["static_paged"]
+    assert reference["batch_size"] == 3 and reference["inputs"] == static["inputs"] == report["num_inputs"]
+    first, second = (r for r in report["runs"]["batch_generator"]["repeats"])
+    assert report["first_job_vs_static_reference"] == pytest.approx(first / reference["tokens_per_s"])
+    assert report["second_job_vs_static_reference"] == pytest.approx(second / reference["tokens_per_s"])
+    assert report["first_job_vs_static"] == pytest.approx(first / static["tokens_per_s"])
+
+
 def test_bench_batch_halves_a_static_size_that_does_not_fit_the_whole_workload(monkeypatch):
     """The sweep's best static size runs out of memory on the whole workload (its longest inputs,
     which the probe may lack): the run is retried at half the size, warmed again, and says so."""
