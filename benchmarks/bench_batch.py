@@ -364,7 +364,8 @@ def measure(model, items, args, compiles, deadline: float) -> dict:
         reference = run_static_halving(model, items, args.static_reference, device, deadline, compiles,
                                        warm=warm_static_paged)
         print(f"  batch {reference['batch_size']}: {reference['tokens_per_s']:.0f} tok/s over {reference['inputs']} "
-              f"inputs", flush=True)
+              f"inputs ({reference['graph_captures']} graphs captured, {reference['triton_compiles']} Triton compiles "
+              f"while timed)", flush=True)
 
     hp.unpatch_model(model)
     gc.collect()
