@@ -475,7 +475,7 @@ def test_bench_batch_reports_the_jobs_against_a_reference_static_size_too(tmp_pa
     report = json.loads((tmp_path / "batch.json").read_text())
     reference, static = report["static_reference"], report["runs"]["static_paged"]
     assert reference["batch_size"] == 3 and reference["inputs"] == static["inputs"] == report["num_inputs"]
-    first, second = (r for r in report["runs"]["batch_generator"]["repeats"])
+    first, second = report["runs"]["batch_generator"]["repeats"]
     assert report["first_job_vs_static_reference"] == pytest.approx(first / reference["tokens_per_s"])
     assert report["second_job_vs_static_reference"] == pytest.approx(second / reference["tokens_per_s"])
     assert report["first_job_vs_static"] == pytest.approx(first / static["tokens_per_s"])
