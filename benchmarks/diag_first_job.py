@@ -8,7 +8,8 @@ does: builds the random-weight model (bf16, not timed), patches it with the defa
 with its defaults once. It records a timeline in seconds from just before the generator is made:
 the KV pool's (re)allocations, each `_compile_ahead` pass, each encoder chunk, the first decode steps, every
 Triton compile in this process (start and end; a binary a compile worker made is a cache hit
-here, milliseconds), every CUDA graph capture, and the first results; and a cProfile of the host
+here, milliseconds), every compile a worker process ran (its start and end there, and when it was
+asked for here: `compile_workers.history()`), every CUDA graph capture, and the first results; and a cProfile of the host
 from the generator's making to the first result (the functions with the most cumulative time),
 or with `--profile-pass` of the first compile-ahead pass alone (Python 3.12's cProfile records
 every thread: the pass's compile threads too). `--again` runs the same job a second time in the
@@ -46,6 +47,7 @@ def worker(args) -> dict:
     import bench_batch
     import common
     import hf_paged_t5 as hp
+    from hf_paged_t5.kernels import compile_workers
 
     events: list[dict] = []  # what, start, end (perf_counter; made relative below)
 
@@ -105,6 +107,10 @@ def worker(args) -> dict:
             again = dict(job_s=time.perf_counter() - start, first_result_s=first - start,
                          compiles=sum(k.startswith("triton compile") for k in kinds),
                          captures=kinds.count("graph capture"))
+    for job in compile_workers.history():  # the workers' own compiles (one clock for the machine's processes)
+        if job["began"] is not None:
+            events.append(dict(what=f"worker compile {job['name']} (asked at {job['asked'] - made:.3f})",
+                               start=job["began"], end=job["ended"]))
     timeline = sorted((dict(what=e["what"], start_s=round(e["start"] - made, 4), end_s=round(e["end"] - made, 4))
                        for e in events if made <= e["end"] <= done), key=lambda e: e["start_s"])
     return dict(gpu=torch.cuda.get_device_name(), shape=args.shape, num_inputs=len(items),

@@ -146,6 +146,8 @@ def prefill_cases() -> list[tuple]:
     for label, config in (
         ("prefill 64x32, band tiles in three loops (default)", PrefillConfig(64, 32, 4, 3, band_tiles=True)),
         ("prefill 64x32, band tiles in one loop", PrefillConfig(64, 32, 4, 3, band_tiles=True, one_loop=True)),
+        ("prefill 64x32, band tiles in one loop, 2 stages", PrefillConfig(64, 32, 4, 2, band_tiles=True, one_loop=True)),
+        ("prefill 64x32, band tiles in one loop, 1 stage", PrefillConfig(64, 32, 4, 1, band_tiles=True, one_loop=True)),
         ("prefill 128x32, band tiles in three loops", PrefillConfig(128, 32, 8, 3, band_tiles=True)),
         ("prefill 64x32, gathered bias, no band split", PrefillConfig(64, 32, 4, 3, band_split=False)),
     ):

@@ -228,3 +228,56 @@ def test_a_launcher_is_built_beside_its_compile_from_the_signature_the_load_uses
     assert ahead._launcher_build(lambda: None) is None  # no source in the closure
     del driver.make_launcher  # Triton 3.9: one generic launcher
     assert ahead._launcher_build(_closure(src)) is None
+
+
+def test_a_twin_runs_while_a_worker_compiles_its_binary_and_never_in_a_capture(monkeypatch):
+    """`Twins`: inside a pass, a binary whose compile went to a worker has its twin asked for
+    beside it, once, where a worker is free; outside the pass the twin runs until that worker is
+    done, a graph capture waits for the binary itself, and once the worker is done the binary runs
+    and the twin is dropped. No twin for a binary already loaded, one no worker compiles, or
+    where no worker is free."""
+    from types import SimpleNamespace
+
+    from hf_paged_t5.kernels import compile_workers
+
+    def compiling():  # a compile's future, as `_Elsewhere` puts in a kernel's cache
+        job = compile_workers._Job(1, "h", {}, lambda: "binary")
+        job.state = "running"
+        return job, SimpleNamespace(kernel=None, future=compile_workers.RemoteFuture(job))
+
+    free, capturing = [1], [False]
+    monkeypatch.setattr(compile_workers, "free", lambda: free[0])
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    twins, launched = ahead.Twins(), []
+    job, pending = compiling()
+    returns = {False: pending, True: "twin"}
+
+    def launch(twin):
+        launched.append(twin)
+        return returns[twin]
+
+    only = ahead._COMPILE_ONLY.set(True)
+    try:
+        assert twins.launch("a", launch) is pending and launched == [False, True] and len(twins) == 1
+        assert twins.launch("a", launch) is pending and launched[2:] == [False]  # asked for once
+        returns[False] = SimpleNamespace(kernel="loaded", future=None)
+        twins.launch("loaded", launch)
+        returns[False] = SimpleNamespace(kernel=None, future=compile_workers.RemoteFuture(
+            compile_workers._Job(2, "h", {}, lambda: "binary")))  # taken back: compiled here, no worker
+        returns[False].future._job.state = "taken"
+        returns[False].future._job.finished.set()
+        twins.launch("here", launch)
+        free[0] = 0
+        returns[False] = compiling()[1]
+        twins.launch("busy", launch)
+        assert launched[3:] == [False, False, False] and len(twins) == 1
+    finally:
+        ahead._COMPILE_ONLY.reset(only)
+    del launched[:]
+    assert twins.launch("a", launch) == "twin" and twins.launch("other", launch) is returns[False]
+    capturing[0] = True
+    twins.launch("a", launch)
+    capturing[0] = False
+    job.finished.set()  # the worker is done: its binary is read from Triton's cache
+    twins.launch("a", launch)
+    assert launched == [True, False, False, False] and len(twins) == 0

@@ -77,6 +77,8 @@ idle.result()
 report["taken"] = dict(state=idle._job.state, hits=list(hits))
 busy.result()
 report["busy"] = dict(ok=busy._job.ok, state=busy._job.state)
+report["history"] = [(j["name"], j["ok"], j["asked"] <= j["began"] <= j["ended"] <= time.perf_counter())
+                     for j in compile_workers.history()]
 # a compile the worker fails (a block that is not a power of two): the parent compiles it and raises
 bad = compile_workers.submit(*closure(384))
 wait(bad)
@@ -99,7 +101,7 @@ print(json.dumps(report))
 
 def test_a_worker_compiles_into_the_cache_and_every_other_way_comes_back_here(tmp_path):
     """One worker, an sm_90 target compiled on this machine: its binary is the parent's cache hit
-    under the parent's own key; a compile nobody began is taken back; a failed one raises the
+    under the parent's own key, its times in `history()`; a compile nobody began is taken back; a failed one raises the
     parent's error; one whose worker exited, or sent after the workers are gone, compiles here."""
     env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "cache"), "HF_PAGED_T5_COMPILE_WORKERS": "1"}
     env.pop("TRITON_INTERPRET", None)
@@ -112,6 +114,8 @@ def test_a_worker_compiles_into_the_cache_and_every_other_way_comes_back_here(tm
     assert report["pending"] == 2
     assert report["taken"]["state"] == "taken" and report["taken"]["hits"] in ([False], [])
     assert report["busy"] == dict(ok=True, state="finished")
+    # what the workers ran, with when on the machine's one clock: the first and the busy one, not the one taken back
+    assert report["history"] == [["_gated_gelu_kernel", True, True]] * 2
     assert report["bad"] == dict(ok=False, error=True, raised=report["bad"]["raised"]) and report["bad"]["raised"]
     assert report["gone"] == dict(kernel=True, ok=False, running=False)
     assert report["late"] == dict(state="taken", kernel=True)
@@ -299,6 +303,47 @@ def test_a_cold_batch_job_sends_its_last_rows_step_to_the_workers(tmp_path):
     assert report["sent"] > 0, report
     assert report["later"] and all(report["later"]), report  # the 64-row graph's loads: cache hits
     assert report["equal"] == [True, True], report
+
+
+_COLD_TWIN = _COLD_START + r"""
+import logging
+from transformers import T5EncoderModel
+from hf_paged_t5.kernels.prefill import _ONE_LOOP_TWINS as twins
+said = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        said.append(record.getMessage())
+log = logging.getLogger("hf_paged_t5.kernels.ahead")
+log.addHandler(Keep())
+log.setLevel(logging.DEBUG)
+with torch.device("cuda"):
+    torch.manual_seed(0)
+    encoder = hp.patch_model(T5EncoderModel(config).to(torch.bfloat16).eval())
+deadline = time.monotonic() + 120  # the workers started up: every compile of the first call's pass goes there
+while compile_workers.free() < 6 and time.monotonic() < deadline:
+    time.sleep(0.05)
+ids = torch.randint(2, 1000, (1, 300), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
+with torch.no_grad():
+    first = encoder(input_ids=ids)[0]
+    twin = sum("twin" in message for message in said)
+    while compile_workers.pending():
+        time.sleep(0.05)
+    outs = [encoder(input_ids=ids)[0] for _ in range(3)]  # the default binary: eager, captured, replayed
+print(json.dumps(dict(twin=twin, waiting=len(twins), equal=[torch.equal(first, o) for o in outs])))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_cold_encoder_runs_the_one_loop_twin_while_a_worker_compiles_the_prefill(tmp_path):
+    """A fresh process, an empty Triton cache, 6 workers: a text encoder's first call runs the
+    prefill kernel's one-loop twin (its pass sent both compiles to the workers, the twin's the
+    shorter) and later calls the default binary, eagerly, in a capture and replayed: the same bits."""
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "cache"), "HF_PAGED_T5_COMPILE_WORKERS": "6"}
+    done = subprocess.run([sys.executable, "-c", _COLD_TWIN], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["twin"] >= 1 and report["waiting"] == 0 and report["equal"] == [True, True, True], report
 
 
 def test_free_counts_ready_idle_workers_less_the_queue(monkeypatch):

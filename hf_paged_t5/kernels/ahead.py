@@ -40,8 +40,9 @@ import inspect
 import os
 import sys
 import threading
+import logging
 import types
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import triton
@@ -56,6 +57,7 @@ try:  # triton >= 3.5
 except ImportError:  # pragma: no cover - an older Triton: no pass
     JITFunction = AsyncCompileMode = FutureKernel = _active_mode = None
 
+logger = logging.getLogger(__name__)
 _COMPILE_ONLY = contextvars.ContextVar("hf_paged_t5_compile_only", default=False)
 _KERNEL_MODULES = ("beam", "decode", "gated_gelu", "gemv", "greedy", "linear", "local", "prefill", "rmsnorm", "store_kv")
 
@@ -257,6 +259,64 @@ def _into_kernel_cache(kernel, finalize_fn) -> None:
         names["kernel_cache"][names["key"]] = kernel
     except (KeyError, TypeError):
         finalize_fn(kernel)
+
+
+def _in_worker(kernel) -> bool:
+    """Whether `kernel`, what a compile-only launch returned, is a compile a worker process runs
+    (not loaded here, not done there)."""
+    future = getattr(kernel, "future", None)
+    return (getattr(kernel, "kernel", None) is None and isinstance(future, compile_workers.RemoteFuture)
+            and not future.ready())
+
+
+def _loadable(kernel) -> bool:
+    """Whether a launch of `kernel` (a binary, or a compile's future) would not wait for a compile:
+    loaded, or its compile finished wherever it ran (a worker's binary is read from Triton's
+    cache: milliseconds)."""
+    if getattr(kernel, "kernel", None) is not None:
+        return True
+    future = getattr(kernel, "future", None)
+    if future is None:
+        return True
+    return future.ready() if isinstance(future, compile_workers.RemoteFuture) else future.done()
+
+
+class Twins:
+    """Binaries with a twin of the same bits that compiles in less time (the prefill kernel's
+    one-loop variant: `PrefillConfig.one_loop`). Inside a pass, a binary whose compile goes to a
+    worker process has its twin's compile sent to a free worker beside it; until the binary's
+    worker is done, launches outside a CUDA graph capture run the twin, so a cold process waits
+    for the shorter compile. A capture waits for the binary itself (a graph keeps what it
+    captured), and where no worker is free the twin is not asked for (the pass would wait for it
+    on its pool). One instance per kernel; `signature` is the caller's key of everything the
+    binary is specialized on (dtype, strides, alignment, constants)."""
+
+    def __init__(self) -> None:
+        self._waiting: dict = {}  # signature -> the binary's future, while its worker compiles it
+        self._said: set = set()  # signatures whose twin ran (logged once each)
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def launch(self, signature, launch: Callable[[bool], object]):
+        """`launch(twin)` of the binary (False) or its twin (True), as above; returns what it returns."""
+        if _COMPILE_ONLY.get():
+            asked = signature in self._waiting
+            kernel = launch(False)
+            if not asked and _in_worker(kernel) and compile_workers.free() >= 1:
+                launch(True)
+                self._waiting[signature] = kernel
+            return kernel
+        kernel = self._waiting.get(signature) if self._waiting else None
+        if kernel is not None:
+            if _loadable(kernel):
+                self._waiting.pop(signature, None)
+            elif not torch.cuda.is_current_stream_capturing():
+                if signature not in self._said:
+                    self._said.add(signature)
+                    logger.debug("the twin of a binary a compile worker compiles runs meanwhile (%s)", signature)
+                return launch(True)
+        return launch(False)
 
 
 def elsewhere_available() -> bool:

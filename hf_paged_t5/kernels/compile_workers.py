@@ -40,6 +40,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 import types
 import warnings
 from typing import Callable, Optional
@@ -105,6 +106,9 @@ class _Job:
     def __init__(self, job_id: int, key_hash: str, spec: dict, compile_fn: Callable) -> None:
         self.id, self.hash, self.spec, self.compile_fn = job_id, key_hash, spec, compile_fn
         self.state = "queued"
+        # time.perf_counter() (one clock for every process of the machine): asked for here, begun
+        # and ended in a worker (None where no worker ran it)
+        self.asked, self.began, self.ended = time.perf_counter(), None, None
         self.ok = False
         self.error = ""  # what the worker reported, where it failed
         self.finished = threading.Event()
@@ -125,6 +129,7 @@ class _Pool:
     pid = 0  # the process that started them (a forked child has none: their pipes are the parent's)
     workers: list = []
     queue: collections.deque = collections.deque()
+    done: collections.deque = collections.deque(maxlen=256)  # the last jobs workers finished (`history`)
     next_id = 0
     sent = 0  # compiles handed to the workers' queue
     idle_s = IDLE_S
@@ -172,6 +177,11 @@ class RemoteFuture(concurrent.futures.Future):
                     self.set_exception(exc)
         return super().result(timeout)
 
+    def ready(self) -> bool:
+        """Whether `result()` would not wait for a compile: done here, or the worker finished (its
+        binary in Triton's cache, or its failure reported: `result()` then compiles here)."""
+        return self.done() or self._job.finished.is_set()
+
 
 def pending() -> int:
     """Compiles sent to this process's workers that are not finished (queued or running)."""
@@ -187,6 +197,16 @@ def free() -> int:
             return 0
         idle = sum(worker.ready and worker.job is None for worker in _Pool.workers)
         return max(0, idle - len(_Pool.queue))
+
+
+def history() -> list[dict]:
+    """The last compiles this process's workers finished, oldest first: the kernel's name, whether
+    it came back usable (`ok`), and when (`time.perf_counter()` seconds, one clock for the
+    machine's processes) it was asked for here, begun and ended in the worker."""
+    with _Pool.lock:
+        jobs = list(_Pool.done) if _Pool.pid == os.getpid() else []
+    return [dict(name=job.spec.get("name", ""), ok=job.ok, asked=job.asked, began=job.began, ended=job.ended)
+            for job in jobs]
 
 
 def sent() -> int:
@@ -269,11 +289,12 @@ def _read(worker: _Worker) -> None:
             if message[0] == "ready":
                 worker.ready = True
             else:
-                job_id, ok, key_hash, error = message
+                job_id, ok, key_hash, error, began, ended = message
                 job, worker.job = worker.job, None
                 if job is not None:  # (one job at a time per worker: the reply is this job's)
                     job.ok = bool(ok) and job.id == job_id and key_hash == job.hash
-                    job.error, job.state = error, "finished"
+                    job.error, job.state, job.began, job.ended = error, "finished", began, ended
+                    _Pool.done.append(job)
                     job.finished.set()
             _Pool.dispatch()
     try:
@@ -410,10 +431,12 @@ def serve(package_root: str, package: str, idle_s: float = IDLE_S) -> None:
         if message is None:
             return
         job_id, spec = message
+        began = time.perf_counter()
         try:
-            _send(reply, (job_id, True, _compile(spec), ""))
+            key_hash, ok, error = _compile(spec), True, ""
         except Exception as exc:  # noqa: BLE001 - the parent compiles it and raises what it raises
-            _send(reply, (job_id, False, "", repr(exc)[:2000]))
+            key_hash, ok, error = "", False, repr(exc)[:2000]
+        _send(reply, (job_id, ok, key_hash, error, began, time.perf_counter()))
 
 
 if __name__ == "__main__":
