@@ -200,7 +200,8 @@ class PrefillConfig:
     one_loop: with band_tiles, every whole key tile loads its bias tile (the offset clamped
         into the set) in one loop: two copies of the tile step in the binary instead of four, so
         it compiles faster, at the cost of a bias tile load (from L2) where the split adds one
-        scalar (6-18% slower past 16 x 512 tokens on an H100: off by default)
+        scalar (6-18% slower past 16 x 512 tokens on an H100: off by default; the default's twin
+        while a compile worker compiles the default in a cold process: `ahead.Twins`)
     """
 
     block_m: int
