@@ -37,10 +37,10 @@ import concurrent.futures
 import contextlib
 import contextvars
 import inspect
+import logging
 import os
 import sys
 import threading
-import logging
 import types
 from typing import Callable, Iterator, Optional
 

@@ -34,7 +34,7 @@ from .launch import PrefillConfig, prefill_config
 # BIAS_MODE values.
 _NO_BIAS, _TABLE_BIAS, _DENSE_BIAS = 0, 1, 2
 # The default band-tile binaries a cold process's pass sent to the compile workers: their
-# one-loop twins (the same bits, about half the compile) run until the workers are done.
+# one-loop twins (the same bits, a shorter compile) run until the workers are done.
 _ONE_LOOP_TWINS = ahead.Twins()
 # Entries of the widened table written per program of `_wide_table_kernel`.
 _WIDE_BLOCK = 1024
