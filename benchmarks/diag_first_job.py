@@ -9,7 +9,8 @@ with its defaults once. It records a timeline in seconds from just before the ge
 the KV pool's (re)allocations, each `_compile_ahead` pass, each encoder chunk, the first decode steps, every
 Triton compile in this process (start and end; a binary a compile worker made is a cache hit
 here, milliseconds), every compile a worker process ran (its start and end there, and when it was
-asked for here: `compile_workers.history()`), every CUDA graph capture, and the first results; and a cProfile of the host
+asked for here: `compile_workers.history()`), every CUDA graph capture, and the first results; the caching allocator's device
+allocations, frees and retries over each job (`torch.cuda.memory_stats`); and a cProfile of the host
 from the generator's making to the first result (the functions with the most cumulative time),
 or with `--profile-pass` of the first compile-ahead pass alone (Python 3.12's cProfile records
 every thread: the pass's compile threads too). `--again` runs the same job a second time in the
@@ -82,7 +83,13 @@ def worker(args) -> dict:
     torch.cuda.synchronize()
     patch_s = time.perf_counter() - patching  # (before the timeline: what patch_model itself takes)
     results: list[float] = []
+
+    def allocator() -> dict:  # the caching allocator's device allocations so far (cudaMalloc / cudaFree)
+        stats = torch.cuda.memory_stats()
+        return {k: stats.get(k, 0) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
+
     with torch.inference_mode():
+        before = allocator()
         made = time.perf_counter()
         if not args.profile_pass:
             profiler.enable()
@@ -95,8 +102,10 @@ def worker(args) -> dict:
                 profiler.disable()
         torch.cuda.synchronize()
         done = time.perf_counter()
+        allocations = {k: v - before[k] for k, v in allocator().items()}
         again = None
         if args.again:  # the same job once more in this process: what the cold one paid beyond it
+            before_again = allocator()
             start, first = time.perf_counter(), None
             gen2 = hp.BatchGenerator(model)
             requests = [hp.BatchRequest(ids, max_new_tokens=n, min_new_tokens=n) for ids, n in items]
@@ -106,7 +115,8 @@ def worker(args) -> dict:
             kinds = [e["what"] for e in events if e["start"] >= start]
             again = dict(job_s=time.perf_counter() - start, first_result_s=first - start,
                          compiles=sum(k.startswith("triton compile") for k in kinds),
-                         captures=kinds.count("graph capture"))
+                         captures=kinds.count("graph capture"),
+                         allocations={k: v - before_again[k] for k, v in allocator().items()})
     for job in compile_workers.history():  # the workers' own compiles (one clock for the machine's processes)
         if job["began"] is not None:
             events.append(dict(what=f"worker compile {job['name']} (asked at {job['asked'] - made:.3f})",
@@ -116,6 +126,7 @@ def worker(args) -> dict:
     return dict(gpu=torch.cuda.get_device_name(), shape=args.shape, num_inputs=len(items),
                 max_batch_tokens=gen.max_batch_tokens, max_batch_rows=gen.max_batch_rows,
                 patch_model_s=patch_s, job_s=done - made, first_result_s=results[0] - made, again=again,
+                allocations=allocations,
                 results_at_s=[round(t - made, 4) for t in results[:10]],
                 timeline=timeline, profile_span="the first compile-ahead pass" if args.profile_pass else
                 "generator made to first result", host_profile_to_first_result=_top(profiler, args.profile_rows))
@@ -176,6 +187,9 @@ def main(argv=None) -> None:
         print(f"the same job again in that process: {a['job_s']:.2f} s, first result after {a['first_result_s']:.2f} s "
               f"({a['compiles']} compiles, {a['captures']} graph captures); the cold job's extra "
               f"{report['job_s'] - a['job_s']:.2f} s")
+        print(f"the allocator's device allocations / frees / retries: first job "
+              f"{' / '.join(str(v) for v in report['allocations'].values())}, again "
+              f"{' / '.join(str(v) for v in a['allocations'].values())}")
     print(f"{'start s':>8} {'end s':>8} {'s':>7}  what")
     for e in report["timeline"]:
         if e["start_s"] <= report["first_result_s"] + 0.5:
