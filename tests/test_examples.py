@@ -94,8 +94,8 @@ def runs(checkpoint, job_input, tmp_path_factory):
         log.close()
 
 
-def finished(runs, name) -> str:
-    """The combined output of example `name`, which must have exited with status 0 and not fallen back."""
+def _exited(runs, name) -> tuple[subprocess.Popen, str]:
+    """Example `name`'s process once it has exited (killed past `TIMEOUT`), and its combined output."""
     proc, log, _ = runs[name]
     try:
         proc.wait(timeout=TIMEOUT)
@@ -103,10 +103,19 @@ def finished(runs, name) -> str:
         proc.kill()
         raise
     log.seek(0)
-    text = log.read()
-    assert proc.returncode == 0, f"{name} exited with {proc.returncode}:\n{text[-3000:]}"
+    return proc, log.read()
+
+
+def _passed(name: str, returncode: int, text: str) -> str:
+    assert returncode == 0, f"{name} exited with {returncode}:\n{text[-3000:]}"
     assert FALLBACK not in text, f"{name} fell back to stock HF:\n{text[-3000:]}"
     return text
+
+
+def finished(runs, name) -> str:
+    """The combined output of example `name`, which must have exited with status 0 and not fallen back."""
+    proc, text = _exited(runs, name)
+    return _passed(name, proc.returncode, text)
 
 
 def value(text: str, label: str) -> str:
@@ -197,22 +206,13 @@ def finished_distributed(runs, name) -> str:
     """`finished`, except that a job that wrote its whole output and then aborted in gloo's teardown
     (`TEARDOWN_ABORT`) runs once more, alone, and that run must exit cleanly: the abort is torch's,
     the job's output is still checked, and a second abort fails the test."""
-    proc, log, path = runs[name]
-    try:
-        proc.wait(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise
-    log.seek(0)
-    text = log.read()
+    (proc, text), path = _exited(runs, name), runs[name][2]
     if proc.returncode != 0 and TEARDOWN_ABORT in text and f"-> {path}" in text:
         path.unlink()
         again = subprocess.run(proc.args, cwd=path.parent, env=_env(), stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT)
-        assert again.returncode == 0, f"{name} exited with {again.returncode} twice:\n{again.stdout[-3000:]}"
-        assert FALLBACK not in again.stdout, f"{name} fell back to stock HF:\n{again.stdout[-3000:]}"
-        return again.stdout
-    return finished(runs, name)
+        return _passed(f"{name}, run again,", again.returncode, again.stdout)
+    return _passed(name, proc.returncode, text)
 
 
 def test_a_teardown_abort_after_the_output_runs_the_job_once_more(tmp_path):
