@@ -394,9 +394,9 @@ def measure(model, items, args, compiles, deadline: float) -> dict:
     )
     if reference is not None:
         report["static_reference"] = reference
-    if args.defaults and reference is not None:
-        report.update(first_job_vs_static_reference=repeats[0]["tokens_per_s"] / reference["tokens_per_s"],
-                      second_job_vs_static_reference=repeats[1]["tokens_per_s"] / reference["tokens_per_s"])
+        if args.defaults:
+            report.update(first_job_vs_static_reference=repeats[0]["tokens_per_s"] / reference["tokens_per_s"],
+                          second_job_vs_static_reference=repeats[1]["tokens_per_s"] / reference["tokens_per_s"])
     if args.defaults:
         first, second = repeats
         report.update(first_job_vs_static=first["tokens_per_s"] / static["tokens_per_s"],

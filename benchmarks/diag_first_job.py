@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Optional
 
 RESULT_PREFIX = "first-job: "
 
@@ -84,9 +85,11 @@ def worker(args) -> dict:
     patch_s = time.perf_counter() - patching  # (before the timeline: what patch_model itself takes)
     results: list[float] = []
 
-    def allocator() -> dict:  # the caching allocator's device allocations so far (cudaMalloc / cudaFree)
+    def allocator(since: Optional[dict] = None) -> dict:
+        """The caching allocator's device allocations, frees and retries so far (or since `since`)."""
         stats = torch.cuda.memory_stats()
-        return {k: stats.get(k, 0) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
+        return {k: stats.get(k, 0) - (since or {}).get(k, 0)
+                for k in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
 
     with torch.inference_mode():
         before = allocator()
@@ -102,7 +105,7 @@ def worker(args) -> dict:
                 profiler.disable()
         torch.cuda.synchronize()
         done = time.perf_counter()
-        allocations = {k: v - before[k] for k, v in allocator().items()}
+        allocations = allocator(since=before)
         again = None
         if args.again:  # the same job once more in this process: what the cold one paid beyond it
             before_again = allocator()
@@ -116,7 +119,7 @@ def worker(args) -> dict:
             again = dict(job_s=time.perf_counter() - start, first_result_s=first - start,
                          compiles=sum(k.startswith("triton compile") for k in kinds),
                          captures=kinds.count("graph capture"),
-                         allocations={k: v - before_again[k] for k, v in allocator().items()})
+                         allocations=allocator(since=before_again))
     for job in compile_workers.history():  # the workers' own compiles (one clock for the machine's processes)
         if job["began"] is not None:
             events.append(dict(what=f"worker compile {job['name']} (asked at {job['asked'] - made:.3f})",

@@ -261,14 +261,6 @@ def _into_kernel_cache(kernel, finalize_fn) -> None:
         finalize_fn(kernel)
 
 
-def _in_worker(kernel) -> bool:
-    """Whether `kernel`, what a compile-only launch returned, is a compile a worker process runs
-    (not loaded here, not done there)."""
-    future = getattr(kernel, "future", None)
-    return (getattr(kernel, "kernel", None) is None and isinstance(future, compile_workers.RemoteFuture)
-            and not future.ready())
-
-
 def _loadable(kernel) -> bool:
     """Whether a launch of `kernel` (a binary, or a compile's future) would not wait for a compile:
     loaded, or its compile finished wherever it ran (a worker's binary is read from Triton's
@@ -279,6 +271,12 @@ def _loadable(kernel) -> bool:
     if future is None:
         return True
     return future.ready() if isinstance(future, compile_workers.RemoteFuture) else future.done()
+
+
+def _in_worker(kernel) -> bool:
+    """Whether `kernel`, what a compile-only launch returned, is a compile a worker process runs
+    (not loaded here, not done there)."""
+    return isinstance(getattr(kernel, "future", None), compile_workers.RemoteFuture) and not _loadable(kernel)
 
 
 class Twins:
