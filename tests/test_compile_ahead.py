@@ -230,10 +230,11 @@ def test_a_launcher_is_built_beside_its_compile_from_the_signature_the_load_uses
     assert ahead._launcher_build(_closure(src)) is None
 
 
-def test_a_twin_runs_while_a_worker_compiles_its_binary_and_never_in_a_capture(monkeypatch):
+def test_a_twin_runs_while_a_worker_compiles_its_binary_and_in_a_capture_only_where_as_fast(monkeypatch):
     """`Twins`: inside a pass, a binary whose compile went to a worker has its twin asked for
     beside it, once, where a worker is free; outside the pass the twin runs until that worker is
-    done, a graph capture waits for the binary itself, and once the worker is done the binary runs
+    done, a graph capture waits for the binary itself unless the caller says the twin is as fast
+    at the launch's sizes (`in_graph`), and once the worker is done the binary runs
     and the twin is dropped. No twin for a binary already loaded, one no worker compiles, or
     where no worker is free."""
     from types import SimpleNamespace
@@ -277,7 +278,9 @@ def test_a_twin_runs_while_a_worker_compiles_its_binary_and_never_in_a_capture(m
     assert twins.launch("a", launch) == "twin" and twins.launch("other", launch) is returns[False]
     capturing[0] = True
     twins.launch("a", launch)
+    assert twins.launch("a", launch, in_graph=True) == "twin"  # as fast at these sizes: the graph keeps it
     capturing[0] = False
     job.finished.set()  # the worker is done: its binary is read from Triton's cache
     twins.launch("a", launch)
-    assert launched == [True, False, False, False] and len(twins) == 0
+    twins.launch("a", launch, in_graph=True)
+    assert launched == [True, False, False, True, False, False] and len(twins) == 0

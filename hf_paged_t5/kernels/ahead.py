@@ -285,9 +285,10 @@ class Twins:
     worker process has its twin's compile sent to a free worker beside it; until the binary's
     worker is done, launches outside a CUDA graph capture run the twin, so a cold process waits
     for the shorter compile. A capture waits for the binary itself (a graph keeps what it
-    captured), and where no worker is free the twin is not asked for (the pass would wait for it
-    on its pool). One instance per kernel; `signature` is the caller's key of everything the
-    binary is specialized on (dtype, strides, alignment, constants)."""
+    captured) unless the caller says the twin is as fast at that launch's sizes (`in_graph`), and
+    where no worker is free the twin is not asked for (the pass would wait for it on its pool).
+    One instance per kernel; `signature` is the caller's key of everything the binary is
+    specialized on (dtype, strides, alignment, constants)."""
 
     def __init__(self) -> None:
         self._waiting: dict = {}  # signature -> the binary's future, while its worker compiles it
@@ -296,8 +297,9 @@ class Twins:
     def __len__(self) -> int:
         return len(self._waiting)
 
-    def launch(self, signature, launch: Callable[[bool], object]):
-        """`launch(twin)` of the binary (False) or its twin (True), as above; returns what it returns."""
+    def launch(self, signature, launch: Callable[[bool], object], in_graph: bool = False):
+        """`launch(twin)` of the binary (False) or its twin (True), as above; returns what it returns.
+        in_graph: a capture may keep the twin too (it runs as fast as the binary at these sizes)."""
         if _COMPILE_ONLY.get():
             asked = signature in self._waiting
             kernel = launch(False)
@@ -309,7 +311,7 @@ class Twins:
         if kernel is not None:
             if _loadable(kernel):
                 self._waiting.pop(signature, None)
-            elif not torch.cuda.is_current_stream_capturing():
+            elif in_graph or not torch.cuda.is_current_stream_capturing():
                 if signature not in self._said:
                     self._said.add(signature)
                     logger.debug("the twin of a binary a compile worker compiles runs meanwhile (%s)", signature)
