@@ -18,7 +18,8 @@ Where `ctranslate2` is importable, CTranslate2 is a row too: the same weights sa
 converted with its own converter (bf16), `Translator.translate_batch` on the same token ids as
 strings, exactly 128 new tokens (`min_decoding_length` = `max_decoding_length`), the same beams.
 The JSON also holds `kernels_per_decoder_layer` (CUDA kernels of one graphed step, from a profile,
-over the decoder's layers) and two floors per row: `floor_ms_per_step`, the decoder weights and
+over the decoder's layers), per row that step's kernels by name (`step_kernels_by_name`: launches
+and µs of GPU time, most time first) and two floors per row: `floor_ms_per_step`, the decoder weights and
 the K/V a step reads at the read bandwidth measured in the same run (a sum over 1 GiB), and
 `launch_floor_ms_per_step`, the step's kernels at the graphed launch cost measured in the run.
 
@@ -76,15 +77,24 @@ def launch_us() -> float:
     return (time.perf_counter() - t0) / (20 * 500) * 1e6
 
 
-def step_kernels(model) -> int:
-    """CUDA kernels in one replay of the patched model's most recently used decode graph."""
+def step_kernels(model) -> tuple[int, dict]:
+    """CUDA kernels in one replay of the patched model's most recently used decode graph: their
+    count, and per kernel name [launches, µs of GPU time] (names cut to 100 characters), most
+    time first: what a step's time is made of."""
     from torch.profiler import ProfilerActivity, profile
 
     graph = list(common.decode_graphs(model).values())[-1]
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         graph.replay()
         torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_name: dict = {}
+    for e in kernels:
+        entry = by_name.setdefault(e.name[:100], [0, 0.0])
+        entry[0] += 1
+        entry[1] += e.time_range.elapsed_us()
+    ranked = sorted(by_name.items(), key=lambda item: -item[1][1])
+    return len(kernels), {name: [n, round(us, 1)] for name, (n, us) in ranked}
 
 
 def floor_ms(model, batch, beams, src_len, new, kernels, read_gbps, launch) -> dict:
@@ -217,7 +227,8 @@ def bench_model(name, src_len, new, cases, rows, read_gbps, launch, repeats, hf_
                     hp.unpatch_model(model)  # the previous case's runtime (pool, graphs) goes before timed()
                 hp.patch_model(model)  # a fresh pool per case: its peak memory is this case's own
                 r = timed(model, batch, src_len, new, beams, repeats)
-                r.update(floor_ms(model, batch, beams, src_len, new, step_kernels(model), read_gbps, launch))
+                kernels, by_name = step_kernels(model)
+                r.update(floor_ms(model, batch, beams, src_len, new, kernels, read_gbps, launch))
                 results[("paged", batch, beams)] = r
                 hf = [results.get((a, batch, beams), {}) for a in ("eager", "sdpa")]  # eager: {} if not timed
                 best = min(x["ms_per_step"] for x in hf if "ms_per_step" in x)
@@ -231,6 +242,7 @@ def bench_model(name, src_len, new, cases, rows, read_gbps, launch, repeats, hf_
                     floor_ms_per_step=r["floor_ms"], launch_floor_ms_per_step=r["launch_floor_ms"],
                     kernels_per_step=r["kernels_per_step"],
                     kernels_per_decoder_layer=r["kernels_per_step"] / model.config.num_decoder_layers,
+                    step_kernels_by_name=by_name,
                     ctranslate2_ms_per_step=(ct2 or {}).get((batch, beams), {}).get("ms_per_step"),
                     ctranslate2_error=(ct2 or {}).get((batch, beams), {}).get("error"),
                     mem_vs_hf=None if hf[1].get("peak_gib") is None
