@@ -7,7 +7,7 @@ whether the programmatic-dependent-launch instructions are there. Each row is on
 configuration the package picks (`kernels.linear`, `kernels.gemv`, `kernels.decode`,
 `kernels.rmsnorm`) at the t5-large / flan-t5-xl decode shapes.
 
-    python benchmarks/diag_ptxas.py [--arch 90] [--prefill]
+    python benchmarks/diag_ptxas.py [--arch 90] [--prefill] [--match TEXT]
 
 `--prefill` reports the encoder's prefill kernel instead (bf16, 64-wide heads, T5's bidirectional
 table): the default configuration with its band split into three loops, the same with one loop
@@ -112,20 +112,26 @@ def cases() -> list[tuple]:
         out.append((f"gemv {model} rows 1", gemv._gemv_kernel, dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k),
                     {}, warps, False, frozenset(), 3))
     decode_types = dict(scale="fp32", block_table_ptr="*i32", seq_lens_ptr="*i32", bias_ptr="*fp32",
-                        part_ptr="*fp32", ticket_ptr="*i32")
+                        part_ptr="*fp32", ticket_ptr="*i32", slot_mapping_ptr="*i32")
     # a step's launches pass its counters, so the fused merge is compiled in at any split count;
     # the self-attention table [heads, max_distance + 1] has rows of 129 (not 16-divisible)
     table = frozenset({"stride_bias_head", "stride_bias_key"})
-    for label, block_n, warps, bias, prefetch, stages in (
-        ("self", 128, 4, 1, 0, 1), ("cross", 128, 4, 0, 0, 1),
-        ("self, many rows (async loads, 1 deep)", 128, 4, 1, 2, 1),
-        ("cross, many rows (async loads, 2 deep)", 128, 4, 0, 2, 2),
+    for label, block_n, warps, bias, prefetch, stages, store in (
+        ("self", 128, 4, 1, 0, 1, False), ("cross", 128, 4, 0, 0, 1, False),
+        # many rows (`decode_config`'s async loads): self-attention over <= 256 keys, then over more,
+        # each as it stores the step's new K/V itself and without
+        ("self, many rows, 32-key tiles (async loads, 2 deep)", 32, 1, 1, 2, 2, False),
+        ("self, many rows, 32-key tiles (async loads, 2 deep), storing", 32, 1, 1, 2, 2, True),
+        ("self, many rows (async loads, 2 deep)", 128, 4, 1, 2, 2, False),
+        ("self, many rows (async loads, 2 deep), storing", 128, 4, 1, 2, 2, True),
+        ("cross, many rows (async loads, 2 deep)", 128, 4, 0, 2, 2, False),
         # one split of two 256-key tiles (ab_replay.py --variant one-split-two-tiles), and on 4 warps
-        ("cross, one split, 256-key tiles", 256, 8, 0, 0, 1), ("cross, one split, 256-key tiles", 256, 4, 0, 0, 1),
+        ("cross, one split, 256-key tiles", 256, 8, 0, 0, 1, False),
+        ("cross, one split, 256-key tiles", 256, 4, 0, 0, 1, False),
     ):
         const = dict(BIAS_MODE=bias, BLOCK_SIZE=16, BLOCK_N=block_n, BLOCK_D=64,
                      MERGE_CHUNK=16, FUSED_COMBINE=True, PREFETCH=prefetch, NUM_STAGES=stages, PDL=True,
-                     READY=1 if bias else 2)  # the step's self- ("past") and cross-attention ("all")
+                     READY=1 if bias else 2, STORE=store)  # the step's self- ("past") and cross-attention ("all")
         out.append((f"paged_decode {label}", decode._paged_decode_kernel, const, decode_types, warps, True,
                     table if bias else frozenset(), stages))
     out.append(("rms_norm d_model 1024", rmsnorm._rms_norm_kernel,
@@ -166,9 +172,10 @@ def main(argv=None) -> None:
     ap.add_argument("--arch", type=int, default=90, help="compute capability to compile for (90: Hopper)")
     ap.add_argument("--prefill", action="store_true", help="the encoder's prefill kernel instead of the step's")
     ap.add_argument("--repeats", type=int, default=1, help="compiles per row (the median's seconds are reported)")
+    ap.add_argument("--match", default="", help="only the rows whose label holds this text")
     args = ap.parse_args(argv)
     os.environ["TRITON_ALWAYS_COMPILE"] = "1"  # each row's compile timed in full, no cache hit
-    todo = prefill_cases() if args.prefill else cases()
+    todo = [case for case in (prefill_cases() if args.prefill else cases()) if args.match in case[0]]
     try:  # Triton's one-time start-up (its backends, ptxas's version) is not the first row's
         compile_report(*todo[0][1:4], todo[0][4], args.arch, *todo[0][5:])
     except Exception:

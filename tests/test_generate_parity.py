@@ -296,6 +296,37 @@ def test_triton_backend_end_to_end_matches_torch_backend(family, rows):
         assert torch.isfinite(b).all() and (b.float() - a.float()).norm() / a.float().norm() < tol
 
 
+@pytest.mark.parametrize("prefetch", ["tile", "async"])
+def test_triton_backend_many_rows_store_new_kv_with_the_attention(monkeypatch, prefetch):
+    """A step of many rows (op by op) hands self-attention each row's new K/V: the async-load
+    binary (`decode_config`'s pick at many rows on a GPU; here forced on the interpreter) stores
+    them itself, so the store before it never runs; the register-prefetch one runs it first.
+    Either way the logits are the torch backend's."""
+    from hf_paged_t5.kernels import decode
+
+    real_splits, stores = decode._key_splits, []
+    config = decode.DecodeConfig(16, 4, 2, prefetch=prefetch)
+    monkeypatch.setattr(decode, "_key_splits", lambda c, n, covered, keys: real_splits(c or config, n, covered, keys))
+    monkeypatch.setattr(decode, "store_kv", lambda **kw: (stores.append(kw["slot_mapping"].numel()),
+                                                           hp.kernels.store_kv(**kw)))
+    model = make_model("t5", dtype=torch.float16)
+    ids, mask = make_batch([9, 5, 12, 3, 7, 10])
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4,
+              output_logits=True, return_dict_in_generate=True)
+    hp.patch_model(model, hp.PagedCacheConfig(block_size=4, backend="torch"))
+    ref = model.generate(**kw)
+    hp.patch_model(model, hp.PagedCacheConfig(block_size=4, backend="triton"))
+    out = model.generate(**kw)
+    layers = model.config.num_decoder_layers
+    assert stores == ([] if prefetch == "async" else [6] * (4 * layers))
+    assert torch.equal(out.sequences[:, :2], ref.sequences[:, :2])
+    for step, (a, b) in enumerate(zip(ref.logits, out.logits)):
+        if not torch.equal(out.sequences[:, : step + 1], ref.sequences[:, : step + 1]):
+            break  # a near-tie went the other way (see the test above)
+        tol = 2e-2 if step == 0 else 0.1
+        assert torch.isfinite(b).all() and (b.float() - a.float()).norm() / a.float().norm() < tol
+
+
 def test_lean_loop_streams_every_token():
     """HF gives a custom decoding callable no streamer; the paged loop still streams each token."""
     from transformers.generation.streamers import BaseStreamer

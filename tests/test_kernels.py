@@ -291,6 +291,70 @@ def test_paged_decode_keys_ready_is_the_same_attention(prefetch, bias, num_split
         paged_decode(*args, keys_ready="newest")
 
 
+@pytest.mark.parametrize("prefetch", ["tile", "async"])
+@pytest.mark.parametrize("bias", ["table", "dense"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_paged_decode_stores_the_newest_kv(prefetch, bias, num_splits, block_size):
+    """Given each row's newest K/V and slot, `paged_decode` leaves the cache `store_kv` leaves, bit
+    for bit, and returns the attention of `store_kv` then `paged_decode`: the same bits where it
+    runs `store_kv` first (the register-prefetch loads); where the kernel stores them itself (async
+    loads) and attends to the newest key after the loop, an error against a float64 reference no
+    larger than that launch's own plus a float32 ulp. Rows whose newest key opens a tile, closes
+    one, lies in a later split or is the only key; a negative slot stores nothing (the cache's key
+    is read); the new K/V as views of one packed projection, as a decode step has them."""
+    block_n, heads, head_dim = 16, 3, 24
+    lens = [1, block_n, block_n + 1, 2 * block_n + 3, 5, 3 * block_n]
+    key_cache, value_cache, block_table, seq_lens = make_paged_kv(lens, block_size, heads, head_dim,
+                                                                  torch.float32, seed=11)
+    rows = len(lens)
+    packed = torch.randn(rows, 3, heads, head_dim, device=DEVICE)  # q, k, v side by side per row
+    query, new_k, new_v = packed.unbind(1)
+    table_cpu, lens_cpu = block_table.cpu(), seq_lens.cpu()
+    slots = [int(table_cpu[r, (n - 1) // block_size]) * block_size + (n - 1) % block_size
+             for r, n in enumerate(lens_cpu.tolist())]
+    slots[4] = -1  # row 4 stores nothing: its newest key is the cache's
+    slot_mapping = torch.tensor(slots, dtype=torch.int32, device=DEVICE)
+    kwargs = dict(bias_table=torch.randn(heads, 40, device=DEVICE)) if bias == "table" else dict(
+        dense_bias=torch.randn(rows, heads, max(lens), device=DEVICE))
+    config = DecodeConfig(block_n, 4, 2 if prefetch == "async" else 1, num_splits, fused_combine=True, prefetch=prefetch)
+    caches = [(key_cache.clone(), value_cache.clone()) for _ in range(2)]
+    store_kv(key=new_k, value=new_v, key_cache=caches[0][0], value_cache=caches[0][1], slot_mapping=slot_mapping)
+    ready = "past" if prefetch == "async" else None  # the async loop loads after the wait either way
+    want = paged_decode(query, *caches[0], block_table, seq_lens, scale=0.5, config=config, keys_ready=ready, **kwargs)
+    got = paged_decode(query, *caches[1], block_table, seq_lens, scale=0.5, config=config, keys_ready=ready,
+                       new_key=new_k, new_value=new_v, slot_mapping=slot_mapping, **kwargs)
+    assert torch.equal(caches[1][0], caches[0][0]) and torch.equal(caches[1][1], caches[0][1])
+    assert not torch.equal(caches[0][0], key_cache)  # the store did write
+    if prefetch != "async":
+        assert torch.equal(got, want)
+        return
+    up = {k: v.double() for k, v in kwargs.items()}
+    ref = reference.paged_decode(query.double(), caches[0][0].double(), caches[0][1].double(), block_table,
+                                 seq_lens, scale=0.5, **up)
+    assert rel_err(got, ref) <= rel_err(want, ref) + torch.finfo(torch.float32).eps
+
+
+def test_paged_decode_new_kv_checks():
+    key_cache, value_cache, block_table, seq_lens = make_paged_kv([3, 5], 4, 2, 16, torch.float32)
+    query = torch.randn(2, 2, 16, device=DEVICE)
+    args = (query, key_cache, value_cache, block_table, seq_lens)
+    slots = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="new_key, new_value and slot_mapping together"):
+        paged_decode(*args, new_key=query)
+    with pytest.raises(ValueError, match=r"new_value must be \(2, 2, 16\)"):
+        paged_decode(*args, new_key=query, new_value=query[:1], slot_mapping=slots)
+    with pytest.raises(ValueError, match="new_key and new_value need one layout"):
+        paged_decode(*args, new_key=query, new_value=torch.randn(2, 4, 16, device=DEVICE)[:, :2], slot_mapping=slots)
+    strided = torch.randn(2, 2, 32, device=DEVICE)[..., ::2]
+    with pytest.raises(ValueError, match="new_key must be contiguous in its last dim"):
+        paged_decode(*args, new_key=strided, new_value=strided, slot_mapping=slots)
+    with pytest.raises(TypeError, match="int32 or int64"):
+        paged_decode(*args, new_key=query, new_value=query, slot_mapping=slots.float())
+    with pytest.raises(ValueError, match=r"slot_mapping must be \[batch=2\]"):
+        paged_decode(*args, new_key=query, new_value=query, slot_mapping=slots[:1])
+
+
 @pytest.mark.parametrize("num_splits", [2, 7, 64])
 def test_paged_decode_fused_combine_split_counts(num_splits):
     """The ticket reaches num_splits exactly once per (row, head), empty splits included."""
@@ -909,6 +973,35 @@ def test_gpu_paged_decode_prefetch_and_fused_combine(head_dim):
         ):
             out = paged_decode(*args, bias_table=table, config=config)
             assert rel_err(out, ref) < TOLERANCE[dtype], config
+
+
+@pytest.mark.parametrize("lens", [[1, 16, 17, 200, 5, 128] * 11, [20, 700, 1, 511, 33] * 60], ids=["64-rows", "300-rows"])
+@gpu_test
+def test_gpu_paged_decode_stores_the_newest_kv(lens):
+    """Many bf16 rows, as a decode step launches self-attention with each row's new K/V: the
+    default binary (async loads) stores them itself; the cache is `store_kv`'s, bit for bit, and
+    the error against float64 exceeds that of `store_kv` then `paged_decode` by at most a bf16 ulp."""
+    lens = lens[:64] if len(lens) < 100 else lens
+    num_heads, head_dim, block_size, dtype = 16, 64, 16, torch.bfloat16
+    key_cache, value_cache, block_table, seq_lens = make_paged_kv(lens, block_size, num_heads, head_dim, dtype, seed=3)
+    max_keys = block_table.shape[1] * block_size
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    assert decode_config(len(lens), num_heads, head_dim, max_keys, sms).prefetch == "async"
+    packed = torch.randn(len(lens), 3, num_heads, head_dim, device=DEVICE).to(dtype)
+    query, new_k, new_v = packed.unbind(1)
+    table_host = block_table.tolist()
+    slots = [table_host[r][(n - 1) // block_size] * block_size + (n - 1) % block_size for r, n in enumerate(lens)]
+    slot_mapping = torch.tensor(slots, dtype=torch.int32, device=DEVICE)
+    bias = torch.randn(num_heads, 129, device=DEVICE)
+    caches = [(key_cache.clone(), value_cache.clone()) for _ in range(2)]
+    store_kv(key=new_k, value=new_v, key_cache=caches[0][0], value_cache=caches[0][1], slot_mapping=slot_mapping)
+    want = paged_decode(query, *caches[0], block_table, seq_lens, bias_table=bias, keys_ready="past")
+    got = paged_decode(query, *caches[1], block_table, seq_lens, bias_table=bias, keys_ready="past",
+                       new_key=new_k, new_value=new_v, slot_mapping=slot_mapping)
+    assert torch.equal(caches[1][0], caches[0][0]) and torch.equal(caches[1][1], caches[0][1])
+    ref = reference.paged_decode(query.double(), caches[0][0].double(), caches[0][1].double(), block_table,
+                                 seq_lens, bias_table=bias.double())
+    assert rel_err(got, ref) <= rel_err(want, ref) + torch.finfo(dtype).eps
 
 
 @gpu_test

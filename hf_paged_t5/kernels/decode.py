@@ -11,6 +11,9 @@ program of a (row, head) to finish, counted by an atomic ticket, merges them its
 the second launch. As a programmatic dependent launch (`pdl`) a program reads seq_lens before
 it waits for the kernel before it, and with `keys_ready` its first tile's block ids, K/V and bias
 too (keys written before that kernel began; a row's newest key, written by it, after the wait).
+Given each row's newest K/V (`new_key`), the async-load binary (many rows) stores them itself (the
+program whose split holds that key) and attends to them from registers: a many-row decode step's
+self-attention then needs no `store_kv` launch before it.
 The grid depends on tensor shapes and the host bound `max_seq_len` only: no host-device sync, so
 the wrapper can be captured in a CUDA graph; programs past a row's `seq_len` contribute nothing.
 Launch knobs are a `DecodeConfig`, picked by `decode_config`.
@@ -26,8 +29,9 @@ import triton
 import triton.language as tl
 
 from . import fast_math
-from ._checks import block_d, broadcast_strides, check_decode_args, interpreting, pdl_options
+from ._checks import block_d, broadcast_strides, check_decode_args, check_device, check_float, interpreting, pdl_options
 from .launch import _PREFETCH, DecodeConfig, _num_sms, decode_config, grouped_config
+from .store_kv import store_kv
 
 # BIAS_MODE values.
 _NO_BIAS, _TABLE_BIAS, _DENSE_BIAS = 0, 1, 2
@@ -174,7 +178,57 @@ def _attend_keys(acc, l_i, m_i, q, k, v, bias, tile_start, end, BIAS_MODE: tl.co
     return acc, l_i, m_new
 
 
-@triton.jit(do_not_specialize=["max_keys", "keys_per_split", "dense_len", "stride_table_batch"])  # workload sizes: see kernels/__init__.py
+@triton.jit
+def _newest_kv(
+    new_key_ptr,
+    new_value_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot,
+    row,
+    head,
+    q_pos,
+    start,
+    end,
+    dims,
+    dim_mask,
+    stride_new_batch,
+    stride_new_head,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """A row's newest key and value as given ([BLOCK_D] each, in the cache's dtype), which stand for
+    the cache's where slot >= 0 (a negative slot stores nothing and the cache's are read, as after
+    `store_kv`). The program whose keys [start, end) hold the newest one stores them."""
+    new_off = row * stride_new_batch + head * stride_new_head + dims
+    new_mask = dim_mask & (dims * 0 + slot >= 0)  # a tensor: a scalar condition in a mask trips the interpreter
+    k_new = tl.load(new_key_ptr + new_off, mask=new_mask, other=0.0).to(key_cache_ptr.dtype.element_ty)
+    v_new = tl.load(new_value_ptr + new_off, mask=new_mask, other=0.0).to(value_cache_ptr.dtype.element_ty)
+    if (slot >= 0) & (start <= q_pos) & (q_pos < end):
+        # int64 slot: block_id * stride_cache_block passes 2^31 in pools of a few GB.
+        cache_off = (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_slot
+        cache_off += head * stride_cache_head + dims
+        tl.store(key_cache_ptr + cache_off, k_new, mask=dim_mask)
+        tl.store(value_cache_ptr + cache_off, v_new, mask=dim_mask)
+    return k_new, v_new
+
+
+@triton.jit
+def _attend_newest(acc, l_i, m_i, q, k_new, v_new, bias_args, BIAS_MODE: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The online-softmax step over a row's newest key alone (`_newest_kv`), after the loop over
+    the keys before it: a 16-key tile whose one live key is the newest."""
+    q_pos = bias_args[0]
+    k = tl.broadcast_to(k_new[None, :], [16, BLOCK_D])
+    v = tl.broadcast_to(v_new[None, :], [16, BLOCK_D])
+    bias = _tile_bias(q_pos, q_pos + 1, *bias_args, BIAS_MODE, 16)
+    return _attend_keys(acc, l_i, m_i, q, k, v, bias, q_pos, q_pos + 1, BIAS_MODE, 16)
+
+
+# workload sizes: see kernels/__init__.py; the new K/V's strides too (placeholders where nothing is stored)
+@triton.jit(do_not_specialize=["max_keys", "keys_per_split", "dense_len", "stride_table_batch",
+                               "stride_new_batch", "stride_new_head"])  # workload sizes: see kernels/__init__.py
 def _paged_decode_kernel(
     query_ptr,  # [batch, num_heads, head_dim]
     key_cache_ptr,  # [num_blocks, block_size, num_heads, head_dim]
@@ -185,6 +239,9 @@ def _paged_decode_kernel(
     out_ptr,  # [batch, num_heads, head_dim], written with one split (with several and FUSED_COMBINE, by the last split)
     part_ptr,  # [batch, num_heads, num_splits, BLOCK_D + 2] fp32, written with several splits (layout: _combine_splits_kernel)
     ticket_ptr,  # [batch, num_heads] int32 zeros, with FUSED_COMBINE: splits of (row, head) done so far (left at zero)
+    new_key_ptr,  # [batch, num_heads, head_dim]: each row's newest key (STORE; else unused)
+    new_value_ptr,  # like new_key_ptr
+    slot_mapping_ptr,  # [batch] int32 / int64: where the newest K/V go (STORE; negative: not stored)
     scale,
     head_dim,
     max_keys,
@@ -193,6 +250,8 @@ def _paged_decode_kernel(
     dense_len,
     stride_query_batch,
     stride_query_head,
+    stride_new_batch,
+    stride_new_head,
     stride_cache_block,
     stride_cache_slot,
     stride_cache_head,
@@ -212,6 +271,7 @@ def _paged_decode_kernel(
     NUM_STAGES: tl.constexpr,
     PDL: tl.constexpr,
     READY: tl.constexpr,
+    STORE: tl.constexpr,
 ):
     # Heads vary fastest over the grid: programs running side by side read neighbouring
     # head slices of the same slots, so together they stream whole blocks.
@@ -225,6 +285,9 @@ def _paged_decode_kernel(
     # seq_lens, tables and the bias come from the step's inputs (written before its first
     # kernel): they may load before the wait for the kernel before this one.
     seq_len = tl.minimum(tl.load(seq_lens_ptr + row), max_keys)
+    slot = tl.full([], -1, tl.int64)
+    if STORE:
+        slot = tl.load(slot_mapping_ptr + row).to(tl.int64)  # a step input too
     q_pos = seq_len - 1
     start = split * keys_per_split
     end = tl.minimum(seq_len, start + keys_per_split)
@@ -238,6 +301,10 @@ def _paged_decode_kernel(
         q_pos, row, head, max_distance, dense_len, bias_ptr, stride_bias_batch, stride_bias_head, stride_bias_key,
     )  # fmt: skip
     q_off = row * stride_query_batch + head * stride_query_head + dims
+    newest_args = (
+        new_key_ptr, new_value_ptr, key_cache_ptr, value_cache_ptr, slot, row, head, q_pos, start, end, dims, dim_mask,
+        stride_new_batch, stride_new_head, stride_cache_block, stride_cache_slot, stride_cache_head,
+    )  # fmt: skip
     m_i = tl.full([], float("-inf"), tl.float32)
     l_i = tl.full([], 0.0, tl.float32)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -248,13 +315,21 @@ def _paged_decode_kernel(
             tl.extra.cuda.gdc_launch_dependents()
         # Work in log2 units (exp2 is the native instruction); fp32 so fp16 scores never overflow.
         q = tl.load(query_ptr + q_off, mask=dim_mask, other=0.0).to(tl.float32) * (scale * 1.4426950408889634)
+        # With STORE, the program that holds a row's newest key (a slot given) leaves it out of
+        # the loop and attends to it from the given values after it.
+        newest_here = (slot >= 0) & (start <= q_pos) & (q_pos < end)
+        loop_end = tl.where(newest_here, q_pos, end)
         # Plain loop: Triton's pipeliner copies the K/V of the next NUM_STAGES - 1 tiles into
         # shared memory asynchronously (the block ids a stage earlier still).
-        for tile_start in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
+        for tile_start in tl.range(start, loop_end, BLOCK_N, num_stages=NUM_STAGES):
             slots = _tile_slots(tile_start, *slot_args, BLOCK_SIZE, BLOCK_N)
-            k, v = _load_kv(slots, tile_start, *kv_args, BLOCK_N)
-            bias = _tile_bias(tile_start, end, *bias_args, BIAS_MODE, BLOCK_N)
-            acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, k, v, bias, tile_start, end, BIAS_MODE, BLOCK_N)
+            k, v = _load_kv(slots, tile_start, key_cache_ptr, value_cache_ptr, loop_end, dims, dim_mask, BLOCK_N)
+            bias = _tile_bias(tile_start, loop_end, *bias_args, BIAS_MODE, BLOCK_N)
+            acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, k, v, bias, tile_start, loop_end, BIAS_MODE, BLOCK_N)
+        if STORE:
+            k_new, v_new = _newest_kv(*newest_args, BLOCK_SIZE)
+            if newest_here:
+                acc, l_i, m_i = _attend_newest(acc, l_i, m_i, q, k_new, v_new, bias_args, BIAS_MODE, BLOCK_D)
     else:
         if PDL and READY == 0:
             tl.extra.cuda.gdc_wait()
@@ -360,6 +435,30 @@ def _check_tickets(tickets: torch.Tensor, needed: int, device: torch.device) -> 
                          f"got {tickets.numel()} on {tickets.device}")
 
 
+def _check_newest(query: torch.Tensor, new_key, new_value, slot_mapping) -> bool:
+    """`paged_decode`'s checks of its new K/V and slots; returns whether it stores them."""
+    given = [t is not None for t in (new_key, new_value, slot_mapping)]
+    if not any(given):
+        return False
+    if not all(given):
+        raise ValueError("storing each row's newest K/V needs new_key, new_value and slot_mapping together")
+    for name, tensor in (("new_key", new_key), ("new_value", new_value)):
+        check_float(name, tensor, 3)
+        check_device(name, tensor, query.device)
+        if tensor.shape != query.shape or tensor.dtype != query.dtype:
+            raise ValueError(f"{name} must be {tuple(query.shape)} in {query.dtype} like the query, "
+                             f"got {tuple(tensor.shape)} {tensor.dtype}")
+    if new_key.stride() != new_value.stride():
+        raise ValueError(f"new_key and new_value need one layout (strides {new_key.stride()} and "
+                         f"{new_value.stride()}); pass .contiguous() copies")
+    if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise TypeError("slot_mapping must be an int32 or int64 tensor")
+    check_device("slot_mapping", slot_mapping, query.device)
+    if slot_mapping.shape != (query.shape[0],):
+        raise ValueError(f"slot_mapping must be [batch={query.shape[0]}], got {tuple(slot_mapping.shape)}")
+    return True
+
+
 def paged_decode(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -375,6 +474,9 @@ def paged_decode(
     pdl: bool = False,
     tickets: Optional[torch.Tensor] = None,
     keys_ready: Optional[str] = None,
+    new_key: Optional[torch.Tensor] = None,
+    new_value: Optional[torch.Tensor] = None,
+    slot_mapping: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention of one query token per row over that row's paged keys.
 
@@ -400,11 +502,19 @@ def paged_decode(
         None promises that the tables, seq_lens and bias were written before the step too; with
         pdl, the first K/V tile of each program, its block ids and bias then load before the wait
         for the kernel before (the newest key after it). The same attention either way.
+    new_key, new_value: [batch, num_heads, head_dim] in query's dtype (head_dim contiguous, one
+        layout for both), with slot_mapping [batch] int32 / int64: each row's newest K/V, at
+        position seq_len - 1, not yet in the cache, stored at the row's slot (negative: none,
+        the cache's are read). The same result and the same cache as `store_kv(new_key,
+        new_value, ..., slot_mapping)` first: with async loads (`DecodeConfig.prefetch`, many
+        rows) the kernel stores them itself and attends to them as given, in one launch; with
+        the other loads `store_kv` runs first. Give all three or none.
     returns: [batch, num_heads, head_dim], query's dtype
     """
     max_distance = check_decode_args(query, key_cache, value_cache, block_table, seq_lens, bias_table, dense_bias)
     if keys_ready not in _READY:
         raise ValueError(f"keys_ready must be 'all', 'past' or None, got {keys_ready!r}")
+    store = _check_newest(query, new_key, new_value, slot_mapping)
     batch, num_heads, head_dim = query.shape
     block_size = key_cache.shape[1]
     max_keys = block_table.shape[1] * block_size
@@ -417,6 +527,12 @@ def paged_decode(
     if config is None and not interpreting():
         config = decode_config(batch, num_heads, head_dim, covered, _num_sms(query.device))
     config, splits, keys_per_split = _key_splits(config, num_splits, covered, max_keys)
+    if store and config.prefetch != "async":
+        # Only the async-load binary (many rows: no 1-row step shares it) stores inside: compiled
+        # into the others the new K/V would stay live through their key loops (registers, compile
+        # time) and a batch size that shares the 1-row binary would compile one more.
+        store_kv(key=new_key, value=new_value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping)
+        store = False
 
     if bias_table is not None:
         bias_mode, bias, bias_strides, dense_len = _TABLE_BIAS, bias_table, [0, *bias_table.stride()], 0
@@ -441,10 +557,13 @@ def paged_decode(
     elif fused:
         ticket = torch.zeros((batch, num_heads), dtype=torch.int32, device=query.device)
 
+    # Without a store the new K/V and slots are placeholders (query, seq_lens) a binary compiled
+    # without STORE never reads.
+    new_k, new_v, slots = (new_key, new_value, slot_mapping) if store else (query, query, seq_lens)
     _paged_decode_kernel[(num_heads, batch, splits)](
-        query, key_cache, value_cache, block_table, seq_lens, bias, out, part, ticket,
+        query, key_cache, value_cache, block_table, seq_lens, bias, out, part, ticket, new_k, new_v, slots,
         float(scale), head_dim, max_keys, keys_per_split, max_distance, dense_len,
-        query.stride(0), query.stride(1),
+        query.stride(0), query.stride(1), new_k.stride(0), new_k.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         block_table.stride(0),
         *bias_strides,
@@ -452,7 +571,8 @@ def paged_decode(
         BIAS_MODE=bias_mode, BLOCK_SIZE=block_size, BLOCK_N=config.block_n, BLOCK_D=padded_d,
         MERGE_CHUNK=_MERGE_CHUNK, FUSED_COMBINE=fused,
         PREFETCH=_PREFETCH[config.prefetch],
-        NUM_STAGES=config.num_stages, PDL=pdl, READY=_READY[keys_ready], num_warps=config.num_warps, **launch,
+        NUM_STAGES=config.num_stages, PDL=pdl, READY=_READY[keys_ready], STORE=store, num_warps=config.num_warps,
+        **launch,
     )  # fmt: skip
     if splits > 1 and not fused:
         _combine_splits_kernel[(batch, num_heads)](

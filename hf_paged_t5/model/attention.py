@@ -333,14 +333,20 @@ def decoder_self_attention(
     """
     rows, num_new = hidden.shape[:2]
     q, k, v = (_heads(y, attn) for y in project_group(ops, (attn.q, attn.k, attn.v), hidden))
-    ops.store_kv(key=k, value=v, key_cache=key_cache, value_cache=value_cache, slot_mapping=meta.slot_mapping)
     table, lens = _per_token_rows(meta.self_block_table, meta.self_seq_lens, num_new, causal=True)
     kwargs = dict(query=q, key_cache=key_cache, value_cache=value_cache, block_table=table, seq_lens=lens,
                   bias_table=bias_table, scale=1.0)
+    launch = _decode_launch(ops, q, meta, "past") if state is None else {}
+    if launch and num_new == 1:
+        # The Triton backend takes each row's new K/V with the attention: at many rows its binary
+        # stores them itself, sparing a store launch (`kernels.paged_decode`).
+        out = ops.paged_decode(**kwargs, **launch, new_key=k, new_value=v, slot_mapping=meta.slot_mapping)
+        return project(ops, attn.o, out.reshape(rows, num_new, -1))
+    ops.store_kv(key=k, value=v, key_cache=key_cache, value_cache=value_cache, slot_mapping=meta.slot_mapping)
     if state is not None:
         out = state.self_decode(**kwargs)
     else:
-        out = ops.paged_decode(**kwargs, **_decode_launch(ops, q, meta, "past"))
+        out = ops.paged_decode(**kwargs, **launch)
     # out: [rows * num_new, num_heads, head_dim]
     return project(ops, attn.o, out.reshape(rows, num_new, -1))
 
