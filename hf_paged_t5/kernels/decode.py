@@ -228,7 +228,7 @@ def _attend_newest(acc, l_i, m_i, q, k_new, v_new, bias_args, BIAS_MODE: tl.cons
 
 # workload sizes: see kernels/__init__.py; the new K/V's strides too (placeholders where nothing is stored)
 @triton.jit(do_not_specialize=["max_keys", "keys_per_split", "dense_len", "stride_table_batch",
-                               "stride_new_batch", "stride_new_head"])  # workload sizes: see kernels/__init__.py
+                               "stride_new_batch", "stride_new_head"])
 def _paged_decode_kernel(
     query_ptr,  # [batch, num_heads, head_dim]
     key_cache_ptr,  # [num_blocks, block_size, num_heads, head_dim]
