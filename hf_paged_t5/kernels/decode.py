@@ -185,11 +185,9 @@ def _newest_kv(
     key_cache_ptr,
     value_cache_ptr,
     slot,
+    here,
     row,
     head,
-    q_pos,
-    start,
-    end,
     dims,
     dim_mask,
     stride_new_batch,
@@ -199,14 +197,14 @@ def _newest_kv(
     stride_cache_head,
     BLOCK_SIZE: tl.constexpr,
 ):
-    """A row's newest key and value as given ([BLOCK_D] each, in the cache's dtype), which stand for
-    the cache's where slot >= 0 (a negative slot stores nothing and the cache's are read, as after
-    `store_kv`). The program whose keys [start, end) hold the newest one stores them."""
+    """A row's newest key and value as given ([BLOCK_D] each, in the cache's dtype), loaded and
+    stored at `slot` by the program `here` (the one whose keys hold the newest, with a slot >= 0);
+    elsewhere zeros, unused."""
     new_off = row * stride_new_batch + head * stride_new_head + dims
-    new_mask = dim_mask & (dims * 0 + slot >= 0)  # a tensor: a scalar condition in a mask trips the interpreter
+    new_mask = dim_mask & (dims * 0 + here.to(tl.int32) != 0)  # a tensor: a scalar condition in a mask trips the interpreter
     k_new = tl.load(new_key_ptr + new_off, mask=new_mask, other=0.0).to(key_cache_ptr.dtype.element_ty)
     v_new = tl.load(new_value_ptr + new_off, mask=new_mask, other=0.0).to(value_cache_ptr.dtype.element_ty)
-    if (slot >= 0) & (start <= q_pos) & (q_pos < end):
+    if here:
         # int64 slot: block_id * stride_cache_block passes 2^31 in pools of a few GB.
         cache_off = (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_slot
         cache_off += head * stride_cache_head + dims
@@ -301,10 +299,6 @@ def _paged_decode_kernel(
         q_pos, row, head, max_distance, dense_len, bias_ptr, stride_bias_batch, stride_bias_head, stride_bias_key,
     )  # fmt: skip
     q_off = row * stride_query_batch + head * stride_query_head + dims
-    newest_args = (
-        new_key_ptr, new_value_ptr, key_cache_ptr, value_cache_ptr, slot, row, head, q_pos, start, end, dims, dim_mask,
-        stride_new_batch, stride_new_head, stride_cache_block, stride_cache_slot, stride_cache_head,
-    )  # fmt: skip
     m_i = tl.full([], float("-inf"), tl.float32)
     l_i = tl.full([], 0.0, tl.float32)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -327,7 +321,11 @@ def _paged_decode_kernel(
             bias = _tile_bias(tile_start, loop_end, *bias_args, BIAS_MODE, BLOCK_N)
             acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, k, v, bias, tile_start, loop_end, BIAS_MODE, BLOCK_N)
         if STORE:
-            k_new, v_new = _newest_kv(*newest_args, BLOCK_SIZE)
+            k_new, v_new = _newest_kv(
+                new_key_ptr, new_value_ptr, key_cache_ptr, value_cache_ptr, slot, newest_here, row, head, dims,
+                dim_mask, stride_new_batch, stride_new_head, stride_cache_block, stride_cache_slot, stride_cache_head,
+                BLOCK_SIZE,
+            )  # fmt: skip
             if newest_here:
                 acc, l_i, m_i = _attend_newest(acc, l_i, m_i, q, k_new, v_new, bias_args, BIAS_MODE, BLOCK_D)
     else:

@@ -341,12 +341,9 @@ def decoder_self_attention(
         # The Triton backend takes each row's new K/V with the attention: at many rows its binary
         # stores them itself, sparing a store launch (`kernels.paged_decode`).
         out = ops.paged_decode(**kwargs, **launch, new_key=k, new_value=v, slot_mapping=meta.slot_mapping)
-        return project(ops, attn.o, out.reshape(rows, num_new, -1))
-    ops.store_kv(key=k, value=v, key_cache=key_cache, value_cache=value_cache, slot_mapping=meta.slot_mapping)
-    if state is not None:
-        out = state.self_decode(**kwargs)
     else:
-        out = ops.paged_decode(**kwargs, **launch)
+        ops.store_kv(key=k, value=v, key_cache=key_cache, value_cache=value_cache, slot_mapping=meta.slot_mapping)
+        out = state.self_decode(**kwargs) if state is not None else ops.paged_decode(**kwargs, **launch)
     # out: [rows * num_new, num_heads, head_dim]
     return project(ops, attn.o, out.reshape(rows, num_new, -1))
 
