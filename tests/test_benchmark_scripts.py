@@ -528,6 +528,32 @@ def test_diag_absorbed_cross_matches_both_references_at_awkward_sizes(tmp_path):
     assert len(rows) == 2 * 4 and all("failed" not in r for r in rows) and max(r["rel_err"] for r in rows) < 1e-5
 
 
+@pytest.mark.parametrize("splits", [1, 3, 4])
+def test_diag_wo_partials_kernel_is_the_package_add_norm_of_the_summed_partials(splits):
+    """diag_wo_partials' kernel (the interpreter, float32: its bf16 casts do not round as the GPU's
+    do; a width that is no power of two, 7 rows) gives bit for bit the package's add + RMSNorm of the
+    partials summed in slice order, and its error against float64 stays within float32's bound for a
+    sum of d_ff products."""
+    import diag_wo_partials as dwp
+
+    d_ff = 96
+    wo, xs, hs, weight = dwp.build(d_model=40, d_ff=d_ff, rows=7, layers=1, device="cpu", dtype=torch.float32,
+                                   seed=splits)
+    partials = dwp.split_partials(xs[0], wo[0], splits)
+    assert partials.shape == (splits, 7, 40) and partials.dtype == torch.float32
+    summed = partials[0].clone()
+    for s in range(1, splits):
+        summed += partials[s]
+    got_out, got_sum = dwp.partials_add_norm(partials, hs[0], weight)
+    want_out, want_sum = dwp.rms_norm(hidden=hs[0], weight=weight, eps=dwp.EPS, residual=summed)
+    assert torch.equal(got_sum, want_sum) and torch.equal(got_out, want_out)
+    bound = d_ff * 2.0 ** -24  # a float32 sum of d_ff terms, relative to its largest magnitude
+    for name, (normed, total) in dwp.errors(xs[0], wo[0], hs[0], weight, [splits]).items():
+        assert normed <= bound and total <= bound, name
+    with pytest.raises(ValueError, match="does not split"):
+        dwp.split_partials(xs[0], wo[0], 5)
+
+
 def test_profile_batch_names_where_an_operator_was_called_from():
     """profile_batch --stacks: each matching operator (not kernel) with its calls and the Python
     frames it was called from, on a CPU profile here."""
