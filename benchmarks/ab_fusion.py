@@ -22,7 +22,6 @@ Writes DIR/fusion.json (default DIR: benchmarks/results/<date>-<gpu>/).
 from __future__ import annotations
 
 import argparse
-import collections
 import gc
 import os
 
@@ -42,19 +41,9 @@ def replay_us(graph, replays: int = 50) -> float:
 
 
 def replay_kernels(graph) -> tuple[int, dict]:
-    """(CUDA kernels in one replay, {kernel name: µs}) from a profile of one replay."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        graph.replay()
-        torch.cuda.synchronize()
-    names: dict = collections.defaultdict(float)
-    count = 0
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            count += 1
-            names[event.name[:80]] += event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time_total
-    return count, dict(sorted(names.items(), key=lambda kv: -kv[1]))
+    """(CUDA kernels in one replay, {kernel name: µs}): `common.graph_kernels` without the launch counts."""
+    count, by_name = common.graph_kernels(graph)
+    return count, {name: us for name, (_, us) in by_name.items()}
 
 
 def run_variant(model, batch: int, fused: bool, pdl: str, pack: bool) -> dict:

@@ -78,23 +78,9 @@ def launch_us() -> float:
 
 
 def step_kernels(model) -> tuple[int, dict]:
-    """CUDA kernels in one replay of the patched model's most recently used decode graph: their
-    count, and per kernel name [launches, µs of GPU time] (names cut to 100 characters), most
-    time first: what a step's time is made of."""
-    from torch.profiler import ProfilerActivity, profile
-
-    graph = list(common.decode_graphs(model).values())[-1]
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        graph.replay()
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    by_name: dict = {}
-    for e in kernels:
-        entry = by_name.setdefault(e.name[:100], [0, 0.0])
-        entry[0] += 1
-        entry[1] += e.time_range.elapsed_us()
-    ranked = sorted(by_name.items(), key=lambda item: -item[1][1])
-    return len(kernels), {name: [n, round(us, 1)] for name, (n, us) in ranked}
+    """CUDA kernels in one replay of the patched model's most recently used decode graph
+    (`common.graph_kernels`): what a step's time is made of."""
+    return common.graph_kernels(list(common.decode_graphs(model).values())[-1])
 
 
 def floor_ms(model, batch, beams, src_len, new, kernels, read_gbps, launch) -> dict:

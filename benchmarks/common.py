@@ -309,15 +309,12 @@ def gemm_tflops(device: torch.device, n: int = 8192) -> float:
     return 2 * n**3 / kernel_ms(lambda: a @ a) / 1e9
 
 
-def graph_us(calls: Sequence[Callable[[], object]], replays: int = 7) -> float:
-    """Median µs per call of `calls` replayed back to back in one CUDA graph, over `replays`
-    replays (NaN without CUDA): no host launch cost in the number, as a captured decode step runs
-    them."""
-    if not torch.cuda.is_available():
-        return float("nan")
+def capture_graph(calls: Sequence[Callable[[], object]]) -> "torch.cuda.CUDAGraph":
+    """`calls` captured back to back as one CUDA graph, replayed once: the first two are run
+    before on a side stream (Triton compiles, cuBLAS picks happen outside the capture)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up (Triton compiles, cuBLAS picks) outside the capture
+    with torch.cuda.stream(side):
         for fn in calls[:2]:
             fn()
     torch.cuda.current_stream().wait_stream(side)
@@ -328,9 +325,37 @@ def graph_us(calls: Sequence[Callable[[], object]], replays: int = 7) -> float:
             fn()
     graph.replay()
     torch.cuda.synchronize()
+    return graph
+
+
+def graph_us(calls: Sequence[Callable[[], object]], replays: int = 7) -> float:
+    """Median µs per call of `calls` replayed back to back in one CUDA graph, over `replays`
+    replays (NaN without CUDA): no host launch cost in the number, as a captured decode step runs
+    them."""
+    if not torch.cuda.is_available():
+        return float("nan")
+    graph = capture_graph(calls)
     times = replay_times_us(graph, replays)
     del graph
     return median(times) / len(calls)
+
+
+def graph_kernels(graph) -> tuple[int, dict]:
+    """CUDA kernels in one replay of a captured graph: their count, and per kernel name (cut to
+    100 characters) [launches, µs of GPU time], most time first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_name: dict = {}
+    for e in kernels:
+        entry = by_name.setdefault(e.name[:100], [0, 0.0])
+        entry[0] += 1
+        entry[1] += e.time_range.elapsed_us()
+    ranked = sorted(by_name.items(), key=lambda item: -item[1][1])
+    return len(kernels), {name: [n, round(us, 1)] for name, (n, us) in ranked}
 
 
 def replay_times_us(graph, replays: int) -> list[float]:

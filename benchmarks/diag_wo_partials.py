@@ -15,8 +15,8 @@ the batched GEMM without splitting it again (the kernel names say).
 
 Per model layout (t5-large: d_model 1,024, d_ff 4,096; flan-t5-xl: 2,048, 5,120), rows and S: 24
 layers of distinct bf16 weights replayed in one CUDA graph, µs per layer (median of 50 replays), the
-kernels of one replay by name, and each variant's error against float64 on the first layer (max
-|out - ref| / max |ref| of the normed output; the residual sum's too). Writes
+kernels of one replay by name (launches, µs), and each variant's error against float64 on the first
+layer (max |out - ref| / max |ref| of the normed output; the residual sum's too). Writes
 DIR/wo_partials.json (default DIR: benchmarks/results/<date>-<gpu>/).
 
 `--device cpu` (with TRITON_INTERPRET=1) runs the kernel at a tiny width in float32 (the
@@ -134,29 +134,11 @@ def build(d_model: int, d_ff: int, rows: int, layers: int, device, dtype=torch.b
 
 
 def graph_profile(fn, replays: int = 50) -> tuple[float, dict]:
-    """(median µs of one replay of `fn` captured as a CUDA graph, {kernel name: launches} of one replay)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
+    """(median µs of one replay of `fn` captured as a CUDA graph, its kernels by name:
+    `common.graph_kernels`)."""
+    graph = common.capture_graph([fn])
     us = common.median(common.replay_times_us(graph, replays))
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        graph.replay()
-        torch.cuda.synchronize()
-    names: dict = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            names[e.name[:90]] = names.get(e.name[:90], 0) + 1
+    _, names = common.graph_kernels(graph)
     del graph
     return us, names
 
@@ -207,7 +189,7 @@ def main(argv=None) -> None:
             for name, fn in variants.items():
                 us, names = graph_profile(fn)
                 row = dict(model=model, rows=rows, variant=name, us_per_layer=us / LAYERS,
-                           kernels_per_layer=sum(names.values()) / LAYERS, kernels=names,
+                           kernels_per_layer=sum(n for n, _ in names.values()) / LAYERS, kernels=names,
                            error_normed=errs[name][0], error_sum=errs[name][1])
                 rows_out.append(row)
                 print(f"{model:10s} rows {rows:4d} {name:11s}: {row['us_per_layer']:6.2f} µs/layer, "
