@@ -135,8 +135,11 @@ def cases() -> list[tuple]:
         out.append((f"paged_decode {label}", decode._paged_decode_kernel, const, decode_types, warps, True,
                     table if bias else frozenset(), stages))
     out.append(("rms_norm d_model 1024", rmsnorm._rms_norm_kernel,
-                dict(HAS_RESIDUAL=False, HALF_WEIGHT=True, BLOCK=1024, PDL=True), dict(eps="fp32"), 4, True,
-                frozenset(), 3))
+                dict(HAS_RESIDUAL=False, SPLITS=0, HALF_WEIGHT=True, BLOCK=1024, PDL=True), dict(eps="fp32"), 4,
+                True, frozenset(), 3))
+    out.append(("rms_norm d_model 1024, wo's two float32 partials", rmsnorm._rms_norm_kernel,
+                dict(HAS_RESIDUAL=True, SPLITS=2, HALF_WEIGHT=True, BLOCK=1024, PDL=True),
+                dict(eps="fp32", residual_ptr="*fp32"), 4, True, frozenset(), 3))
     return out
 
 

@@ -246,12 +246,22 @@ def rms_norm(
     weight: torch.Tensor,
     eps: float,
     residual: Optional[torch.Tensor] = None,
+    partials: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """T5 layer norm of `hidden (+ residual)`, step for step as HF's `T5LayerNorm`.
 
     hidden: [..., d_model]; residual: same shape and dtype, or None; weight: [d_model]
+    partials: instead of `residual`, float32 [S, ..., d_model] summed in slice order and rounded to
+        hidden's dtype (`kernels.rms_norm`'s twin)
     returns: (normed [..., d_model], the sum hidden + residual (or hidden))
     """
+    if partials is not None:
+        if residual is not None:
+            raise ValueError("give the residual as `residual` or as `partials`, not both")
+        residual = partials[0].clone()
+        for part in partials[1:]:
+            residual += part
+        residual = residual.to(hidden.dtype)
     total = hidden if residual is None else hidden + residual
     variance = total.to(torch.float32).pow(2).mean(-1, keepdim=True)
     normed = total * torch.rsqrt(variance + eps)
@@ -285,6 +295,21 @@ def relu_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def relu_linear_supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The torch backend leaves the feed-forward to the model's own modules."""
+    return False
+
+
+def split_k_linear(x: torch.Tensor, weight: torch.Tensor, splits: int = 2) -> torch.Tensor:
+    """The float32 partial products of x @ weight.T over `splits` equal slices of K (twin of
+    `kernels.split_k_linear`). x: [..., K]; weight: [N, K]; returns [splits, ..., N]."""
+    K = weight.shape[1]
+    if K % splits:
+        raise ValueError(f"K {K} does not split into {splits} equal slices")
+    xs, ws = x.float().split(K // splits, dim=-1), weight.float().split(K // splits, dim=-1)
+    return torch.stack([xi @ wi.T for xi, wi in zip(xs, ws)])
+
+
+def split_k_supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """The torch backend leaves the feed-forward to the model's own modules."""
     return False
 

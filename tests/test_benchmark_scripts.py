@@ -415,7 +415,7 @@ from triton.compiler import ASTSource
 import importlib
 kernel = importlib.import_module("hf_paged_t5.kernels.rmsnorm")._rms_norm_kernel
 names = kernel.arg_names
-const = dict(HAS_RESIDUAL=False, HALF_WEIGHT=True, BLOCK=256, PDL=False)
+const = dict(HAS_RESIDUAL=False, SPLITS=0, HALF_WEIGHT=True, BLOCK=256, PDL=False)
 signature = {n: "constexpr" if n in const else ("*bf16" if n.endswith("_ptr") else "fp32" if n == "eps" else "i32")
              for n in names}
 src = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(k),): v for k, v in const.items()})

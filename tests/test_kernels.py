@@ -1321,7 +1321,7 @@ def compile_for_sm90(kernel, constexprs, types, warps, stages):
 
 cases = [
     ("rms_norm", "rsqrt.approx.ftz.f32", rmsnorm._rms_norm_kernel,
-     dict(HAS_RESIDUAL=True, HALF_WEIGHT=True, BLOCK=1024, PDL=True), dict(eps="fp32"), 4, 3),
+     dict(HAS_RESIDUAL=True, SPLITS=0, HALF_WEIGHT=True, BLOCK=1024, PDL=True), dict(eps="fp32"), 4, 3),
     ("paged_decode", "ex2.approx.ftz.f32", decode._paged_decode_kernel,
      dict(BIAS_MODE=1, BLOCK_SIZE=16, BLOCK_N=128, BLOCK_D=64, MERGE_CHUNK=16, FUSED_COMBINE=True, PREFETCH=0,
           NUM_STAGES=1, PDL=True, READY=1),

@@ -6,11 +6,14 @@
 - `grouped_decode`: the same without a bias for rows in groups that share keys (a beam search's
   rows of a source over its cross-attention keys), each K/V tile read once per group
   (`grouped_supports`: the rows and dtypes it takes).
-- `rms_norm`: T5's layer norm, optionally fused with the residual add.
+- `rms_norm`: T5's layer norm, optionally fused with the residual add (a tensor, or `split_k_linear`'s partials).
 - `gated_gelu`: the gated feed-forward's `gelu_tanh(gate) * linear` (T5 v1.1, mT5, UMT5).
 - `gemv`: x @ weight.T for at most a few rows (batch-1 decode projections).
 - `relu_linear`: relu(x @ weight.T) for more rows, the ReLU in cuBLASLt's GEMM epilogue (not a
   Triton kernel: T5's non-gated feed-forward without a pointwise launch of its own).
+- `split_k_linear`: x @ weight.T as float32 partials over slices of K for `rms_norm` to sum (the
+  feed-forward's `wo` at many rows in two launches with the next add + norm, not cuBLAS's three;
+  `split_k_supports`: the products it takes).
 - `fused_linear`: the same with the layer norm before it and the residual add, activation or
   K/V store after it folded in (a decode step's layer in a few kernels).
 - `greedy_update`: a greedy decode step's token choice and the next step's inputs, one launch.
@@ -42,9 +45,10 @@ from .local import local_prefill
 from .prefill import prefill
 from .relu_linear import relu_linear, relu_linear_supports
 from .rmsnorm import rms_norm
+from .split_k import split_k_linear, split_k_supports
 from .store_kv import store_kv
 
 __all__ = ["beam_update", "beam_update_supports", "beam_workspace", "fused_linear", "fused_linear_supports", "gated_gelu",
            "gemv", "gemv_supports", "greedy_update", "grouped_decode", "grouped_supports", "local_prefill",
            "paged_decode", "pdl_available", "prefill", "relu_linear", "relu_linear_supports", "rms_norm",
-           "store_kv"]
+           "split_k_linear", "split_k_supports", "store_kv"]

@@ -12,7 +12,7 @@ import contextlib
 import logging
 import sys
 from types import ModuleType
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, NamedTuple, Optional, Union
 
 import torch
 from torch import nn
@@ -193,11 +193,32 @@ def fused_gated_gelu(ops: ModuleType, dense: nn.Module, dtype: torch.dtype) -> b
     )
 
 
-def feed_forward(ops: ModuleType, dense: nn.Module, x: torch.Tensor) -> torch.Tensor:
+class Partials(NamedTuple):
+    """A sub-layer's output left as float32 partial sums over K-slices of its last projection
+    (the backend's `split_k_linear`), for the next `add_norm` to add in its kernel.
+
+    parts: [S, ..., d_model] float32; the output is their sum in slice order rounded to the
+    activations' dtype (`total`)."""
+
+    parts: torch.Tensor
+
+    def total(self, dtype: torch.dtype) -> torch.Tensor:
+        """The sub-layer's output as a tensor: the partials summed in slice order, rounded once."""
+        out = self.parts[0].clone()
+        for part in self.parts[1:]:
+            out += part
+        return out.to(dtype)
+
+
+def feed_forward(
+    ops: ModuleType, dense: nn.Module, x: torch.Tensor, partials: bool = False
+) -> Union[torch.Tensor, Partials]:
     """HF's T5DenseActDense / T5DenseGatedActDense forward, op for op, with `project` for the Linears
     (the gated GELU as one kernel where `fused_gated_gelu` allows).
 
     x: [..., d_model] (normed); returns [..., d_model]. Any other module runs its own forward.
+    partials: the caller's next `add_norm` takes `Partials`: `wo` runs as `split_k_linear` where
+        `split_wo` allows, and its partials are returned instead of the tensor
     """
     names = {cls.__name__ for cls in type(dense).__mro__}
     if hasattr(dense, "_hf_hook") or not names & {"T5DenseActDense", "T5DenseGatedActDense"}:
@@ -208,7 +229,35 @@ def feed_forward(ops: ModuleType, dense: nn.Module, x: torch.Tensor) -> torch.Te
         h = ops.relu_linear(x, dense.wi.weight)
     else:
         h = dense.act(project(ops, dense.wi, x))
-    return project(ops, dense.wo, to_wo_dtype(dense, dense.dropout(h)))
+    h = to_wo_dtype(dense, dense.dropout(h))
+    if partials and split_wo(ops, dense, h):
+        return Partials(ops.split_k_linear(h, dense.wo.weight))
+    return project(ops, dense.wo, h)
+
+
+def split_wo(ops: ModuleType, dense: nn.Module, h: torch.Tensor) -> bool:
+    """Whether the feed-forward's `wo` runs as the backend's `split_k_linear` (K-slice partials that
+    the next add + norm sums): HF's FF module as it is (no hooks), a plain `wo`, bf16 activations
+    (fp16 keeps HF's clamp between the residual add and the norm, which the fused add cannot place),
+    more rows than the backend's `gemv` serves and a product `split_k_supports` takes."""
+    wo = getattr(dense, "wo", None)
+    return (
+        hasattr(ops, "split_k_supports") and type(dense).__name__ in _PLAIN_FF | _GATED_FF and unhooked(dense)
+        and plain_linear(wo) and h.dtype == torch.bfloat16
+        and not ops.gemv_supports(h, wo.weight) and ops.split_k_supports(h, wo.weight)
+    )
+
+
+def ff_sublayer(ops: ModuleType, ff: nn.Module, normed: torch.Tensor, hidden: torch.Tensor
+                ) -> Union[torch.Tensor, Partials]:
+    """A T5LayerFF's output before its residual add: `ff.dropout(feed_forward(...))`, as `Partials`
+    where `feed_forward` gives them and the sub-layer's dropout does nothing (not training or p 0,
+    no hooks) on the residual's dtype and device; the caller's next `add_norm` takes either."""
+    dropout = ff.dropout
+    idle = not (dropout.training and dropout.p) and unhooked(dropout)
+    if idle and hidden.dtype == normed.dtype and hidden.device == normed.device:
+        return feed_forward(ops, ff.DenseReluDense, normed, partials=True)
+    return dropout(feed_forward(ops, ff.DenseReluDense, normed))
 
 
 def relu_epilogue(ops: ModuleType, dense: nn.Module, x: torch.Tensor) -> bool:
@@ -397,13 +446,21 @@ def clamp_fp16(hidden: torch.Tensor) -> torch.Tensor:
 
 
 def add_norm(
-    ops: ModuleType, layer_norm: nn.Module, hidden: torch.Tensor, out: Optional[torch.Tensor]
+    ops: ModuleType, layer_norm: nn.Module, hidden: torch.Tensor, out: Union[torch.Tensor, Partials, None]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(layer_norm(hidden + out), hidden + out) with HF's fp16 clamp in between; `out` may be None.
 
     One fused kernel where HF's order allows it (no fp16 clamp, one device, one dtype). A norm
     that is not HF's own T5 RMSNorm as it is (apex's fused norm, a hooked one) runs its own forward.
+    `out` as `Partials` (`ff_sublayer`'s) is summed inside that kernel; elsewhere it is summed first.
     """
+    if isinstance(out, Partials):
+        parts = out.parts
+        if (plain_rms_norm(layer_norm) and hidden.dtype == torch.bfloat16
+                and hidden.device == parts.device == layer_norm.weight.device):
+            return ops.rms_norm(hidden=hidden, weight=layer_norm.weight, eps=layer_norm.variance_epsilon,
+                                partials=parts)
+        out = out.total(hidden.dtype)
     if not plain_rms_norm(layer_norm):
         total = hidden if out is None else clamp_fp16(hidden + out)
         total = total.to(layer_norm.weight.device)

@@ -449,7 +449,7 @@ def decoder_layers(
         normed, hidden = attn_ops.add_norm(ops, ca.layer_norm, hidden, out)
         out = ca.dropout(attn_ops.cross_attention(ops, ca.EncDecAttention, normed, kc, vc, meta, state, i))
         normed, hidden = attn_ops.add_norm(ops, ff.layer_norm, hidden, out)
-        out = ff.dropout(attn_ops.feed_forward(ops, ff.DenseReluDense, normed))
+        out = attn_ops.ff_sublayer(ops, ff, normed, hidden)
     ops = ops_for(module_device(decoder.final_layer_norm))
     hidden, _ = attn_ops.add_norm(ops, decoder.final_layer_norm, hidden, out)
     return decoder.dropout(hidden)
