@@ -39,8 +39,9 @@ def test_supports_only_half_precision_on_cuda_with_several_rows():
 
 
 def test_relu_linear_refuses_what_it_does_not_serve():
+    device = "cuda" if CUDA else "cpu"  # float32: refused on either (the CPU runs the interpreter)
     with pytest.raises(ValueError, match="relu_linear serves more than one row"):
-        kernels.relu_linear(torch.randn(3, 4), torch.randn(8, 4))
+        kernels.relu_linear(torch.randn(3, 4, device=device), torch.randn(8, 4, device=device))
 
 
 def _routing_backend(calls):
