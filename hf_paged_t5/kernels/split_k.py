@@ -12,9 +12,12 @@ arithmetic as cuBLAS's split-K (float32 partials, one rounding).
 
 Measured with `benchmarks/diag_wo_partials.py` (24 layers in one CUDA graph, H100 80GB, torch
 2.11, 2026-12-07): t5-large at 64 rows 9.37 us a layer against cuBLAS + norm's 11.98, flan-t5-xl
-13.64 against 15.94, and faster at every measured row count from 16 to 512 (with two slices;
-four and eight were slower), at the same error against float64. Half precision on CUDA only:
-float32 keeps HF's own ops so float32 tokens stay HF's bit for bit.
+13.64 against 15.94 (two slices; four and eight were slower), at the same error against float64.
+Served up to MAX_ROWS rows, where cuBLAS splits K itself (its reduce is the launch saved): with
+the partials at up to 512 rows a batch job, whose graphed steps run at 64-512 rows, ran 1.5% and
+5.2% slower in two rounds (`benchmarks/ab_batch.py --shapes t5-large --beams 1`), though the
+isolated layers were faster at 512 rows too.
+Half precision on CUDA only: float32 keeps HF's own ops so float32 tokens stay HF's bit for bit.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 from ._checks import check_device, check_float
 
 SPLITS = 2  # K-slices (partials) a product is split into
-MAX_ROWS = 512  # the most rows measured faster than cuBLAS's GEMM + the norm's add
+MAX_ROWS = 128  # the most rows served: cuBLAS splits K itself up to here (t5-large, flan-t5-xl on an H100)
 
 
 def _mixed_bmm_on_cuda() -> bool:
