@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from backends import saying_yes_to
 from hf_paged_t5 import cpu_ops, kernels, reference, tiny
 from hf_paged_t5.model import attention, stacks
 
@@ -44,23 +45,12 @@ def test_relu_linear_refuses_what_it_does_not_serve():
         kernels.relu_linear(torch.randn(3, 4, device=device), torch.randn(8, 4, device=device))
 
 
-def _routing_backend(calls):
-    """The reference backend, but saying yes to `relu_linear` and counting its calls."""
-
-    def relu_linear(x, weight):
-        calls.append(tuple(x.shape))
-        return reference.relu_linear(x, weight)
-
-    names = {name: getattr(reference, name) for name in dir(reference) if not name.startswith("_")}
-    return SimpleNamespace(**{**names, "relu_linear": relu_linear, "relu_linear_supports": lambda x, w: True})
-
-
 def test_feed_forward_routes_the_non_gated_ff_through_relu_linear():
     """Decoder step (`attention.feed_forward`) and encoder (`stacks._dense`): HF's module's result,
     bit for bit in float32 (the reference's relu(x @ W.T) is HF's wi then ReLU); the gated FF, a hooked
     ReLU and a hooked FF module keep their own paths."""
     calls = []
-    ops = _routing_backend(calls)
+    ops = saying_yes_to("relu_linear", "relu_linear_supports", calls)
     dense = _dense()
     x = torch.randn(2, 5, dense.wi.in_features, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

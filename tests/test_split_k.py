@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from backends import saying_yes_to
 from hf_paged_t5 import cpu_ops, kernels, reference, tiny
 from hf_paged_t5.kernels import split_k
 from hf_paged_t5.model import attention
@@ -64,17 +65,6 @@ def test_reference_partials_sum_to_the_product(splits, rows, n, k):
         reference.split_k_linear(x, w, 5)
 
 
-def _routing_backend(calls):
-    """The reference backend, but saying yes to `split_k_linear` and counting its calls."""
-
-    def split_k_linear(x, weight):
-        calls.append(tuple(x.shape))
-        return reference.split_k_linear(x, weight)
-
-    names = {name: getattr(reference, name) for name in dir(reference) if not name.startswith("_")}
-    return SimpleNamespace(**{**names, "split_k_linear": split_k_linear, "split_k_supports": lambda x, w: True})
-
-
 @pytest.mark.parametrize("family", ["t5", "t5v1_1"])
 def test_the_ff_leaves_wo_as_partials_that_the_next_norm_sums(family):
     """bf16, the plain and the gated FF: `ff_sublayer` gives `Partials`, `add_norm` of them is the
@@ -82,7 +72,7 @@ def test_the_ff_leaves_wo_as_partials_that_the_next_norm_sums(family):
     one bf16 rounding of a differently ordered float32 sum (against float64: no worse than HF's
     own bf16 module plus one rounding)."""
     calls = []
-    ops = _routing_backend(calls)
+    ops = saying_yes_to("split_k_linear", "split_k_supports", calls)
     ff, next_norm = _ff(family)
     g = torch.Generator().manual_seed(1)
     normed = torch.randn(2, 5, ff.layer_norm.weight.shape[0], generator=g).bfloat16()
@@ -109,7 +99,7 @@ def test_partials_only_where_nothing_sits_between_wo_and_the_add():
     """Training dropout, a hooked dropout or `wo`, float16 / float32 activations and a residual of
     another dtype keep HF's op-by-op FF (a tensor); a norm on another device sums the partials first."""
     calls = []
-    ops = _routing_backend(calls)
+    ops = saying_yes_to("split_k_linear", "split_k_supports", calls)
     ff, next_norm = _ff()
     normed = torch.randn(3, ff.layer_norm.weight.shape[0]).bfloat16()
     hidden = torch.randn(normed.shape).bfloat16()
