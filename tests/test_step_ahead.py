@@ -201,7 +201,7 @@ def test_a_step_walk_of_the_first_blocks_layers(monkeypatch, fused, blocks):
         monkeypatch.setattr(stacks.attn_ops, "add_norm", add_norm)
         monkeypatch.setattr(stacks.attn_ops, "decoder_self_attention", self_attention)
         monkeypatch.setattr(stacks.attn_ops, "cross_attention", lambda ops, attention, x, *rest: x)
-        monkeypatch.setattr(stacks.attn_ops, "feed_forward", lambda ops, dense, x: x)
+        monkeypatch.setattr(stacks.attn_ops, "ff_sublayer", lambda ops, ff, x, hidden: x)
         stacks.decoder_layers(decoder, lambda device: None, [torch.zeros(1)] * 3, pool, lambda device: None, ids,
                               blocks=blocks)
     assert walked == [0, 1, 2][:blocks]
