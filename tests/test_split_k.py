@@ -175,3 +175,36 @@ def test_the_step_ff_uses_the_partials_on_a_gpu_and_stays_within_hfs_error(famil
         hf = next_norm(hf_total)
         exact = norm64(hidden.double().cpu() + ff64.DenseReluDense(normed.double().cpu()))
     assert (ours.double().cpu() - exact).abs().max() <= 1.1 * (hf.double().cpu() - exact).abs().max()
+
+
+@pytest.mark.parametrize("family", ["t5", "t5v1_1"])
+def test_a_bf16_generate_passes_every_layers_partials_to_the_next_norm(monkeypatch, family):
+    """Patched `generate()` in bf16 on the reference backend told to take the partials: each decode
+    step's every decoder layer leaves its `wo` as `Partials` (the last one to the final norm), and the
+    call gives the tokens of the same call without them, scores within bf16's rounding of them."""
+    from conftest import make_model
+
+    import hf_paged_t5 as hp
+
+    model = make_model(family, dtype=torch.bfloat16)
+    hp.patch_model(model, hp.PagedCacheConfig(block_size=8, backend="torch"))
+    ids = torch.randint(3, model.config.vocab_size, (3, 11), generator=torch.Generator().manual_seed(4))
+    kwargs = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, output_scores=True,
+                  return_dict_in_generate=True)
+    with torch.no_grad():
+        plain = model.generate(input_ids=ids, **kwargs)
+        calls = []
+        twin = reference.split_k_linear
+        monkeypatch.setattr(reference, "split_k_supports", lambda x, w: True)
+        monkeypatch.setattr(reference, "split_k_linear", lambda x, w: calls.append(tuple(x.shape)) or twin(x, w))
+        split = model.generate(input_ids=ids, **kwargs)
+    assert len(calls) == 6 * model.config.num_decoder_layers  # every step, every layer
+    assert torch.equal(split.sequences, plain.sequences)
+    # The partials are float32 sums of the same products in another order, rounded once to bf16 as the
+    # GEMM rounds its own (at this width they give the same bits: scores equal on torch 2.13's CPU);
+    # the bound is one bf16 rounding of the largest score.
+    eps = torch.finfo(torch.bfloat16).eps
+    for ours, theirs in zip(split.scores, plain.scores):
+        finite = torch.isfinite(theirs)
+        assert ours.dtype == theirs.dtype and torch.equal(finite, torch.isfinite(ours))
+        torch.testing.assert_close(ours[finite], theirs[finite], rtol=eps, atol=eps * theirs[finite].abs().max())
