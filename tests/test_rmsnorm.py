@@ -69,7 +69,8 @@ def test_rms_norm_rejects_partials_it_cannot_sum():
     x = torch.randn(3, 16, device=DEVICE)
     w = torch.ones(16, device=DEVICE)
     with pytest.raises(ValueError, match="not both"):
-        kernels.rms_norm(hidden=x, weight=w, eps=1e-6, residual=x, partials=torch.zeros(2, 3, 16, device=DEVICE))
+        kernels.rms_norm(hidden=x, weight=w, eps=1e-6, residual=x,
+                         partials=torch.zeros(2, 3, 16, device=DEVICE))
     with pytest.raises(ValueError, match=r"must be float32 \[S, \*\(3, 16\)\]"):
         kernels.rms_norm(hidden=x, weight=w, eps=1e-6, partials=torch.zeros(2, 3, 8, device=DEVICE))
     with pytest.raises(ValueError, match="must be float32"):

@@ -117,7 +117,8 @@ def test_partials_only_where_nothing_sits_between_wo_and_the_add():
         assert isinstance(attention.ff_sublayer(ops, ff16, normed.half(), hidden.half()), torch.Tensor)
         ff32, _ = _ff(dtype=torch.float32)
         assert isinstance(attention.ff_sublayer(ops, ff32, normed.float(), hidden.float()), torch.Tensor)
-        assert not attention.split_wo(kernels, ff.DenseReluDense, normed)  # CPU tensors: the Triton backend declines
+        # CPU tensors: the Triton backend declines
+        assert not attention.split_wo(kernels, ff.DenseReluDense, normed)
         assert len(calls) == 1
 
         out = attention.ff_sublayer(ops, ff, normed, hidden)
@@ -196,7 +197,8 @@ def test_a_bf16_generate_passes_every_layers_partials_to_the_next_norm(monkeypat
         calls = []
         twin = reference.split_k_linear
         monkeypatch.setattr(reference, "split_k_supports", lambda x, w: True)
-        monkeypatch.setattr(reference, "split_k_linear", lambda x, w: calls.append(tuple(x.shape)) or twin(x, w))
+        monkeypatch.setattr(reference, "split_k_linear",
+                            lambda x, w: calls.append(tuple(x.shape)) or twin(x, w))
         split = model.generate(input_ids=ids, **kwargs)
     assert len(calls) == 6 * model.config.num_decoder_layers  # every step, every layer
     assert torch.equal(split.sequences, plain.sequences)
@@ -207,4 +209,5 @@ def test_a_bf16_generate_passes_every_layers_partials_to_the_next_norm(monkeypat
     for ours, theirs in zip(split.scores, plain.scores):
         finite = torch.isfinite(theirs)
         assert ours.dtype == theirs.dtype and torch.equal(finite, torch.isfinite(ours))
-        torch.testing.assert_close(ours[finite], theirs[finite], rtol=eps, atol=eps * theirs[finite].abs().max())
+        bound = eps * theirs[finite].abs().max()
+        torch.testing.assert_close(ours[finite], theirs[finite], rtol=eps, atol=bound)

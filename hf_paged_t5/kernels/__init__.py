@@ -6,7 +6,8 @@
 - `grouped_decode`: the same without a bias for rows in groups that share keys (a beam search's
   rows of a source over its cross-attention keys), each K/V tile read once per group
   (`grouped_supports`: the rows and dtypes it takes).
-- `rms_norm`: T5's layer norm, optionally fused with the residual add (a tensor, or `split_k_linear`'s partials).
+- `rms_norm`: T5's layer norm, optionally fused with the residual add (a tensor, or
+  `split_k_linear`'s partials).
 - `gated_gelu`: the gated feed-forward's `gelu_tanh(gate) * linear` (T5 v1.1, mT5, UMT5).
 - `gemv`: x @ weight.T for at most a few rows (batch-1 decode projections).
 - `relu_linear`: relu(x @ weight.T) for more rows, the ReLU in cuBLASLt's GEMM epilogue (not a

@@ -27,7 +27,8 @@ import torch
 from ._checks import check_device, check_float
 
 SPLITS = 2  # K-slices (partials) a product is split into
-MAX_ROWS = 128  # the most rows served: on an H100 cuBLAS splits K itself up to 128 rows (t5-large), 64 (flan-t5-xl)
+# the most rows served: on an H100 cuBLAS splits K itself up to 128 rows (t5-large), 64 (flan-t5-xl)
+MAX_ROWS = 128
 
 
 def _mixed_bmm_on_cuda() -> bool:
@@ -46,7 +47,9 @@ def split_k_supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `split_k_linear` serves this product: 2 to MAX_ROWS rows of fp16/bf16 x on CUDA, a
     contiguous [N, K] weight of x's dtype and device whose K splits into SPLITS slices of a multiple
     of 8 elements (16-byte aligned slices), and a torch with the mixed-dtype batched GEMM."""
-    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor) or x.dim() < 2 or weight.dim() != 2:
+    if not (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor)):
+        return False
+    if x.dim() < 2 or weight.dim() != 2:
         return False
     K = weight.shape[1]
     rows = x.numel() // max(1, x.shape[-1])
@@ -68,9 +71,9 @@ def split_k_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     check_device("weight", weight, x.device)
     if not split_k_supports(x, weight):
         raise ValueError(
-            f"split_k_linear serves 2 to {MAX_ROWS} rows of fp16/bf16 x on CUDA with a contiguous [N, K] weight of "
-            f"x's dtype, K a multiple of {8 * SPLITS}, and a torch whose bmm takes out_dtype on CUDA; got x "
-            f"{tuple(x.shape)} {x.dtype} on {x.device}, weight {tuple(weight.shape)} {weight.dtype} "
+            f"split_k_linear serves 2 to {MAX_ROWS} rows of fp16/bf16 x on CUDA with a contiguous [N, K] "
+            f"weight of x's dtype, K a multiple of {8 * SPLITS}, and a torch whose bmm takes out_dtype on "
+            f"CUDA; got x {tuple(x.shape)} {x.dtype} on {x.device}, weight {tuple(weight.shape)} {weight.dtype} "
             "(use F.linear for other products)"
         )
     N, K = weight.shape
