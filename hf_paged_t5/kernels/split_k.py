@@ -73,8 +73,8 @@ def split_k_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         raise ValueError(
             f"split_k_linear serves 2 to {MAX_ROWS} rows of fp16/bf16 x on CUDA with a contiguous [N, K] "
             f"weight of x's dtype, K a multiple of {8 * SPLITS}, and a torch whose bmm takes out_dtype on "
-            f"CUDA; got x {tuple(x.shape)} {x.dtype} on {x.device}, weight {tuple(weight.shape)} {weight.dtype} "
-            "(use F.linear for other products)"
+            f"CUDA; got x {tuple(x.shape)} {x.dtype} on {x.device}, weight {tuple(weight.shape)} "
+            f"{weight.dtype} (use F.linear for other products)"
         )
     N, K = weight.shape
     x2 = x.reshape(-1, K)
