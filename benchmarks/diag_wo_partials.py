@@ -8,10 +8,12 @@ An op-by-op decode step (5+ rows) runs `wo` as one cuBLAS GEMM, which at 16-128 
 over K and finishes with a `splitKreduce` kernel of its own; the layer's output then goes through
 the next layer's add + RMSNorm kernel (`kernels.rms_norm(residual=...)`). Here the other way: `wo`
 as one batched GEMM over S slices of K (`torch.bmm(..., out_dtype=torch.float32)`: S partial
-products [S, rows, d_model] in float32) and one kernel that sums the partials in slice order,
-rounds the sum to the activations' dtype (what the GEMM's output is), adds the residual and
-norms, as the package's kernel does. The split-K reduce's launch leaves the chain if cuBLAS runs
-the batched GEMM without splitting it again (the kernel names say).
+products [S, rows, d_model] in float32) and the package's add + RMSNorm kernel given them
+(`kernels.rms_norm(partials=...)`), which sums the partials in slice order, rounds the sum to the
+activations' dtype (what the GEMM's output is), adds the residual and norms. The split-K reduce's
+launch leaves the chain if cuBLAS runs the batched GEMM without splitting it again (the kernel
+names say). The decode step serves two slices up to `split_k.MAX_ROWS` rows (`kernels.split_k_linear`);
+this script measures any S at any rows.
 
 Per model layout (t5-large: d_model 1,024, d_ff 4,096; flan-t5-xl: 2,048, 5,120), rows and S: 24
 layers of distinct bf16 weights replayed in one CUDA graph, µs per layer (median of 50 replays), the
@@ -30,43 +32,14 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 import common  # benchmarks/ is on sys.path (the scripts' import rule)
 
-from hf_paged_t5.kernels import fast_math
 from hf_paged_t5.kernels.rmsnorm import rms_norm
 
 LAYOUTS = {"t5-large": (1024, 4096), "flan-t5-xl": (2048, 5120), "tiny": (48, 96)}
 LAYERS = 24
 EPS = 1e-6
-
-
-@triton.jit
-def _partials_add_norm_kernel(
-    partials_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr,
-    rows, d_model, eps,
-    SPLITS: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < d_model
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in tl.static_range(SPLITS):  # slice order: the same sum on every launch
-        acc += tl.load(partials_ptr + (s * rows + row) * d_model + cols, mask=mask, other=0.0)
-    # The GEMM's output in the activations' dtype, then `hidden + out` rounded as HF rounds it.
-    y = acc.to(residual_ptr.dtype.element_ty)
-    h = tl.load(residual_ptr + row * d_model + cols, mask=mask, other=0.0)
-    x = (h.to(tl.float32) + y.to(tl.float32)).to(residual_ptr.dtype.element_ty)
-    tl.store(sum_ptr + row * d_model + cols, x, mask=mask)
-    xf = x.to(tl.float32)
-    var = tl.sum(xf * xf, axis=0) / d_model
-    normed = (xf * fast_math.rsqrt(var + eps)).to(weight_ptr.dtype.element_ty)
-    out = w.to(tl.float32) * normed.to(tl.float32)
-    tl.store(out_ptr + row * d_model + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def split_partials(x: torch.Tensor, wo: torch.Tensor, splits: int) -> torch.Tensor:
@@ -85,19 +58,9 @@ def split_partials(x: torch.Tensor, wo: torch.Tensor, splits: int) -> torch.Tens
 
 def partials_add_norm(partials: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                       eps: float = EPS) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(residual + sum of partials), residual + sum): the package's add + RMSNorm with the
-    sub-layer output given as float32 partials [S, rows, d_model]."""
-    splits, rows, d_model = partials.shape
-    if residual.shape != (rows, d_model) or not partials.is_contiguous() or not residual.is_contiguous():
-        raise ValueError(f"partials {tuple(partials.shape)} and residual {tuple(residual.shape)} must be "
-                         "contiguous [S, rows, d_model] and [rows, d_model]")
-    out = torch.empty_like(residual, dtype=weight.dtype)
-    total = torch.empty_like(residual)
-    _partials_add_norm_kernel[(rows,)](
-        partials, residual, weight, out, total, rows, d_model, eps,
-        SPLITS=splits, BLOCK=triton.next_power_of_2(d_model), num_warps=4,
-    )
-    return out, total
+    """(rms_norm(residual + sum of partials), residual + sum): the package's add + RMSNorm kernel
+    given the sub-layer output as float32 partials [S, rows, d_model] (`rms_norm(partials=...)`)."""
+    return rms_norm(hidden=residual, weight=weight, eps=eps, partials=partials)
 
 
 def reference(x: torch.Tensor, wo: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,

@@ -241,6 +241,15 @@ def local_prefill(
     return out
 
 
+def sum_partials(partials: torch.Tensor) -> torch.Tensor:
+    """The partials [S, ...] added in slice order (S - 1 adds in their dtype): the sum that
+    `kernels.rms_norm(partials=...)` forms before its one rounding."""
+    total = partials[0].clone()
+    for part in partials[1:]:
+        total += part
+    return total
+
+
 def rms_norm(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -258,10 +267,7 @@ def rms_norm(
     if partials is not None:
         if residual is not None:
             raise ValueError("give the residual as `residual` or as `partials`, not both")
-        residual = partials[0].clone()
-        for part in partials[1:]:
-            residual += part
-        residual = residual.to(hidden.dtype)
+        residual = sum_partials(partials).to(hidden.dtype)
     total = hidden if residual is None else hidden + residual
     variance = total.to(torch.float32).pow(2).mean(-1, keepdim=True)
     normed = total * torch.rsqrt(variance + eps)

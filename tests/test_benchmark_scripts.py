@@ -530,10 +530,11 @@ def test_diag_absorbed_cross_matches_both_references_at_awkward_sizes(tmp_path):
 
 @pytest.mark.parametrize("splits", [1, 3, 4])
 def test_diag_wo_partials_kernel_is_the_package_add_norm_of_the_summed_partials(splits):
-    """diag_wo_partials' kernel (the interpreter, float32: its bf16 casts do not round as the GPU's
-    do; a width that is no power of two, 7 rows) gives bit for bit the package's add + RMSNorm of the
-    partials summed in slice order, and its error against float64 stays within float32's bound for a
-    sum of d_ff products."""
+    """diag_wo_partials' add + norm of the partials (the package's `rms_norm(partials=...)`; the
+    interpreter, float32: its bf16 casts do not round as the GPU's do; a width that is no power of two,
+    7 rows) gives bit for bit the package's add + RMSNorm of the partials summed in slice order and
+    given as a residual tensor, and its error against float64 stays within float32's bound for a sum
+    of d_ff products."""
     import diag_wo_partials as dwp
 
     d_ff = 96

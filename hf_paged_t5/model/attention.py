@@ -204,10 +204,9 @@ class Partials(NamedTuple):
 
     def total(self, dtype: torch.dtype) -> torch.Tensor:
         """The sub-layer's output as a tensor: the partials summed in slice order, rounded once."""
-        out = self.parts[0].clone()
-        for part in self.parts[1:]:
-            out += part
-        return out.to(dtype)
+        from .. import reference
+
+        return reference.sum_partials(self.parts).to(dtype)
 
 
 def feed_forward(
@@ -242,9 +241,9 @@ def split_wo(ops: ModuleType, dense: nn.Module, h: torch.Tensor) -> bool:
     more rows than the backend's `gemv` serves and a product `split_k_supports` takes."""
     wo = getattr(dense, "wo", None)
     return (
-        hasattr(ops, "split_k_supports") and type(dense).__name__ in _PLAIN_FF | _GATED_FF and unhooked(dense)
-        and plain_linear(wo) and h.dtype == torch.bfloat16
-        and not ops.gemv_supports(h, wo.weight) and ops.split_k_supports(h, wo.weight)
+        hasattr(ops, "split_k_supports") and h.dtype == torch.bfloat16  # the cheap refusals first
+        and type(dense).__name__ in _PLAIN_FF | _GATED_FF and plain_linear(wo) and unhooked(dense)
+        and ops.split_k_supports(h, wo.weight) and not ops.gemv_supports(h, wo.weight)
     )
 
 
