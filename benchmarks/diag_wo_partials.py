@@ -2,7 +2,7 @@
 next add + RMSNorm kernel sums.
 
     python benchmarks/diag_wo_partials.py [--models t5-large,flan-t5-xl] [--rows 16,64,128,512]
-                                          [--splits 2,4,8] [--out DIR]
+                                          [--splits 2,4,8] [--proj wo|o] [--out DIR]
 
 An op-by-op decode step (5+ rows) runs `wo` as one cuBLAS GEMM, which at 16-128 rows cuBLAS splits
 over K and finishes with a `splitKreduce` kernel of its own; the layer's output then goes through
@@ -24,6 +24,10 @@ DIR/wo_partials.json (default DIR: benchmarks/results/<date>-<gpu>/).
 `--device cpu` (with TRITON_INTERPRET=1) runs the kernel at a tiny width in float32 (the
 interpreter's bf16 casts do not round as a GPU's do) and prints its error against float64, no
 timing: what the tests check.
+
+`--proj o` measures an attention output projection `o` the same way (K = heads x d_kv, which is
+d_model in both layouts) followed by the add + RMSNorm that opens the next sub-layer; it writes
+DIR/o_partials.json.
 """
 
 from __future__ import annotations
@@ -111,6 +115,8 @@ def main(argv=None) -> None:
     ap.add_argument("--models", default="t5-large,flan-t5-xl", help=f"layouts among {', '.join(LAYOUTS)}")
     ap.add_argument("--rows", default="16,64,128,512")
     ap.add_argument("--splits", default="2,4,8")
+    ap.add_argument("--proj", choices=("wo", "o"), default="wo",
+                    help="the projection: the feed-forward's wo (K = d_ff) or attention's o (K = d_model)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -131,12 +137,13 @@ def main(argv=None) -> None:
     except (TypeError, RuntimeError) as exc:
         raise SystemExit(f"diag_wo_partials.py: torch {torch.__version__} has no bmm(out_dtype=float32) on this "
                          f"GPU ({exc}); it needs a torch that has") from None
-    out = common.start_suite(args.out, "wo_partials")
+    out = common.start_suite(args.out, f"{args.proj}_partials")
     rows_out = []
     for model in models:
         d_model, d_ff = LAYOUTS[model]
+        d_in = d_ff if args.proj == "wo" else d_model
         for rows in (int(r) for r in args.rows.split(",")):
-            wo, xs, hs, weight = build(d_model, d_ff, rows, LAYERS, "cuda")
+            wo, xs, hs, weight = build(d_model, d_in, rows, LAYERS, "cuda")
 
             def cublas():
                 for i in range(LAYERS):
@@ -151,14 +158,14 @@ def main(argv=None) -> None:
             errs = errors(xs[0], wo[0], hs[0], weight, splits_list)
             for name, fn in variants.items():
                 us, names = graph_profile(fn)
-                row = dict(model=model, rows=rows, variant=name, us_per_layer=us / LAYERS,
+                row = dict(model=model, proj=args.proj, k=d_in, rows=rows, variant=name, us_per_layer=us / LAYERS,
                            kernels_per_layer=sum(n for n, _ in names.values()) / LAYERS, kernels=names,
                            error_normed=errs[name][0], error_sum=errs[name][1])
                 rows_out.append(row)
-                print(f"{model:10s} rows {rows:4d} {name:11s}: {row['us_per_layer']:6.2f} µs/layer, "
+                print(f"{model:10s} {args.proj:2s} rows {rows:4d} {name:11s}: {row['us_per_layer']:6.2f} µs/layer, "
                       f"{row['kernels_per_layer']:.1f} kernels/layer, error {row['error_normed']:.2e} "
                       f"(sum {row['error_sum']:.2e}); {sorted(names)}", flush=True)
-    common.write_json(out / "wo_partials.json", dict(gpu=torch.cuda.get_device_name(), layers=LAYERS, rows=rows_out))
+    common.write_json(out / f"{args.proj}_partials.json", dict(gpu=torch.cuda.get_device_name(), layers=LAYERS, rows=rows_out))
 
 
 if __name__ == "__main__":
