@@ -16,7 +16,9 @@ Measured with `benchmarks/diag_wo_partials.py` (24 layers in one CUDA graph, H10
 Served up to MAX_ROWS rows, where cuBLAS splits K itself (its reduce is the launch saved): with
 the partials at up to 512 rows a batch job, whose graphed steps run at 64-512 rows, ran 1.5% and
 5.2% slower in two rounds (`benchmarks/ab_batch.py --shapes t5-large --beams 1`), though the
-isolated layers were faster at 512 rows too.
+isolated layers were faster at 512 rows too; up to 128 rows its median over 8 processes was within
+the processes' spread of the job without partials. Attention's `o` (K = d_model) gained nothing
+this way: cuBLAS does not split that K (docs/performance.md).
 Half precision on CUDA only: float32 keeps HF's own ops so float32 tokens stay HF's bit for bit.
 """
 
