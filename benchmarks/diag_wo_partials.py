@@ -158,14 +158,17 @@ def main(argv=None) -> None:
             errs = errors(xs[0], wo[0], hs[0], weight, splits_list)
             for name, fn in variants.items():
                 us, names = graph_profile(fn)
-                row = dict(model=model, proj=args.proj, k=d_in, rows=rows, variant=name, us_per_layer=us / LAYERS,
+                row = dict(model=model, proj=args.proj, k=d_in, rows=rows, variant=name,
+                           us_per_layer=us / LAYERS,
                            kernels_per_layer=sum(n for n, _ in names.values()) / LAYERS, kernels=names,
                            error_normed=errs[name][0], error_sum=errs[name][1])
                 rows_out.append(row)
-                print(f"{model:10s} {args.proj:2s} rows {rows:4d} {name:11s}: {row['us_per_layer']:6.2f} µs/layer, "
+                print(f"{model:10s} {args.proj:2s} rows {rows:4d} {name:11s}: "
+                      f"{row['us_per_layer']:6.2f} µs/layer, "
                       f"{row['kernels_per_layer']:.1f} kernels/layer, error {row['error_normed']:.2e} "
                       f"(sum {row['error_sum']:.2e}); {sorted(names)}", flush=True)
-    common.write_json(out / f"{args.proj}_partials.json", dict(gpu=torch.cuda.get_device_name(), layers=LAYERS, rows=rows_out))
+    common.write_json(out / f"{args.proj}_partials.json",
+                      dict(gpu=torch.cuda.get_device_name(), layers=LAYERS, rows=rows_out))
 
 
 if __name__ == "__main__":
