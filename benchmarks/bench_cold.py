@@ -24,7 +24,8 @@ loading the package's modules on first use.
 
 `--compile-workers N` sets HF_PAGED_T5_COMPILE_WORKERS in the fresh processes (0: none), for a
 run against the package's default; each row counts the Triton compiles of its call and, of them,
-the cache hits (a binary a compile worker wrote); each process records `compiles_sent`.
+the cache hits (a binary a compile worker wrote), and names their kernels (`compiled_kernels`); each
+process records `compiles_sent`.
 
 Prints a table and writes DIR/cold.json (default DIR: benchmarks/results/<date>-<gpu>/, with
 its env.json). Its top-level keys: `first_generate_s` and `hf_first_generate_s` (medians),
@@ -89,6 +90,7 @@ def worker(args) -> dict:
             before = dict(stalls.seconds) if stalls is not None else {}
             seconds, result = common.timed(fn, device)
             rows[label] = dict(seconds=seconds, triton_compiles=compiles.count - compiled,
+                               compiled_kernels=sorted(c["kernel"] or "?" for c in compiles.compiled[compiled:]),
                                triton_cache_hits=compiles.cache_hits - hits,
                                graphs_captured=common.graphs_captured(model) - captured,
                                stalls_s={k: v - before[k] for k, v in stalls.seconds.items()} if stalls else {})
@@ -145,6 +147,7 @@ def summarize(runs: dict[str, list[dict]], args) -> list[dict]:
             row[f"{system}_runs_s"] = [r["seconds"] for r in found]
         patched = [run["rows"][label] for run in runs["patched"]]
         row["triton_compiles"] = max(r["triton_compiles"] for r in patched)
+        row["compiled_kernels"] = sorted({k for r in patched for k in r.get("compiled_kernels", [])})
         row["triton_cache_hits"] = max(r.get("triton_cache_hits", 0) for r in patched)
         row["graphs_captured"] = max(r["graphs_captured"] for r in patched)
         stalls = [r.get("stalls_s") or {} for r in patched]
@@ -206,6 +209,9 @@ def print_table(rows: list[dict], args) -> None:
           if r.get("patched_stalls_s") else "-"] for r in rows),
         title=f"{args.shape} layout on {args.device}, {args.src_len}-token inputs, {args.new_tokens} new tokens; "
               f"medians of {args.repeats} fresh processes each, Triton cache empty")
+    for r in rows:
+        if r.get("compiled_kernels"):
+            print(f"{r['call']} compiled (cache hits included): {', '.join(r['compiled_kernels'])}")
     first = [r for r in rows if r["call"].startswith("first") and r["patched_over_stock"] is not None]
     print(f"every first call no slower than stock HF's: {all(r['patched_over_stock'] <= 1.0 for r in first)}")
 

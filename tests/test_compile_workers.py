@@ -235,10 +235,12 @@ while compile_workers.pending():
 before = len(compiles)
 beam = cold.generate(input_ids=ids(1), num_beams=4, **kw)
 two = cold.generate(input_ids=ids(2), **kw)
+wider = {rows: cold.generate(input_ids=ids(rows), **kw) for rows in (16, 64)}  # op-by-op steps
 later = compiles[before:]
 hp.patch_model(warm)
 equal = [torch.equal(beam, warm.generate(input_ids=ids(1), num_beams=4, **kw)),
          torch.equal(two, warm.generate(input_ids=ids(2), **kw))]
+equal += [torch.equal(out, warm.generate(input_ids=ids(rows), **kw)) for rows, out in wider.items()]
 print(json.dumps(dict(sent=sent, running=compile_workers.running(), first=first_compiles, later=later,
                       equal=equal)))
 """
@@ -249,8 +251,8 @@ print(json.dumps(dict(sent=sent, running=compile_workers.running(), first=first_
 def test_a_cold_generate_sends_the_other_row_counts_to_the_workers(tmp_path):
     """A fresh process, an empty Triton cache, 4 workers: the first generate() loads some of its
     binaries from the workers (its pass compiled them there) and sends the fused layer's 2- and
-    4-row binaries there too; the beam call and the 2-row call after it find every binary they
-    load in Triton's cache, and give a second model's tokens."""
+    4-row binaries and the op-by-op step's there too; the beam call and the 2-, 16- and 64-row
+    calls after it find every binary they load in Triton's cache, and give a second model's tokens."""
     env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "cache"), "HF_PAGED_T5_COMPILE_WORKERS": "4"}
     done = subprocess.run([sys.executable, "-c", _COLD_ROWS], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -258,7 +260,7 @@ def test_a_cold_generate_sends_the_other_row_counts_to_the_workers(tmp_path):
     assert report["running"] and report["sent"] > 0, report
     assert any(report["first"]), report  # the first call's pass: some of its binaries from the workers
     assert report["later"] and all(report["later"]), report  # every load a cache hit
-    assert report["equal"] == [True, True], report
+    assert report["equal"] == [True] * 4, report
 
 
 _COLD_JOB = _COLD_START + r"""

@@ -207,14 +207,21 @@ class PreparedConfig:
             model.__dict__.pop("_prepare_generation_config", None)
 
 
+# Row counts past the fused layer's whose op-by-op step a cold first call also sends to the compile
+# workers: a later call at a new batch size loads that step's binaries (the feed-forward's norm of
+# K-slice partials, `kernels.split_k`, is the op-by-op step's alone), few rows (decode attention's
+# few-pair binary, shared up to ~4 programs per SM) and many (its many-row binaries, K/V stored).
+OP_ROW_COUNTS = (8, 64)
+
+
 def _first_step_ahead(runtime: PagedRuntime, model: nn.Module, cache: PagedEncoderDecoderCache, source: torch.Tensor,
                       source_lens) -> Callable[[], None]:
     """What a cold process's encoder pass compiles besides the encoder (`PagedRuntime.compile_ahead`):
     the cross K/V store of this call's real tokens and its first decode step, so their kernels
     compile on the pool together with the encoder's, not in a second pass after it; and, where
     the process has compile workers, the step at the fused layer's other row counts (a one-source
-    beam call's 4 first, whose cross-attention is a greedy step's: `PagedEncoderDecoderCache.cross_group`),
-    compiled there for the calls that come later while this one runs."""
+    beam call's 4 first, whose cross-attention is a greedy step's: `PagedEncoderDecoderCache.cross_group`)
+    and at `OP_ROW_COUNTS`, compiled there for the calls that come later while this one runs."""
 
     def ahead() -> None:
         packed = torch.zeros(int(sum(source_lens)), runtime.d_model, dtype=model.decoder.embed_tokens.weight.dtype,
@@ -229,7 +236,7 @@ def _first_step_ahead(runtime: PagedRuntime, model: nn.Module, cache: PagedEncod
             if sending:  # a later beam call's update (its binaries serve every beam count)
                 beam_graph.update_ahead(runtime.ops_for(source.device), model.lm_head.out_features,
                                         model.decoder.embed_tokens.weight.dtype, source.device)
-            for rows in sorted(ROW_COUNTS, reverse=True) if sending else ():
+            for rows in (*sorted(ROW_COUNTS, reverse=True), *OP_ROW_COUNTS) if sending else ():
                 other = predicted_key(cache, rows, self_tokens, cross_tokens, 1)
                 if other != key:
                     runtime.runner.step_ahead(model, cache, source.device, cache.num_rows, other)
