@@ -633,8 +633,15 @@ def test_prefill_bucket_layout_gives_the_lone_rows(n):
     assert rel_err(out, ref) < TOLERANCE[torch.float32]  # the padding's rows too
 
 
-@pytest.mark.parametrize("block_m, block_n", [(16, 16), (32, 16), (64, 16), (16, 32), (32, 32)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+BAND_BLOCKS = [(16, 16), (32, 16), (64, 16), (16, 32), (32, 32)]
+
+
+# every block combination in fp16; fp32 (the same code, another dtype) at one in CI, the rest slow
+@pytest.mark.parametrize("block_m, block_n, dtype", [
+    *(pytest.param(m, n, torch.float16, id=f"fp16-{m}-{n}") for m, n in BAND_BLOCKS),
+    *(pytest.param(m, n, torch.float32, id=f"fp32-{m}-{n}", marks=() if (m, n) == (32, 16) else pytest.mark.slow)
+      for m, n in BAND_BLOCKS),
+])
 def test_prefill_band_tiles(block_m, block_n, dtype):
     """Prebuilt band tiles in every tile range, a ragged tail tile in and right of the band
     (lengths vs max_distance 7 and 20; left of it only at max_distance 0, in the test below),
