@@ -232,3 +232,76 @@ def test_run_ahead_walks_the_first_blocks_then_the_whole_step_on_one_set_of_buff
     graphs._graphs[(2, 1, 1, 1)] = object()
     graphs.run_ahead(step, pool, (2, 1, 1, 1), torch.device("cpu"), first_blocks=1)
     assert calls == []
+
+
+def _launch_key(kernel, args, kwargs) -> tuple:
+    """What tells one compiled binary of `kernel` (an interpreted Triton kernel) from another, as
+    Triton specializes a launch: constexpr values, each tensor's dtype and 16-byte alignment, each
+    integer's being 1 or a multiple of 16, the launch options."""
+    import inspect
+
+    params = inspect.signature(kernel.fn).parameters
+    bound = dict(zip(kernel.arg_names, args)) | kwargs
+    key = []
+    for name, value in sorted(bound.items()):
+        param = params.get(name)
+        if param is not None and "constexpr" in str(param.annotation):
+            key.append((name, value))
+        elif isinstance(value, torch.Tensor):
+            key.append((name, value.dtype, value.data_ptr() % 16 == 0))
+        elif isinstance(value, bool) or value is None or param is None:
+            key.append((name, value))
+        elif isinstance(value, int):
+            key.append((name, "int", value == 1, value % 16 == 0))
+        else:
+            key.append((name, type(value).__name__))
+    return kernel.__name__, tuple(key)
+
+
+def test_a_captures_step_walk_reaches_every_binary_of_the_whole_step(monkeypatch):
+    """A capture's compile-only walk goes through `graphs.AHEAD_BLOCKS` decoder layers, not the
+    whole stack: on the Triton backend (interpreted), the kernels a step launches through those
+    layers, the final norm and the LM head carry every specialization (binary) the whole step's
+    launches carry, over a 5-layer UMT5 decoder (a bias table per layer). A walk of no layer (the
+    final norm and the LM head) launches fewer: the keys tell the step's binaries apart."""
+    import triton.runtime.interpreter as interpreter
+
+    from hf_paged_t5.decode import graphs
+    from hf_paged_t5.decode.runner import DecodePlan
+
+    model = make_model("umt5", num_layers=5, num_decoder_layers=5)
+    hp.patch_model(model, hp.PagedCacheConfig(block_size=4, backend="triton", cuda_graphs=False))
+    runner = model._hf_paged_t5.runner
+    launched: list = []
+    run = interpreter.InterpretedFunction.run
+
+    def recording(self, *args, grid, warmup, **kwargs):
+        launched.append(_launch_key(self, args, kwargs))
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    monkeypatch.setattr(interpreter.InterpretedFunction, "run", recording)
+    walks: dict = {}
+    build = runner._build_plan
+
+    def build_plan(*args):
+        plan = build(*args)
+
+        def step(input_ids, meta_for, blocks=None):
+            if not walks:  # the first step: walked through 0 and AHEAD_BLOCKS layers first (its K/V
+                for k in (0, graphs.AHEAD_BLOCKS, None):  # rows written again with the same values)
+                    launched.clear()
+                    out = plan.step(input_ids, meta_for, blocks=k)
+                    walks[k] = set(launched)
+                return out
+            return plan.step(input_ids, meta_for, blocks)
+
+        return DecodePlan(step, plan.use_graph)
+
+    monkeypatch.setattr(runner, "_build_plan", build_plan)
+    ids, mask = make_batch([5, 9])
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2)
+    assert walks[None] and walks[graphs.AHEAD_BLOCKS] == walks[None], walks[None] ^ walks[graphs.AHEAD_BLOCKS]
+    assert walks[0] < walks[None]
+    monkeypatch.undo()
+    hp.unpatch_model(model)
+    assert torch.equal(out, model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2))

@@ -298,13 +298,23 @@ class DecodeGraphs:
         return static
 
 
+# Decoder layers a capture's compile-only walk goes through (`_compile_step_ahead`): every layer
+# launches the same kernels at the same shapes and alignments, except that the op-by-op step's first
+# norm adds no residual (the final norm after the walk's last layer does); a second layer is margin.
+AHEAD_BLOCKS = 2
+
+
 def _compile_step_ahead(step_fn, static_ids: torch.Tensor, meta_for, device) -> None:
-    """The step once with its kernels compiled at once on a pool and none run (`kernels/ahead.py`):
-    a cold process's first capture at a shape compiles them together, not one after another.
+    """The step through its first `AHEAD_BLOCKS` decoder layers, the final norm and the LM head,
+    once, with its kernels compiled at once on a pool and none run (`kernels/ahead.py`): a cold
+    process's first capture at a shape compiles them together, not one after another, and a
+    capture whose binaries are all loaded spends two layers of host work here, not a stack's.
     Nothing is written (no kernel runs; the static rows point at the scratch block anyway) and the
-    output is dropped; a failure is the warm-up's to raise, so it is only logged here."""
+    output is dropped; a failure is the warm-up's to raise, so it is only logged here. (A binary
+    only a later layer reached would compile in the warm-up that follows, the same result.)"""
     # graphs run the Triton backend
-    run_compiled_ahead(torch.device(device), "triton", lambda: step_fn(static_ids, meta_for), "a decode step")
+    run_compiled_ahead(torch.device(device), "triton", lambda: step_fn(static_ids, meta_for, blocks=AHEAD_BLOCKS),
+                       "a decode step")
 
 
 def capture_update(update: Callable[[], None], state: list[torch.Tensor], side: torch.cuda.Stream,
