@@ -15,6 +15,11 @@ if not torch.cuda.is_available():
     # Triton's interpreter runs the real kernels on CPU tensors; it must be set before triton loads.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # one of several pytest workers (`.ci/run`: two on two cores): one intra-op thread each, since
+    # OpenMP's spin-waits across workers cost far more than the tiny matmuls' threads gain
+    torch.set_num_threads(1)
+
 from transformers import (  # noqa: E402
     MT5Config,
     MT5ForConditionalGeneration,
