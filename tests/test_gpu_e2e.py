@@ -304,7 +304,8 @@ def test_captures_while_another_thread_uses_the_gpu(caplog):
 def test_failed_capture_runs_eagerly_and_later_captures_work(monkeypatch, caplog):
     """A decode-step capture that fails (here: a host sync inside it) logs one reason and runs
     that step eagerly with the same tokens; the failed capture's memory pool is not captured
-    into again, so the next capture succeeds."""
+    into again, so the next capture succeeds; CUDA's random generator is out of capture mode
+    (a random op after it runs, and a seeded sampling call gives stock's tokens)."""
     from hf_paged_t5.decode import graphs as graphs_mod
 
     model = real_shape_model("t5-small", torch.float32, layers=2)
@@ -327,7 +328,10 @@ def test_failed_capture_runs_eagerly_and_later_captures_work(monkeypatch, caplog
     try:
         with caplog.at_level("WARNING", logger="hf_paged_t5"):
             first = model.generate(**kw)
+            torch.randn(8, device="cuda")  # raised "Offset increment outside graph capture" before
             second = model.generate(**kw)
+            torch.manual_seed(0)
+            sampled = model.generate(**kw, do_sample=True)
         graphs = model._hf_paged_t5.runner.graphs
         kept = graphs.num_steps
     finally:
@@ -336,6 +340,8 @@ def test_failed_capture_runs_eagerly_and_later_captures_work(monkeypatch, caplog
     assert failed and len(warned) == 1
     assert kept >= 1  # the second call captured its step
     assert torch.equal(first, ref) and torch.equal(second, ref)
+    torch.manual_seed(0)
+    assert torch.equal(sampled, model.generate(**kw, do_sample=True))
 
 
 _COLD_GENERATE = r"""

@@ -68,13 +68,31 @@ def capture(graph: torch.cuda.CUDAGraph, work: Callable[[], object], stream: tor
     whose entry synchronizes the device and empties the allocator's device and pinned-host
     caches: every later allocation would pay cudaMalloc / cudaHostAlloc again (a first call at
     a new batch size captures two or three graphs). A failed capture raises RuntimeError with
-    the caller's stream current again."""
+    the caller's stream current again, and CUDA's random generators out of capture mode."""
     with torch.cuda.stream(stream):
         graph.capture_begin(*(() if pool is None else (pool,)), capture_error_mode=CAPTURE_MODE)
         try:
             return work()
         finally:
-            graph.capture_end()
+            try:
+                graph.capture_end()
+            except RuntimeError:
+                _end_generator_capture()
+                raise
+
+
+def _end_generator_capture() -> None:
+    """After a capture whose end failed (invalidated: torch's `capture_end` raises before its
+    generator epilogue), the device's default CUDA generator still counts itself in capture mode,
+    and the next random op outside a capture raises ("Offset increment outside graph capture"):
+    one empty-handed capture on the current stream, which ends cleanly, takes it out again."""
+    scratch = torch.empty(1, device=torch.cuda.current_device())
+    graph = torch.cuda.CUDAGraph()
+    graph.capture_begin(capture_error_mode=CAPTURE_MODE)
+    try:
+        scratch.zero_()
+    finally:
+        graph.capture_end()
 
 
 def bucket_of(length: int) -> Optional[int]:
