@@ -12,7 +12,10 @@ The tree is put together from two sources:
    They were read out of a public-source index and are expected under `--upstream`
    (default /work/hf_suite/upstream), one folder per source, named `<owner>+<repo>@<commit>`, holding the
    file at its repository path. `UPSTREAM_FILES` below says which file comes from which folder. Where an
-   upstream file is an excerpt, the file says so in a comment marked `[hf_suite]`.
+   upstream file is an excerpt, the file says so in a comment marked `[hf_suite]`:
+   `tests/utils/test_configuration_utils.py` is kept to its license header and `config_common_kwargs`
+   (what `tests/test_configuration_common.py` imports; the whole file imports `tests/utils/test_module`,
+   which is not fetched, and every suite then fails to collect).
 
 Two stand-ins complete the checkout layout the tests assume: `src/transformers` is a symlink to the
 installed package (test_pipeline_mixin.py imports it from there), and `tests/utils/tiny_model_summary.json`
