@@ -1190,6 +1190,53 @@ def test_patched_encoder_builds_band_tiles_once_per_table(monkeypatch):
         assert len(built) == 2
 
 
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the CPU's stand-in for an encoder graph's capture")
+def test_a_captured_umt5_encoder_builds_every_layers_band_tiles_in_one_launch(monkeypatch, cpu_encoder_graphs):
+    """A captured encoder whose layers each have a bias table (UMT5) looks every table up from the
+    weights as the rows of one stacked tensor, and the first layer's prefill builds every layer's
+    band tiles in one launch (`_cached_band_tiles`' group): one launch per forward, not one per
+    layer; the output bit for bit the eager encoder's, whose tables come from HF's compute_bias;
+    a write to one layer's bias weight is seen by the next replay."""
+    import importlib
+
+    import hf_paged_t5 as hp
+    from hf_paged_t5 import tiny
+
+    prefill_mod = importlib.import_module("hf_paged_t5.kernels.prefill")
+    monkeypatch.setattr(prefill_mod, "interpreting", lambda: False)
+    monkeypatch.setattr(prefill_mod, "prefill_config",
+                        lambda *a: PrefillConfig(block_m=32, block_n=16, num_warps=4, num_stages=1, band_tiles=True))
+    built = []
+    real = prefill_mod._band_tiles
+    monkeypatch.setattr(prefill_mod, "_band_tiles", lambda table, *a: built.append(table.shape[0]) or real(table, *a))
+    torch.manual_seed(0)
+    model = tiny.build_model("tiny", family="umt5", dtype=torch.float16, num_layers=2, num_decoder_layers=2)
+    encoder = model.get_encoder()
+    heads = model.config.num_heads
+    ids = torch.randint(2, 500, (1, 24), generator=torch.Generator().manual_seed(0))
+
+    def outputs(cuda_graphs: bool, calls: int) -> list:
+        hp.patch_model(model, hp.PagedCacheConfig(backend="triton", cuda_graphs=cuda_graphs))
+        try:
+            with torch.no_grad():
+                return [encoder(input_ids=ids).last_hidden_state for _ in range(calls)]
+        finally:
+            hp.unpatch_model(model)
+
+    want = outputs(False, 1)[0]
+    assert built == [heads] * 2  # eager: each layer's own table, its tiles kept with it
+    built.clear()
+    got = outputs(True, 3)  # eager, captured, replayed
+    # eager (each layer's tables from HF); then each captured forward (the capture's and the
+    # replay's) builds every layer's tiles in one launch
+    assert built[:2] == [heads] * 2 and len(built) >= 4 and set(built[2:]) == {2 * heads}, built
+    assert all(torch.equal(g, want) for g in got)
+    with torch.no_grad():
+        encoder.block[1].layer[0].SelfAttention.relative_attention_bias.weight.normal_(0.0, 3.0)
+    replayed = outputs(True, 3)[-1]
+    assert not torch.equal(replayed, want) and torch.equal(replayed, outputs(False, 1)[0])
+
+
 # ---- compile once per configuration ------------------------------------------------------
 @gpu_test
 def test_gpu_new_workload_sizes_compile_nothing():

@@ -80,25 +80,48 @@ def _gathered_tables(runtime: PagedRuntime, stack: nn.Module):
     """For a capture: a function that gives the encoder's per-layer bias tables gathered from its
     weights (inside a graph: a replay sees in-place writes to them with no check) and a fresh band
     memo per table, made for that capture; checked once here against the tables HF's
-    `compute_bias` gives; None (logged once) if they differ."""
+    `compute_bias` gives; None (logged once) if they differ. Where each layer has a table of its
+    own (UMT5), they are the rows of one stacked lookup, and their memos share a group: the first
+    layer's prefill builds every layer's band tiles in one launch (a few launches per forward for
+    all the tables, not four per layer)."""
     modules = bias_mod.layer_bias_modules(stack)
     distinct = {id(m): m for m in modules}
     buckets = {key: bias_mod.bidirectional_buckets(m) for key, m in distinct.items()}
     cached = dict(zip((id(m) for m in modules), runtime.bias_tables(stack, causal=False)))
-    if not all(torch.equal(bias_mod.gathered_table(m, buckets[key]), cached[key]) for key, m in distinct.items()):
+    stacked = _stackable(list(distinct.values()), list(buckets.values()))
+
+    def gathered():
+        with torch.inference_mode(False):  # tables with a version counter: the prefill keeps its tiles in the memo
+            if stacked:  # a table per layer (UMT5): all of them and their band tiles in a few launches
+                rows = bias_mod.stacked_gathered_tables(list(distinct.values()), next(iter(buckets.values())))
+                group = {"stacked": rows}
+                tables = {key: rows[i] for i, key in enumerate(distinct)}
+                memos = {key: {"capture_scoped": True, "group": group, "row": i} for i, key in enumerate(distinct)}
+            else:
+                tables = {key: bias_mod.gathered_table(m, buckets[key]) for key, m in distinct.items()}
+                memos = {key: {"capture_scoped": True} for key in distinct}
+        return [tables[id(m)] for m in modules], [memos[id(m)] for m in modules]
+
+    with torch.no_grad():
+        tables = dict(zip((id(m) for m in modules), gathered()[0]))
+    if not all(torch.equal(tables[key], cached[key]) for key in distinct):
         reason = "the encoder's bias tables looked up from its weights differ from HF's compute_bias"
         if reason not in runtime.warned:
             runtime.warned.add(reason)
             logger.warning("hf_paged_t5: encoder calls run eagerly, not as CUDA graphs: %s", reason)
         return None
-
-    def gathered():
-        with torch.inference_mode(False):  # tables with a version counter: the prefill keeps its tiles in the memo
-            tables = {key: bias_mod.gathered_table(m, buckets[key]) for key, m in distinct.items()}
-        memos = {key: {"capture_scoped": True} for key in distinct}
-        return [tables[id(m)] for m in modules], [memos[id(m)] for m in modules]
-
     return gathered
+
+
+def _stackable(attentions: list, buckets: list) -> bool:
+    """Whether the bias embeddings of `attentions` (more than one) can be looked up as one stacked
+    tensor (`bias.stacked_gathered_tables`): one shape, dtype and device, the same buckets."""
+    if len(attentions) < 2:
+        return False
+    weights = [a.relative_attention_bias.weight for a in attentions]
+    first = weights[0]
+    return (all(w.shape == first.shape and w.dtype == first.dtype and w.device == first.device for w in weights)
+            and all(b.shape == buckets[0].shape and torch.equal(b, buckets[0]) for b in buckets))
 
 
 def _graph_forward(runtime: PagedRuntime, stack: nn.Module, embeds: bool, mask=None, device=None):

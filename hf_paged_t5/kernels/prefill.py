@@ -421,9 +421,23 @@ def _cached_band_tiles(bias_table: torch.Tensor, memo: Optional[dict], max_dista
     place (its version counter moves); never kept while a CUDA graph is being captured (the tiles
     would live in the graph's pool) unless the memo says `capture_scoped` (made for one capture and
     dropped with it), nor for a table made under torch.inference_mode (no version counter).
-    Without a memo, built every call."""
+    Without a memo, built every call. A memo with a `group` (a dict holding `stacked`, the layers'
+    tables as the rows of one [layers, num_heads, 2D + 1] tensor) and its `row`: `bias_table` is that
+    row, and the first layer to ask builds every row's tiles in one launch, kept in the group."""
     if memo is None or bias_table.is_inference():
         return _band_tiles(bias_table, max_distance, first, count, block_m, block_n)
+    group = memo.get("group")
+    if group is not None and _is_row(group["stacked"], memo["row"], bias_table):
+        stacked = group["stacked"]
+        key = (stacked.device, stacked._version, max_distance, first, count, block_m, block_n)
+        kept = group.get("band")
+        if kept is None or kept[0] != key:
+            layers, num_heads = stacked.shape[:2]
+            band = _band_tiles(stacked.view(layers * num_heads, -1), max_distance, first, count, block_m, block_n)
+            kept = (key, band.view(layers, num_heads, count, block_m, block_n))
+            if memo.get("capture_scoped") or not (stacked.is_cuda and torch.cuda.is_current_stream_capturing()):
+                group["band"] = kept
+        return kept[1][memo["row"]]
     key = (bias_table.device, bias_table._version, max_distance, first, count, block_m, block_n)
     kept = memo.get("band")
     if kept is not None and kept[0] == key:
@@ -432,6 +446,13 @@ def _cached_band_tiles(bias_table: torch.Tensor, memo: Optional[dict], max_dista
     if memo.get("capture_scoped") or not (bias_table.is_cuda and torch.cuda.is_current_stream_capturing()):
         memo["band"] = (key, band)
     return band
+
+
+def _is_row(stacked: torch.Tensor, row: int, table: torch.Tensor) -> bool:
+    """Whether `table` is `stacked[row]` itself (the same memory, shape and strides)."""
+    view = stacked[row]
+    return (table.data_ptr() == view.data_ptr() and table.shape == view.shape and table.stride() == view.stride()
+            and table.dtype == view.dtype)
 
 
 def prefill(

@@ -76,6 +76,16 @@ def gathered_table(attention: nn.Module, buckets: torch.Tensor) -> torch.Tensor:
     return weight.detach().index_select(0, buckets).T.to(_table_dtype(weight)).contiguous()
 
 
+def stacked_gathered_tables(attentions: list[nn.Module], buckets: torch.Tensor) -> torch.Tensor:
+    """`gathered_table` of each of `attentions` (their embeddings of one shape, dtype and device,
+    all looked up at the same `buckets`) as the rows of one [len(attentions), num_heads, 2D + 1]
+    tensor, the same values: three kernels for all of them (the weights stacked, one lookup, one
+    cast into place), not two per module. A captured UMT5 encoder rebuilds its 24 tables so."""
+    weights = torch.stack([a.relative_attention_bias.weight.detach() for a in attentions])  # [n, buckets, heads]
+    looked_up = weights.index_select(1, buckets).transpose(1, 2)
+    return looked_up.to(_table_dtype(weights), memory_format=torch.contiguous_format)
+
+
 @torch.no_grad()
 def local_bias_table(attention: nn.Module) -> torch.Tensor:
     """LongT5 local / transient-global encoder table, float32 [num_heads, 2D + 1], index
