@@ -195,3 +195,63 @@ def test_generate_replays_its_encoder_for_a_recurring_shape():
     finally:
         hp.unpatch_model(model)
     assert all(torch.equal(o, want) for o in outs)
+
+
+def test_unpatch_releases_the_encoder_graphs_without_a_collection():
+    """A patched model's runtime is a reference cycle, freed only by Python's cyclic collector; its
+    encoder graphs (and on a GPU their memory pools) go at `unpatch_model`, not at that collection."""
+    import gc
+    import weakref
+
+    model = encoder()
+    hp.patch_model(model, CPU)
+    for _ in range(2):
+        call(model, ids_of(1, 7))
+    assert hp.runtime_stats(model)["encoder_graphs"] == 1
+    runtime = model._hf_paged_t5
+    graph = weakref.ref(next(iter(runtime.encoder_graphs._graphs.values())).graph)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        del runtime
+        hp.unpatch_model(model)
+        assert graph() is None
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def test_no_garbage_collection_inside_a_capture(monkeypatch):
+    """`encoder_graphs.capture` (every CUDA graph capture of the package) keeps Python's cyclic
+    collector off from capture_begin to capture_end, a failed end included, and as it was after."""
+    import gc
+
+    seen = []
+
+    class Graph:
+        def __init__(self, fail=False):
+            self.fail = fail
+
+        def capture_begin(self, *args, **kwargs):
+            seen.append(("begin", gc.isenabled()))
+
+        def capture_end(self):
+            seen.append(("end", gc.isenabled()))
+            if self.fail:
+                raise RuntimeError("capture invalidated")
+
+    monkeypatch.setattr(encoder_graphs, "_end_generator_capture", lambda: seen.append(("generator", gc.isenabled())))
+    enabled = gc.isenabled()
+    try:
+        gc.enable()
+        assert encoder_graphs.capture(Graph(), lambda: seen.append(("work", gc.isenabled())) or 7, None) == 7
+        assert seen == [("begin", False), ("work", False), ("end", False)] and gc.isenabled()
+        seen.clear()
+        with pytest.raises(RuntimeError, match="invalidated"):
+            encoder_graphs.capture(Graph(fail=True), lambda: seen.append(("work", gc.isenabled())), None)
+        assert seen == [("begin", False), ("work", False), ("end", False), ("generator", False)] and gc.isenabled()
+        gc.disable()
+        encoder_graphs.capture(Graph(), lambda: None, None)
+        assert not gc.isenabled()  # left as it was
+    finally:
+        (gc.enable if enabled else gc.disable)()

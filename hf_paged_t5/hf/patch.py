@@ -153,6 +153,10 @@ def unpatch_model(model: nn.Module) -> nn.Module:
     packing.unpack(runtime.packed)
     runtime.pool = None
     runtime.runner.graphs.clear()  # captured steps and their memory pool go with the pool they read
+    # the encoder's graphs and their memory now, not at whichever garbage collection frees the
+    # runtime (a cycle): there, inside another capture, their destruction would invalidate it
+    runtime.encoder_graphs.clear()
+    runtime.bucket_graphs.clear()
     del model.__dict__[_ATTR]
     return model
 

@@ -22,7 +22,9 @@ need nothing: a replay reads the weights as they are, the bias tables included.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import gc
 import logging
 import threading
 from typing import Callable, Hashable, Optional
@@ -67,9 +69,10 @@ def capture(graph: torch.cuda.CUDAGraph, work: Callable[[], object], stream: tor
     own); returns what `work` returned. capture_begin / capture_end, not `torch.cuda.graph`,
     whose entry synchronizes the device and empties the allocator's device and pinned-host
     caches: every later allocation would pay cudaMalloc / cudaHostAlloc again (a first call at
-    a new batch size captures two or three graphs). A failed capture raises RuntimeError with
-    the caller's stream current again, and CUDA's random generators out of capture mode."""
-    with torch.cuda.stream(stream):
+    a new batch size captures two or three graphs). Python's cyclic garbage collector is off
+    while the capture runs (`_no_collection`). A failed capture raises RuntimeError with the
+    caller's stream current again, and CUDA's random generators out of capture mode."""
+    with torch.cuda.stream(stream), _no_collection():
         graph.capture_begin(*(() if pool is None else (pool,)), capture_error_mode=CAPTURE_MODE)
         try:
             return work()
@@ -79,6 +82,23 @@ def capture(graph: torch.cuda.CUDAGraph, work: Callable[[], object], stream: tor
             except RuntimeError:
                 _end_generator_capture()
                 raise
+
+
+@contextlib.contextmanager
+def _no_collection():
+    """Python's cyclic garbage collector off inside (as it was after). A collection that ran inside
+    a capture would free whatever unreachable cycles hold at that moment, on the capturing thread:
+    a patched model's runtime dropped by `unpatch_model` or a `WeightWatch` change is such a cycle,
+    and it owns CUDA graphs, whose destruction (cudaGraphExecDestroy, their memory pool released)
+    is not a call CUDA allows in that thread during a capture: the capture is invalidated, with no
+    error until its end. Outside the capture those cycles are collected as usual."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _end_generator_capture() -> None:
