@@ -229,3 +229,54 @@ def test_a_cold_first_call_compiles_its_kernels_on_the_pool_and_gives_the_same_b
     assert all(name.startswith("hf_paged_t5-compile") for name in report["first_threads"]), report
     assert report["later"] == [] and report["equal"], report
     assert report["kinds"] == ["('encoder', True)"]
+
+
+def test_no_garbage_collection_runs_inside_a_capture():
+    """A CUDA graph held only by a reference cycle (as a dropped runtime's graphs were) dies at a
+    cyclic collection; one inside a capture destroys it on the capturing thread ("operation not
+    permitted when stream is capturing (function reset)") and invalidates the capture. With a
+    collection due at every allocation, none starts while the package captures, the cycle is
+    freed after, and the capture replays."""
+    import gc
+
+    from hf_paged_t5.model import encoder_graphs
+
+    x = torch.ones(4, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    old = torch.cuda.CUDAGraph()
+    encoder_graphs.capture(old, lambda: x * 2, stream)
+
+    class Cycle:
+        pass
+
+    cycle = Cycle()
+    cycle.self, cycle.graph = cycle, old
+    holder = [cycle]
+    del cycle, old
+    collections_while_capturing = []
+
+    def watch(phase, info):
+        if phase == "start":
+            collections_while_capturing.append(torch.cuda.is_current_stream_capturing())
+
+    def work():
+        holder.clear()  # now only the cycle keeps the old graph alive
+        _ = [[] for _ in range(1000)]  # tracked allocations: collections due
+        return x + 1
+
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    gc.callbacks.append(watch)
+    try:
+        graph = torch.cuda.CUDAGraph()
+        out = encoder_graphs.capture(graph, work, stream)
+        _ = [[] for _ in range(1000)]  # after the capture: collections run again
+    finally:
+        gc.callbacks.remove(watch)
+        gc.set_threshold(*thresholds)
+    gc.collect()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, torch.full_like(x, 2.0))
+    assert collections_while_capturing and not any(collections_while_capturing)
