@@ -255,3 +255,32 @@ def test_no_garbage_collection_inside_a_capture(monkeypatch):
         assert not gc.isenabled()  # left as it was
     finally:
         (gc.enable if enabled else gc.disable)()
+
+
+def test_the_collector_stays_off_until_the_last_of_overlapping_captures_ends():
+    import gc
+    import threading
+
+    enabled = gc.isenabled()
+    gc.enable()
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    seen = []
+
+    def first():
+        with encoder_graphs._no_collection():
+            first_in.set()
+            second_in.wait(5)
+        first_out.set()
+
+    try:
+        thread = threading.Thread(target=first)
+        thread.start()
+        first_in.wait(5)
+        with encoder_graphs._no_collection():
+            second_in.set()
+            first_out.wait(5)
+            seen.append(gc.isenabled())  # the first capture ended; this one has not
+        thread.join(5)
+        assert seen == [False] and gc.isenabled()
+    finally:
+        (gc.enable if enabled else gc.disable)()

@@ -91,14 +91,29 @@ def _no_collection():
     a patched model's runtime dropped by `unpatch_model` or a `WeightWatch` change is such a cycle,
     and it owns CUDA graphs, whose destruction (cudaGraphExecDestroy, their memory pool released)
     is not a call CUDA allows in that thread during a capture: the capture is invalidated, with no
-    error until its end. Outside the capture those cycles are collected as usual."""
-    enabled = gc.isenabled()
-    gc.disable()
+    error until its end. Outside the capture those cycles are collected as usual. Captures in
+    several threads at once: the collector stays off until the last one ends."""
+    with _Collection.lock:
+        if _Collection.inside == 0:
+            _Collection.was_enabled = gc.isenabled()
+            gc.disable()
+        _Collection.inside += 1
     try:
         yield
     finally:
-        if enabled:
-            gc.enable()
+        with _Collection.lock:
+            _Collection.inside -= 1
+            if _Collection.inside == 0 and _Collection.was_enabled:
+                gc.enable()
+
+
+class _Collection:
+    """`_no_collection`'s process-wide state: captures in progress, and whether the collector was on
+    before the first of them."""
+
+    lock = threading.Lock()
+    inside = 0
+    was_enabled = True
 
 
 def _end_generator_capture() -> None:
