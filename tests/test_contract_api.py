@@ -276,6 +276,32 @@ def test_torch_save_loads_an_unpatched_model():
     assert hp.is_patched(model), "pickling leaves the model itself patched"
 
 
+def test_unpatch_then_del_frees_the_model_without_a_collection():
+    """Stock HF frees a model at `del model`. A patched model's runtime is a reference cycle; after
+    `unpatch_model` it holds nothing of the model (pool, graphs, tables, modules), so `del model`
+    frees the weights at once, before any garbage collection, as stock's does."""
+    import gc
+    import weakref
+
+    seed = case_seed("del")
+    model = make_model("t5", seed=seed)
+    ids, mask = make_batch([8, 5], seed=seed)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        hp.patch_model(model)
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, num_beams=2)
+            model.get_encoder()(input_ids=ids, attention_mask=mask)
+        hp.unpatch_model(model)
+        weight, whole = weakref.ref(model.shared.weight), weakref.ref(model)
+        del model
+        assert whole() is None and weight() is None
+    finally:
+        if enabled:
+            gc.enable()
+
+
 # ---- Seq2SeqTrainer -------------------------------------------------------------------------
 @pytest.mark.parametrize("remove_unused_columns", [True, False])
 def test_seq2seq_trainer_predict_with_generate(tmp_path, remove_unused_columns):

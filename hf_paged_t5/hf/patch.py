@@ -151,12 +151,7 @@ def unpatch_model(model: nn.Module) -> nn.Module:
         else:
             module.__dict__.pop(name, None)
     packing.unpack(runtime.packed)
-    runtime.pool = None
-    runtime.runner.graphs.clear()  # captured steps and their memory pool go with the pool they read
-    # the encoder's graphs and their memory now, not at whichever garbage collection frees the
-    # runtime (a cycle): there, inside another capture, their destruction would invalidate it
-    runtime.encoder_graphs.clear()
-    runtime.bucket_graphs.clear()
+    runtime.release()  # its pool, graphs and hold on the model now, not at a garbage collection
     del model.__dict__[_ATTR]
     return model
 

@@ -57,6 +57,24 @@ class PagedRuntime:
         # hooks on modules the paged path does not call: generate()'s stacks, and an encoder's own call
         self.hook_watch, self.encoder_hook_watch = HookWatch(), HookWatch()
 
+    def release(self) -> None:
+        """What `unpatch_model` does after restoring the model: the pool, every captured graph (decode,
+        encoder, bucket; with their memory pools) and every reference to the model's modules and
+        weights (originals, bias tables, hook lists) dropped now. The runtime is a reference cycle,
+        freed only by a cyclic garbage collection; without this it would hold the model's weights
+        and its graphs until then (`del model` after `unpatch_model` would free nothing), and a
+        collection inside a later capture would destroy its graphs there (`encoder_graphs.capture`)."""
+        self.pool = None
+        self.runner.graphs.clear()  # captured steps and their memory pool go with the pool they read
+        for graphs in (self.encoder_graphs, self.bucket_graphs):
+            graphs.clear()
+            graphs.forget_weights()
+        self.originals.clear()
+        self.packed = []
+        self.tables = bias_mod.BiasTableCache(on_rebuild=self._drop_graphs)
+        self.hook_watch, self.encoder_hook_watch = HookWatch(), HookWatch()
+        self._device_ops.clear()
+
     def _drop_graphs(self) -> None:
         self.runner.graphs.clear()
         self.encoder_graphs.clear()

@@ -209,6 +209,11 @@ class EncoderGraphs:
         self._failed.clear()
         self._mempool = None
 
+    def forget_weights(self) -> None:
+        """Let go of the modules and weights last looked at (`unpatch_model`: the runtime must not
+        keep the model alive); the next use looks again."""
+        self._watch = None
+
     def _usable(self, stack: nn.Module, device: torch.device) -> bool:
         """Whether graphs of `stack` may run now: every graph is dropped first if its weights are
         not where the graphs read them; then all weights on `device` and no hooks."""
