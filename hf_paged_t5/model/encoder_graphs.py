@@ -88,11 +88,12 @@ def capture(graph: torch.cuda.CUDAGraph, work: Callable[[], object], stream: tor
 def _no_collection():
     """Python's cyclic garbage collector off inside (as it was after). A collection that ran inside
     a capture would free whatever unreachable cycles hold at that moment, on the capturing thread:
-    a patched model's runtime dropped by `unpatch_model` or a `WeightWatch` change is such a cycle,
-    and it owns CUDA graphs, whose destruction (cudaGraphExecDestroy, their memory pool released)
-    is not a call CUDA allows in that thread during a capture: the capture is invalidated, with no
-    error until its end. Outside the capture those cycles are collected as usual. Captures in
-    several threads at once: the collector stays off until the last one ends."""
+    a patched model dropped without `unpatch_model` is such a cycle (its runtime), and it owns CUDA
+    graphs, whose destruction (PyTorch's `CUDAGraph` reset: its graph, executable and memory pool)
+    CUDA refuses on that thread during a capture ("operation not permitted when stream is
+    capturing"): the capture is invalidated, with no error until its end. Outside the capture such
+    cycles are collected as usual. Captures in several threads at once: the collector stays off
+    until the last one ends."""
     with _Collection.lock:
         if _Collection.inside == 0:
             _Collection.was_enabled = gc.isenabled()
