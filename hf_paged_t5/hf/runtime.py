@@ -65,10 +65,8 @@ class PagedRuntime:
         and its graphs until then (`del model` after `unpatch_model` would free nothing), and a
         collection inside a later capture would destroy its graphs there (`encoder_graphs.capture`)."""
         self.pool = None
-        self.runner.graphs.clear()  # captured steps and their memory pool go with the pool they read
-        for graphs in (self.encoder_graphs, self.bucket_graphs):
-            graphs.clear()
-            graphs.forget_weights()
+        self._drop_graphs()  # the decode steps go with the pool they read
+        self.bucket_graphs.clear()
         self.originals.clear()
         self.packed = []
         self.tables = bias_mod.BiasTableCache(on_rebuild=self._drop_graphs)

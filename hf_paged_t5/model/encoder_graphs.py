@@ -204,15 +204,12 @@ class EncoderGraphs:
         return len(self._graphs)
 
     def clear(self) -> None:
-        """Drop every graph (and their memory pool with the last of them); the shapes seen stay
-        counted (a shape that recurred is captured again at its next call)."""
+        """Drop every graph (and their memory pool with the last of them) and the look at the
+        weights they read (with no graph left it guards nothing, and it holds the model's modules);
+        the shapes seen stay counted (a shape that recurred is captured again at its next call)."""
         self._graphs.clear()
         self._failed.clear()
         self._mempool = None
-
-    def forget_weights(self) -> None:
-        """Let go of the modules and weights last looked at (`unpatch_model`: the runtime must not
-        keep the model alive); the next use looks again."""
         self._watch = None
 
     def _usable(self, stack: nn.Module, device: torch.device) -> bool:
