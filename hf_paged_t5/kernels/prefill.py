@@ -427,25 +427,22 @@ def _cached_band_tiles(bias_table: torch.Tensor, memo: Optional[dict], max_dista
     if memo is None or bias_table.is_inference():
         return _band_tiles(bias_table, max_distance, first, count, block_m, block_n)
     group = memo.get("group")
-    if group is not None and _is_row(group["stacked"], memo["row"], bias_table):
-        stacked = group["stacked"]
-        key = (stacked.device, stacked._version, max_distance, first, count, block_m, block_n)
-        kept = group.get("band")
-        if kept is None or kept[0] != key:
-            layers, num_heads = stacked.shape[:2]
-            band = _band_tiles(stacked.view(layers * num_heads, -1), max_distance, first, count, block_m, block_n)
-            kept = (key, band.view(layers, num_heads, count, block_m, block_n))
-            if memo.get("capture_scoped") or not (stacked.is_cuda and torch.cuda.is_current_stream_capturing()):
-                group["band"] = kept
-        return kept[1][memo["row"]]
-    key = (bias_table.device, bias_table._version, max_distance, first, count, block_m, block_n)
-    kept = memo.get("band")
-    if kept is not None and kept[0] == key:
-        return kept[1]
-    band = _band_tiles(bias_table, max_distance, first, count, block_m, block_n)
-    if memo.get("capture_scoped") or not (bias_table.is_cuda and torch.cuda.is_current_stream_capturing()):
-        memo["band"] = (key, band)
-    return band
+    row = memo["row"] if group is not None and _is_row(group["stacked"], memo["row"], bias_table) else None
+    # a row of the group's stacked tables: every row's tiles in one launch, kept in the group
+    source, holder = (bias_table, memo) if row is None else (group["stacked"], group)
+    key = (source.device, source._version, max_distance, first, count, block_m, block_n)
+    kept = holder.get("band")
+    if kept is None or kept[0] != key:
+        if row is None:
+            band = _band_tiles(source, max_distance, first, count, block_m, block_n)
+        else:
+            layers, num_heads = source.shape[:2]
+            band = _band_tiles(source.view(layers * num_heads, -1), max_distance, first, count, block_m, block_n)
+            band = band.view(layers, num_heads, count, block_m, block_n)
+        kept = (key, band)
+        if memo.get("capture_scoped") or not (source.is_cuda and torch.cuda.is_current_stream_capturing()):
+            holder["band"] = kept
+    return kept[1] if row is None else kept[1][row]
 
 
 def _is_row(stacked: torch.Tensor, row: int, table: torch.Tensor) -> bool:
