@@ -433,13 +433,9 @@ def _cached_band_tiles(bias_table: torch.Tensor, memo: Optional[dict], max_dista
     key = (source.device, source._version, max_distance, first, count, block_m, block_n)
     kept = holder.get("band")
     if kept is None or kept[0] != key:
-        if row is None:
-            band = _band_tiles(source, max_distance, first, count, block_m, block_n)
-        else:
-            layers, num_heads = source.shape[:2]
-            band = _band_tiles(source.view(layers * num_heads, -1), max_distance, first, count, block_m, block_n)
-            band = band.view(layers, num_heads, count, block_m, block_n)
-        kept = (key, band)
+        # a [num_heads, 2D + 1] table, or the group's [layers, num_heads, 2D + 1]: its rows as heads
+        band = _band_tiles(source.reshape(-1, source.shape[-1]), max_distance, first, count, block_m, block_n)
+        kept = (key, band.view(*source.shape[:-1], count, block_m, block_n))
         if memo.get("capture_scoped") or not (source.is_cuda and torch.cuda.is_current_stream_capturing()):
             holder["band"] = kept
     return kept[1] if row is None else kept[1][row]
